@@ -1,0 +1,258 @@
+"""The only module that imports ``transformer_engine``.
+
+Everything TE-specific that the rest of fp8vit needs goes through here:
+
+* import with an explanation of *why* it failed (not installed, no CUDA, the cuDNN clash),
+  cached as ``(ok, reason)``;
+* shims for APIs that moved between TE releases (``te.autocast`` vs the deprecated
+  ``te.fp8_autocast``; ``FP8GlobalStateManager`` living in ``quantization`` or ``fp8``);
+* the TE modules fp8vit builds blocks from, subclassed so that their FP8 scaling state is
+  checkpointed as plain tensors instead of a pickle (see ``_SafeExtraState``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import types
+from typing import Any, Optional, Tuple
+
+import torch
+
+from .errors import TEUnavailableError
+
+__all__ = [
+    "te_status",
+    "load_te",
+    "preload",
+    "autocast",
+    "checkpoint",
+    "recipe_module",
+    "recipe_checks",
+    "active_fp8_recipe",
+    "modules",
+    "EXTRA_STATE_FORMAT",
+]
+
+INSTALL_HINT = "install it with: pip install 'fp8vit[te]'  (that is transformer-engine[pytorch])"
+
+# Format tag of the plain-tensor FP8 scaling state written by fp8vit (see _SafeExtraState).
+EXTRA_STATE_FORMAT = "fp8vit.delayed_scaling.v1"
+
+
+def _explain_import_error(err: BaseException) -> str:
+    """Turn an exception raised by ``import transformer_engine.pytorch`` into a reason."""
+    msg = f"{type(err).__name__}: {err}"
+    if isinstance(err, ModuleNotFoundError) and (err.name or "").split(".")[0] == "transformer_engine":
+        return f"Transformer Engine is not installed; {INSTALL_HINT}"
+    low = msg.lower()
+    if "undefined symbol" in low and "cudnn" in low:
+        cudnn_dir = _torch_cudnn_dir()
+        return (
+            "Transformer Engine loaded a different cuDNN than torch and failed with "
+            f"'{msg}'. This happens when torch ran a cuDNN kernel (a conv, e.g. a ViT patch "
+            "embedding) before TE was first imported. Fix: `import fp8vit` (which imports TE) "
+            "before running any model, or point CUDNN_PATH and LD_LIBRARY_PATH at torch's cuDNN"
+            + (f" ({cudnn_dir})" if cudnn_dir else "")
+            + "."
+        )
+    if "libcuda" in low or "cuda driver" in low or "no cuda gpus" in low or "nvidia driver" in low:
+        return f"Transformer Engine needs a CUDA driver and GPU, and failed with '{msg}'"
+    return f"importing transformer_engine.pytorch failed with '{msg}'; {INSTALL_HINT}"
+
+
+def _torch_cudnn_dir() -> Optional[str]:
+    """The folder holding the cuDNN that torch uses (pip wheels: nvidia/cudnn/lib), if any."""
+    spec = importlib.util.find_spec("nvidia")
+    for root in list(spec.submodule_search_locations or []) if spec else []:
+        for sub in ("cudnn/lib", "cu13/lib"):
+            path = os.path.join(root, sub)
+            if os.path.isdir(path) and any(f.startswith("libcudnn") for f in os.listdir(path)):
+                return path
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _import() -> Tuple[Optional[types.ModuleType], str]:
+    try:
+        te = importlib.import_module("transformer_engine.pytorch")
+    except Exception as err:  # noqa: BLE001 - every failure becomes a reason
+        return None, _explain_import_error(err)
+    return te, ""
+
+
+def te_status() -> Tuple[bool, str]:
+    """Whether Transformer Engine imports here. Cached.
+
+    Returns:
+        ``(ok, reason)``: ``reason`` is empty when ``ok``, else says why and how to fix it.
+    """
+    te, reason = _import()
+    return te is not None, reason
+
+
+def load_te() -> types.ModuleType:
+    """Return ``transformer_engine.pytorch`` or raise :class:`TEUnavailableError` with the reason."""
+    te, reason = _import()
+    if te is None:
+        raise TEUnavailableError(reason)
+    return te
+
+
+def preload() -> None:
+    """Import TE now if it is installed and a GPU is visible.
+
+    TE must be imported before torch runs its first cuDNN kernel (see ``_explain_import_error``),
+    so ``import fp8vit`` does it eagerly. Set ``FP8VIT_LAZY_TE=1`` to skip it.
+    """
+    if os.environ.get("FP8VIT_LAZY_TE") == "1":
+        return
+    if importlib.util.find_spec("transformer_engine") is None or not torch.cuda.is_available():
+        return
+    _import()
+
+
+def autocast(enabled: bool, recipe: Any):
+    """TE's FP8 autocast: ``te.autocast`` where it exists (TE >= 2.9), else ``te.fp8_autocast``."""
+    te = load_te()
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=enabled, recipe=recipe)
+    return te.fp8_autocast(enabled=enabled, fp8_recipe=recipe)
+
+
+def checkpoint(function, *args, **kwargs):
+    """Activation checkpointing that keeps TE's FP8 state consistent on recompute."""
+    return load_te().checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def recipe_module() -> types.ModuleType:
+    """``transformer_engine.common.recipe`` (recipe classes and ``Format``)."""
+    load_te()
+    return importlib.import_module("transformer_engine.common.recipe")
+
+
+def _state_manager():
+    try:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    except ImportError:  # TE < 2.9
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    return FP8GlobalStateManager
+
+
+def active_fp8_recipe() -> Optional[Any]:
+    """The recipe of the innermost enabled TE FP8 autocast, or None (also when TE is absent)."""
+    if _import()[0] is None:
+        return None
+    mgr = _state_manager()
+    return mgr.get_fp8_recipe() if mgr.is_fp8_enabled() else None
+
+
+@functools.lru_cache(maxsize=None)
+def recipe_checks() -> dict:
+    """TE's own capability check for each recipe name: ``{name: (ok, reason)}``. Needs TE + CUDA."""
+    te = load_te()
+
+    def check(fn_name: str) -> Tuple[bool, str]:
+        fn = getattr(te, fn_name, None)
+        if fn is None:
+            return False, f"this Transformer Engine has no {fn_name}()"
+        ok, reason = fn(return_reason=True)
+        return bool(ok), reason or ""
+
+    fp8 = check("is_fp8_available")
+    rec = recipe_module()
+    out = {"delayed": fp8}
+    out["current"] = fp8 if hasattr(rec, "Float8CurrentScaling") else (
+        False, "this Transformer Engine has no Float8CurrentScaling (needs TE >= 2.2)")
+    out["block"] = check("is_fp8_block_scaling_available")
+    out["mxfp8"] = check("is_mxfp8_available")
+    return out
+
+
+# --------------------------------------------------------------------------- checkpoint state
+class _SafeExtraState:
+    """Mixin for TE modules: FP8 delayed-scaling state as plain tensors, never a pickle.
+
+    TE stores the delayed-scaling scales and amax histories in ``_extra_state`` as a pickled
+    byte tensor, and since 2.20 refuses to load it without ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``
+    (a pickle can run arbitrary code). Here the same state is a dict of tensors, ints, floats,
+    bools and strings, which ``torch.load(weights_only=True)`` reads safely. Stateless recipes
+    (current, block, mxfp8) and modules that never ran FP8 store TE's empty tensor as before.
+    Old TE pickles still go through TE's own (guarded) loader.
+    """
+
+    def get_extra_state(self):
+        meta = self.fp8_meta
+        recipe = meta.get("recipe")
+        ran_fp8 = meta.get("fp8_checkpoint") or self.fp8 or self.fp8_calibration
+        if not ran_fp8 or recipe is None or not recipe.delayed() or "scaling_fwd" not in meta:
+            return torch.empty(0, dtype=torch.uint8)
+        if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
+            raise ValueError(
+                f"cannot checkpoint DelayedScaling with a custom callable ({recipe}); "
+                "fp8vit stores scaling state without pickles: use amax_compute_algo='max' or "
+                "'most_recent' and no scaling_factor_compute_algo"
+            )
+        extra = {
+            k: v for k, v in meta.items()
+            if k != "buffer_index_and_autocast_key" and isinstance(v, (bool, int, float, str))
+        }
+        return {
+            "format": EXTRA_STATE_FORMAT,
+            "recipe": {
+                "margin": int(recipe.margin),
+                "fp8_format": recipe.fp8_format.name,
+                "amax_history_len": int(recipe.amax_history_len),
+                "amax_compute_algo": recipe.amax_compute_algo,
+                "reduce_amax": bool(recipe.reduce_amax),
+                "fp8_dpa": bool(recipe.fp8_dpa),
+                "fp8_mha": bool(recipe.fp8_mha),
+            },
+            "scale_fwd": meta["scaling_fwd"].scale.detach().cpu().clone(),
+            "amax_history_fwd": meta["scaling_fwd"].amax_history.detach().cpu().clone(),
+            "scale_bwd": meta["scaling_bwd"].scale.detach().cpu().clone(),
+            "amax_history_bwd": meta["scaling_bwd"].amax_history.detach().cpu().clone(),
+            "extra_fp8_variables": extra,
+        }
+
+    def set_extra_state(self, state):
+        if not (isinstance(state, dict) and state.get("format") == EXTRA_STATE_FORMAT):
+            return super().set_extra_state(state)
+        rec = recipe_module()
+        r = dict(state["recipe"])
+        r["fp8_format"] = getattr(rec.Format, r["fp8_format"])
+        recipe = rec.DelayedScaling(**r)
+        self.fp8_meta.update(state["extra_fp8_variables"])
+        self.fp8_meta["recipe"] = recipe
+        self.init_fp8_meta_tensors(recipe)
+        with torch.no_grad():
+            for key, which in (("fwd", "scaling_fwd"), ("bwd", "scaling_bwd")):
+                dst = self.fp8_meta[which]
+                for name in ("scale", "amax_history"):
+                    src = state[f"{name}_{key}"]
+                    tgt = getattr(dst, name)
+                    if src.shape != tgt.shape:
+                        raise ValueError(
+                            f"{type(self).__name__}: checkpoint {name}_{key} has shape "
+                            f"{tuple(src.shape)}, this module expects {tuple(tgt.shape)}"
+                        )
+                    tgt.copy_(src)
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def modules() -> types.SimpleNamespace:
+    """TE's block modules with :class:`_SafeExtraState` mixed in."""
+    te = load_te()
+
+    def safe(cls):
+        return type(cls.__name__, (_SafeExtraState, cls), {"__module__": __name__})
+
+    return types.SimpleNamespace(
+        LayerNormLinear=safe(te.LayerNormLinear),
+        Linear=safe(te.Linear),
+        LayerNormMLP=safe(te.LayerNormMLP),
+        DotProductAttention=safe(te.DotProductAttention),
+    )

@@ -1,0 +1,294 @@
+"""``TE_Block``: timm's ViT ``Block`` built from Transformer Engine modules.
+
+    x [B, N, C] --+-- qkv: LayerNorm+Linear (fused) -> [B, N, 3, H, D] -> q_norm/k_norm
+                  |   -> DotProductAttention (bshd, no mask, bidirectional) -> [B, N, C]
+                  |   -> proj (Linear) -> ls1 -> drop_path1
+                  +-- (+) -> mlp: LayerNorm+fc1+act+fc2 (one LayerNormMLP) -> ls2 -> drop_path2 -> (+)
+
+Why not ``te.TransformerLayer``: its defaults are GPT's (causal mask, ``sbhd`` layout, dropout
+0.1, eps 1e-5), it has one bias flag for all GEMMs, no LayerScale, and it interleaves the QKV
+weight. Composing the same four fused modules here costs the same kernels and keeps every timm
+option and timm's weight layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from timm.layers import DropPath, LayerNorm, LayerScale, trunc_normal_
+from torch import nn
+
+from . import _te, reference
+from .config import BlockConfig, config_from_timm_block
+from .recipes import row_multiple
+from .weights import te_to_timm, timm_to_te
+
+__all__ = ["TE_Block", "resolve_backend"]
+
+_warned_backend = False
+
+
+def resolve_backend(backend: Optional[str]) -> str:
+    """``"te"``, ``"torch"`` or None (TE where it imports and a GPU is visible, else torch)."""
+    global _warned_backend
+    if backend not in (None, "te", "torch"):
+        raise ValueError(f"backend={backend!r}; use 'te', 'torch' or None (automatic)")
+    if backend is not None:
+        if backend == "te":
+            _te.load_te()  # raises TEUnavailableError with the reason
+        return backend
+    ok, reason = _te.te_status()
+    if ok and torch.cuda.is_available():
+        return "te"
+    if not _warned_backend:
+        _warned_backend = True
+        why = reason if not ok else "no CUDA GPU is visible"
+        warnings.warn(f"fp8vit: TE_Block uses PyTorch reference modules (same weights, no FP8): {why}",
+                      RuntimeWarning, stacklevel=3)
+    return "torch"
+
+
+def _rows(module: nn.Module, x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Apply a TE GEMM module over the token rows of ``x`` [B, N, Cin] -> [B, N, Cout].
+
+    Under FP8 the rows ``B * N`` must be a multiple of 16 (32 for MXFP8): the weight-gradient
+    GEMM reduces over them. If they are not, pad with zero rows and slice the result; padded
+    rows never reach the output, so their gradient is zero and the weight gradient is exact.
+    Cost: one copy of the input (and of its gradient) per GEMM module, only when misaligned.
+    """
+    B, N, C = x.shape
+    pad = -(B * N) % multiple
+    if pad == 0:
+        return module(x)
+    y = module(F.pad(x.reshape(B * N, C), (0, 0, 0, pad)))  # [B*N + pad, Cout]
+    return y[: B * N].view(B, N, -1)
+
+
+class _MLP(nn.Module):
+    """Unfused MLP for activations TE has no kernel for (or exact GELU) and for dropout:
+    TE LayerNorm+fc1 -> torch activation -> dropout -> TE fc2 -> dropout (timm's ``Mlp`` order)."""
+
+    def __init__(self, cfg: BlockConfig, m, dd: dict):
+        super().__init__()
+        self.fc1 = m.LayerNormLinear(cfg.dim, cfg.mlp_hidden, eps=cfg.norm_eps, bias=cfg.proj_bias,
+                                     normalization=cfg.norm, **dd)
+        self.act = cfg.act_layer()
+        self.drop1 = nn.Dropout(cfg.proj_drop)
+        self.fc2 = m.Linear(cfg.mlp_hidden, cfg.dim, bias=cfg.proj_bias, **dd)
+        self.drop2 = nn.Dropout(cfg.proj_drop)
+
+    def forward(self, x):
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
+    """Drop-in ``block_fn`` for timm's ``VisionTransformer``, on Transformer Engine.
+
+    Takes exactly timm ``Block``'s keywords with timm's meaning (see :class:`BlockConfig`);
+    what TE cannot honour raises ``ValueError`` naming the keyword. Weights use timm's layout.
+
+    Args:
+        dim, num_heads, mlp_ratio, qkv_bias, qk_norm, scale_attn_norm, scale_mlp_norm, proj_bias,
+        proj_drop, attn_drop, init_values, drop_path, act_layer, norm_layer, mlp_layer,
+        attn_layer, depth: as timm's ``Block``.
+        device: where parameters live; None means CUDA for the TE backend, CPU for torch.
+        dtype: parameter dtype (None: torch's default dtype).
+        drop: timm 0.6's name for ``proj_drop``.
+        exact_gelu: keep timm's erf GELU (unfused MLP) instead of TE's tanh GELU kernel.
+        backend: ``"te"``, ``"torch"`` (reference modules, no FP8) or None (automatic).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        scale_attn_norm: bool = False,
+        scale_mlp_norm: bool = False,
+        proj_bias: bool = True,
+        proj_drop: float = 0.0,
+        attn_drop: float = 0.0,
+        init_values: Optional[float] = None,
+        drop_path: float = 0.0,
+        act_layer: Union[str, Callable] = nn.GELU,
+        norm_layer: Callable = LayerNorm,
+        mlp_layer: Optional[Callable] = None,
+        attn_layer=None,
+        depth: int = 0,
+        device=None,
+        dtype: Optional[torch.dtype] = None,
+        *,
+        drop: Optional[float] = None,
+        exact_gelu: bool = False,
+        backend: Optional[str] = None,
+    ) -> None:
+        cfg = BlockConfig.from_timm_kwargs(
+            dim, num_heads, mlp_ratio, qkv_bias, qk_norm, scale_attn_norm, scale_mlp_norm, proj_bias,
+            proj_drop, attn_drop, init_values, drop_path, act_layer, norm_layer, mlp_layer,
+            attn_layer, depth, drop=drop, exact_gelu=exact_gelu)
+        self._build(cfg, device, dtype, backend)
+
+    # A second constructor path (from_timm) builds from a config; both end here.
+    def _build(self, cfg: BlockConfig, device, dtype, backend: Optional[str]) -> None:
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        self.backend = resolve_backend(backend)
+        self.grad_checkpointing = False
+        m = _te.modules() if self.backend == "te" else reference.modules()
+        if device is None:
+            device = "cuda" if self.backend == "te" else "cpu"
+        if self.backend == "te" and torch.device(device).type != "cuda":
+            raise ValueError(f"TE_Block on device {device!r}: Transformer Engine modules run on CUDA "
+                             "only; move the model to the GPU first, or pass backend='torch'")
+        dd = {"device": device, "params_dtype": dtype}
+        tdd = {"device": device, "dtype": dtype}
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+
+        self.qkv = m.LayerNormLinear(cfg.dim, 3 * cfg.dim, eps=cfg.norm_eps, bias=cfg.qkv_bias,
+                                     normalization=cfg.norm, **dd)
+        self.q_norm = cfg.norm_layer(cfg.head_dim, **tdd) if cfg.qk_norm else nn.Identity()
+        self.k_norm = cfg.norm_layer(cfg.head_dim, **tdd) if cfg.qk_norm else nn.Identity()
+        self.attn = m.DotProductAttention(cfg.num_heads, cfg.head_dim, attention_dropout=cfg.attn_drop,
+                                          qkv_format="bshd", attn_mask_type="no_mask")
+        self.proj = m.Linear(cfg.dim, cfg.dim, bias=cfg.proj_bias, **dd)
+        self.proj_drop = nn.Dropout(cfg.proj_drop)
+        self.ls1 = LayerScale(cfg.dim, init_values=cfg.init_values, **tdd) if cfg.init_values else nn.Identity()
+        self.drop_path1 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
+
+        if cfg.fused_mlp:
+            self.mlp = m.LayerNormMLP(cfg.dim, cfg.mlp_hidden, eps=cfg.norm_eps, bias=cfg.proj_bias,
+                                      normalization=cfg.norm, activation=cfg.te_activation, **dd)
+        else:
+            self.mlp = _MLP(cfg, m, dd)
+        self.ls2 = LayerScale(cfg.dim, init_values=cfg.init_values, **tdd) if cfg.init_values else nn.Identity()
+        self.drop_path2 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
+
+    # ------------------------------------------------------------------ timm interop
+    @classmethod
+    def from_timm(cls, block: nn.Module, *, exact_gelu: bool = False, backend: Optional[str] = None) -> "TE_Block":
+        """A ``TE_Block`` with the settings, weights, device, dtype and mode of a timm ``Block``.
+
+        Raises:
+            ValueError: a part of ``block`` that TE_Block does not implement, named.
+        """
+        cfg = config_from_timm_block(block, exact_gelu=exact_gelu)
+        ref = block.norm1.weight
+        new = cls.__new__(cls)
+        new._build(cfg, ref.device, ref.dtype, backend)
+        new.load_timm_state_dict(block.state_dict())
+        return new.train(block.training)
+
+    def load_timm_state_dict(self, sd) -> None:
+        """Load a timm ``Block`` state dict (keys relative to the block) exactly.
+
+        Raises:
+            KeyError: keys that do not match this block's configuration, listed.
+        """
+        res = self.load_state_dict(timm_to_te(sd, self.cfg), strict=False)
+        # strict=False only so that FP8 scaling state (_extra_state) may be absent.
+        missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
+        if missing or res.unexpected_keys:
+            raise KeyError(f"TE_Block: tensors not set {missing}, unknown {res.unexpected_keys}")
+
+    def to_timm(self) -> nn.Module:
+        """The equivalent timm ``Block`` (same weights, device, dtype, mode). FP8 scaling state is dropped."""
+        from timm.models.vision_transformer import Block
+
+        ref = self.qkv.weight
+        kwargs = _supported_kwargs(Block, self.cfg.timm_kwargs())
+        block = Block(**kwargs).to(device=ref.device, dtype=ref.dtype)
+        block.load_state_dict(te_to_timm(self.state_dict(), self.cfg), strict=True)
+        return block.train(self.training)
+
+    def init_weights(self) -> None:
+        """timm's default ViT init (called by ``VisionTransformer.init_weights``): truncated normal
+        std 0.02 for GEMM weights, zero biases, unit norms, LayerScale at ``init_values``."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                leaf = name.rsplit(".", 1)[-1]
+                if leaf in ("weight", "fc1_weight", "fc2_weight") and p.dim() == 2:
+                    trunc_normal_(p, std=0.02)
+                elif leaf in ("bias", "fc1_bias", "fc2_bias", "layer_norm_bias"):
+                    nn.init.zeros_(p)
+                elif leaf in ("layer_norm_weight",) or (leaf == "weight" and p.dim() == 1):
+                    nn.init.ones_(p)
+                elif leaf == "gamma":
+                    nn.init.constant_(p, self.cfg.init_values)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        """Args:
+            x: tokens ``[B, N, C]``.
+            attn_mask: optional boolean mask broadcastable to ``[B, H, N, N]``, True where a query
+                may attend to a key (``scaled_dot_product_attention``'s convention, as timm).
+            is_causal: causal attention, as in timm.
+
+        Returns:
+            ``[B, N, C]``.
+        """
+        if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
+            raise ValueError(f"TE_Block expects x of shape [B, N, {self.cfg.dim}], got {tuple(x.shape)}")
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            raise ValueError(f"TE_Block supports boolean attn_mask only (True = attend), got "
+                             f"{attn_mask.dtype}: TE has no additive-mask attention kernel")
+        if attn_mask is not None and is_causal:
+            raise ValueError("pass either attn_mask or is_causal=True to TE_Block, not both")
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            if self.backend == "te":
+                return _te.checkpoint(self._forward, x, attn_mask, is_causal)
+            return torch.utils.checkpoint.checkpoint(self._forward, x, attn_mask, is_causal,
+                                                     use_reentrant=False)
+        return self._forward(x, attn_mask, is_causal)
+
+    def _forward(self, x, attn_mask, is_causal):
+        mult = row_multiple(_te.active_fp8_recipe()) if self.backend == "te" else 1
+        x = x + self.drop_path1(self.ls1(self._attention(x, attn_mask, is_causal, mult)))
+        x = x + self.drop_path2(self.ls2(_rows(self.mlp, x, mult)))
+        return x
+
+    def _attention(self, x, attn_mask, is_causal, mult):
+        B, N, C = x.shape
+        qkv = _rows(self.qkv, x, mult).view(B, N, 3, self.num_heads, self.head_dim)  # timm's order
+        q, k, v = qkv.unbind(2)  # each [B, N, H, D]: TE's "bshd"
+        q, k = self.q_norm(q), self.k_norm(k)
+        mask_kw = {}
+        if attn_mask is not None:
+            mask = attn_mask
+            while mask.dim() < 4:
+                mask = mask.unsqueeze(0)
+            # TE's arbitrary mask is True where attention is *masked out*: the inverse of timm's.
+            mask_kw = {"attention_mask": ~mask, "attn_mask_type": "arbitrary"}
+        elif is_causal:
+            mask_kw = {"attn_mask_type": "causal"}
+        o = self.attn(q, k, v, **mask_kw)  # [B, N, H*D]
+        return self.proj_drop(_rows(self.proj, o, mult))
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (f"dim={c.dim}, heads={c.num_heads}, mlp={c.mlp_hidden} ({c.te_activation or 'unfused'}), "
+                f"norm={c.norm}(eps={c.norm_eps}), backend={self.backend}")
+
+
+def _supported_kwargs(block_cls, kwargs: dict) -> dict:
+    """Drop keywords the installed timm's ``Block`` lacks, if they hold their default value."""
+    import inspect
+
+    params = inspect.signature(block_cls.__init__).parameters
+    defaults = {"qk_norm": False, "proj_bias": True, "proj_drop": 0.0}
+    out = {}
+    for k, v in kwargs.items():
+        if k in params:
+            out[k] = v
+        elif k == "proj_drop" and "drop" in params:
+            out["drop"] = v
+        elif defaults.get(k, object()) != v:
+            raise ValueError(f"the installed timm's Block has no {k!r} keyword, needed for {k}={v}")
+    return out

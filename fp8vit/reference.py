@@ -1,0 +1,160 @@
+"""Pure-PyTorch stand-ins for the four TE modules a ``TE_Block`` is built from.
+
+Same constructor arguments (the subset fp8vit uses), same parameter names, same semantics
+(including TE's conventions: ``bshd`` attention layout, boolean masks where True means
+*masked out*, TE's activation kernels). They let a ``TE_Block`` run, train and convert
+weights where TE cannot run (no GPU, no TE), and let CPU tests check everything but the
+kernels. No FP8 here: FP8 needs TE on an FP8-capable GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LayerNormLinear", "Linear", "LayerNormMLP", "DotProductAttention", "ACTIVATIONS",
+           "modules"]
+
+# TE activation kernel name -> the same function in PyTorch.
+ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x, approximate="tanh"),  # TE's "gelu" is the tanh approximation
+    "qgelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def _norm(x, weight, bias, normalization: str, eps: float):
+    if normalization == "LayerNorm":
+        return F.layer_norm(x, weight.shape, weight, bias, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def _linear_params(module: nn.Module, prefix: str, out_f: int, in_f: int, bias: bool, dd: dict):
+    module.register_parameter(f"{prefix}weight", nn.Parameter(torch.empty(out_f, in_f, **dd)))
+    if bias:
+        module.register_parameter(f"{prefix}bias", nn.Parameter(torch.empty(out_f, **dd)))
+
+
+def _reset_linear(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """nn.Linear's default init."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1 / math.sqrt(weight.shape[1])
+        nn.init.uniform_(bias, -bound, bound)
+
+
+class _NormParams(nn.Module):
+    def _init_norm(self, features: int, normalization: str, eps: float, dd: dict) -> None:
+        if normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+        self.normalization, self.eps = normalization, eps
+        self.layer_norm_weight = nn.Parameter(torch.ones(features, **dd))
+        if normalization == "LayerNorm":
+            self.layer_norm_bias = nn.Parameter(torch.zeros(features, **dd))
+        else:
+            self.layer_norm_bias = None
+
+    def _ln(self, x):
+        return _norm(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
+
+
+def _dd(device, params_dtype) -> dict:
+    return {"device": device, "dtype": params_dtype}
+
+
+class Linear(nn.Module):
+    """``te.Linear``: ``weight [out, in]``, optional ``bias [out]``."""
+
+    def __init__(self, in_features, out_features, bias=True, params_dtype=None, device="cpu"):
+        super().__init__()
+        _linear_params(self, "", out_features, in_features, bias, _dd(device, params_dtype))
+        if not bias:
+            self.bias = None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        _reset_linear(self.weight, self.bias)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class LayerNormLinear(_NormParams):
+    """``te.LayerNormLinear``: norm (``layer_norm_weight/bias``) then ``weight``/``bias``."""
+
+    def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
+                 params_dtype=None, device="cpu"):
+        super().__init__()
+        dd = _dd(device, params_dtype)
+        self._init_norm(in_features, normalization, eps, dd)
+        _linear_params(self, "", out_features, in_features, bias, dd)
+        if not bias:
+            self.bias = None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        _reset_linear(self.weight, self.bias)
+
+    def forward(self, x):
+        return F.linear(self._ln(x), self.weight, self.bias)
+
+
+class LayerNormMLP(_NormParams):
+    """``te.LayerNormMLP``: norm, ``fc1_weight/bias``, activation kernel, ``fc2_weight/bias``."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm",
+                 activation="gelu", params_dtype=None, device="cpu"):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} not in {sorted(ACTIVATIONS)}")
+        dd = _dd(device, params_dtype)
+        self.activation = activation
+        self._init_norm(hidden_size, normalization, eps, dd)
+        _linear_params(self, "fc1_", ffn_hidden_size, hidden_size, bias, dd)
+        _linear_params(self, "fc2_", hidden_size, ffn_hidden_size, bias, dd)
+        if not bias:
+            self.fc1_bias = self.fc2_bias = None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        _reset_linear(self.fc1_weight, self.fc1_bias)
+        _reset_linear(self.fc2_weight, self.fc2_bias)
+
+    def forward(self, x):
+        h = ACTIVATIONS[self.activation](F.linear(self._ln(x), self.fc1_weight, self.fc1_bias))
+        return F.linear(h, self.fc2_weight, self.fc2_bias)
+
+
+class DotProductAttention(nn.Module):
+    """``te.DotProductAttention`` for ``qkv_format="bshd"``: q, k, v ``[B, N, H, D]`` -> ``[B, N, H*D]``."""
+
+    def __init__(self, num_attention_heads, kv_channels, attention_dropout=0.0, qkv_format="bshd",
+                 attn_mask_type="no_mask", softmax_scale=None):
+        super().__init__()
+        if qkv_format != "bshd":
+            raise ValueError(f"only qkv_format='bshd' is mirrored here, got {qkv_format!r}")
+        self.attention_dropout = attention_dropout
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query_layer, key_layer, value_layer, attention_mask=None, attn_mask_type=None):
+        mask_type = attn_mask_type or self.attn_mask_type
+        q, k, v = (t.transpose(1, 2) for t in (query_layer, key_layer, value_layer))  # [B, H, N, D]
+        keep = None if attention_mask is None else ~attention_mask  # TE: True = masked out
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep, is_causal=mask_type == "causal",
+            dropout_p=self.attention_dropout if self.training else 0.0, scale=self.softmax_scale)
+        B, H, N, D = o.shape
+        return o.transpose(1, 2).reshape(B, N, H * D)
+
+
+def modules() -> types.SimpleNamespace:
+    """The stand-ins, in the shape of ``_te.modules()``."""
+    return types.SimpleNamespace(LayerNormLinear=LayerNormLinear, Linear=Linear,
+                                 LayerNormMLP=LayerNormMLP, DotProductAttention=DotProductAttention)
