@@ -49,16 +49,18 @@ def resolve_norm(norm_layer: Callable, dim: int) -> Tuple[str, float]:
     """
     norm = _build(norm_layer, dim)
     name = type(norm).__name__
-    if isinstance(norm, nn.LayerNorm):
-        if not norm.elementwise_affine or norm.bias is None:
+    kind = name.lower().replace("fp32", "")  # the Fp32 variants compute in fp32, as TE's kernels do
+    weight = getattr(norm, "weight", None)
+    if kind == "layernorm" and isinstance(norm, nn.LayerNorm):
+        if weight is None or norm.bias is None:
             raise ValueError(f"norm_layer {name} without weight and bias (elementwise_affine="
                              f"{norm.elementwise_affine}) is not supported: TE's LayerNorm has both")
         return "LayerNorm", float(norm.eps)
-    if "RMSNorm" in name and hasattr(norm, "eps") and getattr(norm, "weight", None) is not None:
+    if kind == "rmsnorm" and weight is not None:
         eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
         return "RMSNorm", float(eps)
-    raise ValueError(f"norm_layer {name} is not supported by TE_Block: TE fuses LayerNorm or "
-                     "RMSNorm (with a learnable weight) into its GEMMs; use one of those")
+    raise ValueError(f"norm_layer {name} is not supported by TE_Block: TE fuses a LayerNorm or "
+                     "RMSNorm over the last dim, with a learnable weight, into its GEMMs; use one of those")
 
 
 def resolve_activation(act_layer: Union[str, Callable], exact_gelu: bool) -> Tuple[Callable, Optional[str]]:

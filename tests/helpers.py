@@ -1,0 +1,50 @@
+"""Shared test helpers: SNR, timm block/model factories."""
+
+import functools
+
+import torch
+from torch import nn
+
+
+def snr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
+    """Signal-to-noise ratio of ``test`` against ``ref`` in dB (inf when identical)."""
+    ref, test = ref.double(), test.double()
+    noise = (ref - test).pow(2).sum()
+    if noise == 0:
+        return float("inf")
+    return float(10 * torch.log10(ref.pow(2).sum() / noise))
+
+
+def max_rel_err(ref: torch.Tensor, test: torch.Tensor) -> float:
+    """max |ref - test| / max |ref|."""
+    return float((ref.double() - test.double()).abs().max() / ref.double().abs().max())
+
+
+# Option combinations of timm's Block that TE_Block must reproduce.
+BLOCK_CASES = {
+    "vit": dict(qkv_bias=True),
+    "no_bias": dict(qkv_bias=False, proj_bias=False),
+    "layerscale_qknorm": dict(qkv_bias=True, qk_norm=True, init_values=1e-5),
+    "rmsnorm": dict(norm_layer="rms"),
+    "exact_gelu": dict(qkv_bias=True, exact_gelu=True),
+    "mlp_ratio_relu": dict(mlp_ratio=2.5, act_layer=nn.ReLU),
+}
+
+
+def timm_block(dim=64, num_heads=4, **kw):
+    """A timm Block with random (not default) norm/LayerScale weights, so mapping errors show."""
+    from timm.layers import RmsNorm
+    from timm.models.vision_transformer import Block
+
+    kw = dict(kw)
+    exact = kw.pop("exact_gelu", False)
+    if kw.get("norm_layer") == "rms":
+        kw["norm_layer"] = functools.partial(RmsNorm, eps=1e-6)
+    kw.setdefault("norm_layer", functools.partial(nn.LayerNorm, eps=1e-6))
+    kw.setdefault("act_layer", nn.GELU if exact else functools.partial(nn.GELU, approximate="tanh"))
+    block = Block(dim, num_heads, **kw)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") or "gamma" in name else 0.0))
+    return block, exact

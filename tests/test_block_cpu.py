@@ -1,0 +1,132 @@
+"""TE_Block on the PyTorch reference backend against timm's Block: weights, forward, grads.
+
+The reference modules share TE's parameter names and semantics, so this checks the weight
+mapping, the block wiring, LayerScale, qk_norm, drop_path, masks and row padding on CPU. The
+same comparisons with TE's kernels are in tests/gpu/.
+"""
+
+import pytest
+import torch
+
+import fp8vit
+from fp8vit.block import _rows
+from fp8vit.weights import te_to_timm, timm_to_te
+from helpers import BLOCK_CASES, timm_block
+
+torch.manual_seed(0)
+
+
+def _pair(case):
+    block, exact = timm_block(**BLOCK_CASES[case])
+    return block.eval(), fp8vit.TE_Block.from_timm(block, exact_gelu=exact, backend="torch")
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_state_dict_round_trip_is_exact(case):
+    block, te = _pair(case)
+    sd = block.state_dict()
+    back = te_to_timm(timm_to_te(sd, te.cfg), te.cfg)
+    assert back.keys() == sd.keys()
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    again = te.to_timm().state_dict()
+    assert all(torch.equal(again[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_forward_and_grads_match_timm(case):
+    # fp32 on CPU: same math in another order, so 1e-5 relative is the rounding floor.
+    block, te = _pair(case)
+    x = torch.randn(3, 17, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y2 = block(x), te(x2)
+    torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g), y2.backward(g)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-5)
+    te_grads = te_to_timm({k: p.grad for k, p in te.named_parameters()}, te.cfg)
+    for k, p in block.named_parameters():
+        torch.testing.assert_close(te_grads[k], p.grad, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_missing_or_extra_keys_are_listed():
+    block, te = _pair("vit")
+    sd = block.state_dict()
+    sd.pop("attn.qkv.bias")
+    sd["attn.extra"] = torch.zeros(1)
+    with pytest.raises(KeyError, match=r"missing \['attn.qkv.bias'\], unexpected \['attn.extra'\]"):
+        timm_to_te(sd, te.cfg)
+
+
+def test_drop_path_is_per_sample_like_timm():
+    block, te = _pair("layerscale_qknorm")
+    block.drop_path1 = block.drop_path2 = None
+    from timm.layers import DropPath
+    block.drop_path1, block.drop_path2 = DropPath(0.5), DropPath(0.5)
+    te.drop_path1, te.drop_path2 = DropPath(0.5), DropPath(0.5)
+    block.train(), te.train()
+    x = torch.randn(16, 5, 64)
+    torch.manual_seed(1)
+    y = block(x)
+    torch.manual_seed(1)
+    y2 = te(x)
+    torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
+    # per sample: each image's whole branch is either dropped or scaled; some of each in 16
+    branch_dropped = [torch.allclose(y[i], x[i]) for i in range(16)]
+    assert 0 < sum(branch_dropped) < 16
+
+
+def test_bool_mask_and_causal_match_timm():
+    block, te = _pair("vit")
+    x = torch.randn(2, 9, 64)
+    mask = torch.rand(2, 1, 9, 9) > 0.3
+    mask[..., 0] = True  # every query sees at least one key
+    torch.testing.assert_close(te(x, attn_mask=mask), block(x, attn_mask=mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(te(x, is_causal=True), block(x, is_causal=True), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_are_named():
+    _, te = _pair("vit")
+    with pytest.raises(ValueError, match=r"\[B, N, 64\], got \(3, 64\)"):
+        te(torch.randn(3, 64))
+    with pytest.raises(ValueError, match="boolean attn_mask only.*torch.float32"):
+        te(torch.randn(1, 4, 64), attn_mask=torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="either attn_mask or is_causal"):
+        te(torch.randn(1, 4, 64), attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
+
+
+@pytest.mark.parametrize("batch, tokens, multiple", [(1, 197, 16), (3, 65, 16), (63, 197, 32), (2, 8, 16)])
+def test_row_padding_is_exact(batch, tokens, multiple):
+    # Padding rows to the FP8 multiple must not change outputs or gradients.
+    lin = fp8vit.reference.LayerNormLinear(32, 48)
+    x = torch.randn(batch, tokens, 32, requires_grad=True)
+    y = _rows(lin, x, multiple)
+    assert y.shape == (batch, tokens, 48)
+    y.square().sum().backward()
+    gx, gw = x.grad.clone(), lin.weight.grad.clone()
+    x.grad = lin.weight.grad = None
+    ref = lin(x)
+    ref.square().sum().backward()
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, lin.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_init_weights_follows_timm_vit_init():
+    te = fp8vit.TE_Block(64, 4, qkv_bias=True, init_values=0.1, backend="torch")
+    te.init_weights()
+    assert abs(float(te.qkv.weight.std()) - 0.02) < 0.003
+    assert float(te.qkv.bias.abs().max()) == 0.0 and float(te.mlp.fc2_bias.abs().max()) == 0.0
+    assert torch.all(te.ls1.gamma == 0.1) and torch.all(te.qkv.layer_norm_weight == 1)
+
+
+def test_device_and_dtype_are_honoured():
+    te = fp8vit.TE_Block(64, 4, dtype=torch.float64, backend="torch")
+    assert {p.dtype for p in te.parameters()} == {torch.float64}
+
+
+def test_te_backend_on_cpu_is_refused():
+    if not fp8vit._te.te_status()[0]:
+        with pytest.raises(fp8vit.TEUnavailableError, match="not installed"):
+            fp8vit.TE_Block(64, 4, backend="te")
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        fp8vit.TE_Block(64, 4, backend="cuda")

@@ -1,0 +1,93 @@
+"""TE_Block takes timm Block's keywords and honours or rejects each one."""
+
+import functools
+import inspect
+
+import pytest
+import torch
+from timm.layers import LayerNorm2d, Mlp, RmsNorm, SwiGLU
+from timm.models.vision_transformer import Block
+from torch import nn
+
+import fp8vit
+from fp8vit.config import BlockConfig, resolve_activation, resolve_norm
+
+
+def test_every_timm_block_keyword_is_accepted():
+    timm_params = set(inspect.signature(Block.__init__).parameters) - {"self"}
+    ours = set(inspect.signature(fp8vit.TE_Block.__init__).parameters)
+    assert timm_params <= ours, f"missing: {timm_params - ours}"
+    cfg_params = set(inspect.signature(BlockConfig.from_timm_kwargs).parameters)
+    assert timm_params - {"device", "dtype"} <= cfg_params
+
+
+def test_timm_defaults_resolve_like_timm():
+    cfg = BlockConfig.from_timm_kwargs(dim=768, num_heads=12, qkv_bias=True,
+                                       norm_layer=functools.partial(nn.LayerNorm, eps=1e-6))
+    assert (cfg.mlp_hidden, cfg.head_dim, cfg.norm, cfg.norm_eps) == (3072, 64, "LayerNorm", 1e-6)
+    assert cfg.fused_mlp and cfg.te_activation == "gelu"
+
+
+def test_old_timm_drop_keyword():
+    assert BlockConfig.from_timm_kwargs(dim=64, num_heads=4, drop=0.1).proj_drop == 0.1
+    with pytest.raises(ValueError, match="drop=0.1.*proj_drop=0.2"):
+        BlockConfig.from_timm_kwargs(dim=64, num_heads=4, drop=0.1, proj_drop=0.2)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(scale_attn_norm=True), "scale_attn_norm=True"),
+    (dict(scale_mlp_norm=True), "scale_mlp_norm=True"),
+    (dict(attn_layer="diff"), "attn_layer='diff'"),
+    (dict(mlp_layer=SwiGLU), "mlp_layer='SwiGLU'"),
+    (dict(norm_layer=nn.BatchNorm1d), "BatchNorm1d"),
+    (dict(norm_layer=LayerNorm2d), "LayerNorm2d"),
+    (dict(norm_layer=functools.partial(nn.LayerNorm, elementwise_affine=False)), "elementwise_affine"),
+    (dict(num_heads=5), "dim=64 is not divisible by num_heads=5"),
+    (dict(drop_path=1.0), r"drop_path=1.0 must be in \[0, 1\)"),
+])
+def test_unsupported_settings_raise_naming_them(kw, match):
+    args = dict(dim=64, num_heads=4)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        BlockConfig.from_timm_kwargs(**args)
+
+
+def test_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="not_a_timm_kwarg"):
+        fp8vit.TE_Block(64, 4, not_a_timm_kwarg=1, backend="torch")
+
+
+def test_mlp_dropout_forces_unfused_mlp():
+    cfg = BlockConfig.from_timm_kwargs(dim=64, num_heads=4, proj_drop=0.1, mlp_layer=Mlp)
+    assert cfg.te_activation == "gelu" and not cfg.fused_mlp
+
+
+@pytest.mark.parametrize("act, exact, expected", [
+    (functools.partial(nn.GELU, approximate="tanh"), False, "gelu"),
+    (nn.GELU, True, None),
+    (nn.ReLU, False, "relu"),
+    (nn.SiLU, False, "silu"),
+    ("quick_gelu", False, "qgelu"),
+    (nn.Mish, False, None),
+])
+def test_activation_mapping(act, exact, expected):
+    assert resolve_activation(act, exact)[1] == expected
+
+
+def test_exact_gelu_mapped_to_tanh_warns_once(monkeypatch):
+    import fp8vit.config as config
+    monkeypatch.setattr(config, "_warned_gelu", False)
+    with pytest.warns(UserWarning, match="tanh-approximate"):
+        assert resolve_activation(nn.GELU, False)[1] == "gelu"
+
+
+def test_gelu_tanh_error_bound_stated_in_the_warning():
+    # GELU_TANH_NOTE promises at most 5e-4; check it over a dense grid.
+    x = torch.linspace(-10, 10, 200001, dtype=torch.float64)
+    diff = (nn.functional.gelu(x) - nn.functional.gelu(x, approximate="tanh")).abs().max()
+    assert 1e-4 < diff < 5e-4
+
+
+def test_norm_resolution():
+    assert resolve_norm(functools.partial(nn.LayerNorm, eps=1e-6), 32) == ("LayerNorm", 1e-6)
+    assert resolve_norm(functools.partial(RmsNorm, eps=1e-5), 32) == ("RMSNorm", 1e-5)

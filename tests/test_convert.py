@@ -1,0 +1,98 @@
+"""convert_to_te / convert_from_te on real timm models (reference backend on CPU)."""
+
+import pytest
+import timm
+import torch
+from timm.models.vision_transformer import ResPostBlock, VisionTransformer
+
+import fp8vit
+
+# Small variants of the families the issue names: class token (vit_*, deit_*), LayerScale
+# (deit3_*), register tokens + no class token + avg pool (reg4_gap), and a deeper one.
+MODELS = {
+    "vit_tiny_patch16_224": {},
+    "deit3_small_patch16_224": {},
+    "vit_little_patch16_reg4_gap_256": {},
+    "deit_tiny_patch16_224": {},
+}
+
+
+def _model(name):
+    torch.manual_seed(0)
+    return timm.create_model(name, pretrained=False, img_size=64, num_classes=7, **MODELS[name]).eval()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_kept_and_state_dict_loads_back_into_timm(name):
+    model = _model(name)
+    x = torch.randn(2, 3, 64, 64)
+    ref = model(x)
+    fp8vit.convert_to_te(model, exact_gelu=True, backend="torch")
+    assert all(isinstance(b, fp8vit.TE_Block) for b in model.blocks)
+    torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+    fp8vit.convert_from_te(model)
+    fresh = _model(name)
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    torch.testing.assert_close(fresh(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_training_mode_device_dtype_kept():
+    model = _model("vit_tiny_patch16_224").double().train()
+    model.blocks[1].eval()
+    fp8vit.convert_to_te(model, backend="torch")
+    assert model.blocks[0].training and not model.blocks[1].training
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+
+
+def test_filter_keeps_first_and_last_block():
+    model = _model("vit_tiny_patch16_224")
+    last = len(model.blocks) - 1
+    fp8vit.convert_to_te(model, backend="torch",
+                         module_filter_fn=lambda m, fqn: fqn not in ("blocks.0", f"blocks.{last}"))
+    kinds = [type(b).__name__ for b in model.blocks]
+    assert kinds[0] == kinds[-1] == "Block" and set(kinds[1:-1]) == {"TE_Block"}
+
+
+def test_unconvertible_block_is_named():
+    model = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=4,
+                              block_fn=ResPostBlock, num_classes=3)
+    with pytest.raises(fp8vit.ConversionError, match=r"blocks\.0 \(ResPostBlock\)"):
+        fp8vit.convert_to_te(model, backend="torch")
+
+
+def test_unsupported_block_option_is_named():
+    model = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=4,
+                              num_classes=3)
+    model.blocks[1].attn.norm = torch.nn.LayerNorm(64)  # what scale_attn_norm=True builds
+    with pytest.raises(fp8vit.ConversionError, match=r"blocks\.1: .*scale_attn_norm"):
+        fp8vit.convert_to_te(model, backend="torch")
+
+
+def test_block_fn_in_vision_transformer_and_timm_init():
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=3, num_heads=4,
+                              num_classes=5, block_fn=fp8vit.TE_Block, qkv_bias=True, init_values=1e-4)
+    b = model.blocks[0]
+    assert isinstance(b, fp8vit.TE_Block) and b.cfg.norm_eps == 1e-6 and b.cfg.qkv_bias
+    # timm's init reached the TE_Block (truncated normal, std 0.02), not TE's own defaults
+    assert abs(float(b.proj.weight.std()) - 0.02) < 0.004
+    assert torch.all(b.ls1.gamma == 1e-4)
+    out = model(torch.randn(2, 3, 32, 32))
+    assert out.shape == (2, 5) and torch.isfinite(out).all()
+
+
+def test_grad_checkpointing_routes_through_te_block():
+    model = _model("vit_tiny_patch16_224").train()
+    fp8vit.convert_to_te(model, backend="torch")
+    x = torch.randn(2, 3, 64, 64)
+    model(x).sum().backward()
+    ref = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_grad_checkpointing(True)
+    assert model.grad_checkpointing is False  # timm's checkpoint_seq stays out of the way
+    assert all(b.grad_checkpointing for b in model.blocks)
+    model(x).sum().backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[k], rtol=1e-5, atol=1e-6, msg=k)
+    model.set_grad_checkpointing(False)
+    assert not any(b.grad_checkpointing for b in model.blocks)

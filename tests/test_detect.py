@@ -1,0 +1,83 @@
+"""Capability detection with patched devices: reasons name the GPU and its capability."""
+
+import pytest
+
+import fp8vit
+from fp8vit import _te, detect
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    calls = []
+
+    def set_device(name, cap, te_ok=True, checks=None):
+        def _device():
+            calls.append(1)
+            return name, cap
+        monkeypatch.setattr(detect, "_device", _device)
+        monkeypatch.setattr(_te, "te_status", lambda: (te_ok, "" if te_ok else "TE is not installed"))
+        all_ok = {r: (True, "") for r in fp8vit.RECIPE_NAMES}
+        monkeypatch.setattr(_te, "recipe_checks", lambda: checks or all_ok)
+        detect.clear_cache()
+        return calls
+
+    yield set_device
+    detect.clear_cache()
+
+
+def test_no_gpu_reason_names_torch(fake_device):
+    fake_device("cpu", None)
+    ok, reason = fp8vit.fp8_support()
+    assert not ok and "no CUDA GPU" in reason and "torch" in reason
+    assert fp8vit.gpu_info().default_recipe is None
+
+
+def test_ampere_has_no_fp8_and_says_why(fake_device):
+    fake_device("NVIDIA A100-SXM4-80GB", (8, 0))
+    ok, reason = fp8vit.fp8_support()
+    assert not ok
+    assert "A100" in reason and "8.0" in reason and "Ampere" in reason and "8.9" in reason
+
+
+@pytest.mark.parametrize("cap, arch, default, usable", [
+    ((8, 9), "Ada", "delayed", {"delayed", "current"}),
+    ((9, 0), "Hopper", "delayed", {"delayed", "current", "block"}),
+    ((10, 0), "Blackwell", "mxfp8", {"delayed", "current", "block", "mxfp8"}),
+])
+def test_fp8_gpus_and_default_recipe(fake_device, cap, arch, default, usable):
+    fake_device("GPU", cap)
+    info = fp8vit.gpu_info()
+    assert info.fp8 == (True, "")
+    assert info.arch == arch and info.default_recipe == default
+    assert {r for r, (ok, _) in info.recipes.items() if ok} == usable
+
+
+def test_te_check_is_respected(fake_device):
+    # Hardware would allow it but TE says no (e.g. Ada with an old cuBLASLt): TE's reason is kept.
+    fake_device("NVIDIA L4", (8, 9), checks={"delayed": (False, "cuBLASLt too old"),
+                                              "current": (False, "cuBLASLt too old"),
+                                              "block": (False, "x"), "mxfp8": (False, "x")})
+    ok, reason = fp8vit.fp8_support()
+    assert not ok and reason == "cuBLASLt too old"
+
+
+def test_missing_te_reason(fake_device):
+    fake_device("NVIDIA H200", (9, 0), te_ok=False)
+    assert fp8vit.fp8_support() == (False, "TE is not installed")
+
+
+def test_detection_is_cached(fake_device):
+    calls = fake_device("NVIDIA H200", (9, 0))
+    fp8vit.gpu_info(), fp8vit.fp8_support(), fp8vit.gpu_info()
+    assert len(calls) == 1
+    detect.clear_cache()
+    fp8vit.gpu_info()
+    assert len(calls) == 2
+
+
+def test_summary_lists_each_recipe(fake_device):
+    fake_device("NVIDIA H200", (9, 0))
+    text = fp8vit.gpu_info().summary()
+    assert "sm_90" in text and "Hopper" in text
+    for r in fp8vit.RECIPE_NAMES:
+        assert r in text

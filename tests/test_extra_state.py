@@ -1,0 +1,122 @@
+"""FP8 scaling state is checkpointed as plain tensors (loadable with weights_only=True).
+
+TE is not needed: a stand-in base class has the attributes TE's modules have
+(``fp8_meta`` with ``scaling_fwd``/``scaling_bwd``, ``init_fp8_meta_tensors``). The real TE
+modules are covered by tests/gpu/test_fp8_gpu.py.
+"""
+
+import dataclasses
+import enum
+import io
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from fp8vit import _te
+
+
+class Format(enum.Enum):
+    E4M3 = 1
+    HYBRID = 2
+
+
+@dataclasses.dataclass
+class DelayedScaling:
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: object = "max"
+    scaling_factor_compute_algo: object = None
+    reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def delayed(self):
+        return True
+
+
+class FakeTEModule(nn.Module):
+    """What _SafeExtraState touches in TE's TransformerEngineBaseModule."""
+
+    def __init__(self):
+        super().__init__()
+        self.fp8 = self.fp8_calibration = False
+        self.fp8_meta = {"fp8_checkpoint": False, "recipe": None}
+        self.legacy_calls = []
+        self.weight = nn.Parameter(torch.randn(4))
+
+    def init_fp8_meta_tensors(self, recipe):
+        for key, n in (("scaling_fwd", 3), ("scaling_bwd", 2)):
+            self.fp8_meta[key] = types.SimpleNamespace(
+                scale=torch.ones(n), amax_history=torch.zeros(recipe.amax_history_len, n))
+
+    def get_extra_state(self):
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        self.legacy_calls.append(state)
+
+
+class Module(_te._SafeExtraState, FakeTEModule):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def fake_recipe_module(monkeypatch):
+    monkeypatch.setattr(_te, "recipe_module",
+                        lambda: types.SimpleNamespace(DelayedScaling=DelayedScaling, Format=Format))
+
+
+def _trained(recipe=None):
+    m = Module()
+    recipe = recipe or DelayedScaling(margin=1, amax_history_len=4)
+    m.fp8, m.fp8_meta["recipe"], m.fp8_meta["num_gemms"] = True, recipe, 1
+    m.init_fp8_meta_tensors(recipe)
+    for which in ("scaling_fwd", "scaling_bwd"):
+        s = m.fp8_meta[which]
+        s.scale.uniform_(0.5, 4.0)
+        s.amax_history.uniform_(0.0, 100.0)
+    return m
+
+
+def test_round_trip_through_weights_only_load():
+    src = _trained()
+    buf = io.BytesIO()
+    torch.save(src.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)  # would raise on any pickled object
+    assert sd["_extra_state"]["format"] == _te.EXTRA_STATE_FORMAT
+    dst = Module()
+    dst.load_state_dict(sd)
+    assert dst.fp8_meta["recipe"] == src.fp8_meta["recipe"] and dst.fp8_meta["num_gemms"] == 1
+    for which in ("scaling_fwd", "scaling_bwd"):
+        for name in ("scale", "amax_history"):
+            assert torch.equal(getattr(dst.fp8_meta[which], name), getattr(src.fp8_meta[which], name))
+    assert dst.legacy_calls == []
+
+
+def test_module_that_never_ran_fp8_stores_nothing():
+    state = Module().get_extra_state()
+    assert isinstance(state, torch.Tensor) and state.numel() == 0
+
+
+def test_legacy_te_state_goes_to_te_loader():
+    m = Module()
+    legacy = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    m.set_extra_state(legacy)
+    assert len(m.legacy_calls) == 1 and m.legacy_calls[0] is legacy
+
+
+def test_shape_mismatch_is_reported():
+    sd = _trained().state_dict()
+    sd["_extra_state"]["recipe"]["amax_history_len"] = 8
+    with pytest.raises(ValueError, match=r"amax_history_fwd has shape \(4, 3\).*expects \(8, 3\)"):
+        Module().load_state_dict(sd)
+
+
+def test_callable_recipe_parts_are_refused():
+    m = _trained(DelayedScaling(amax_compute_algo=lambda h: h.max(), amax_history_len=2))
+    with pytest.raises(ValueError, match="custom callable"):
+        m.state_dict()
