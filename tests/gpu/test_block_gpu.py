@@ -1,0 +1,105 @@
+"""TE_Block with Transformer Engine's kernels, FP8 off, against timm on the GPU.
+
+Tolerances: fp32 runs both blocks in fp32 (TE's GEMMs may use TF32-free cuBLAS or not, and the
+attention backends differ), so 2e-3 relative to the output's max is allowed. Under bf16 autocast
+both sides round to bf16 (8 bits of mantissa); the check there is that TE is no further from the
+fp32 timm result than 2x timm's own bf16 result is (plus a 1e-3 floor), i.e. TE adds no error
+beyond bf16 rounding.
+"""
+
+import pytest
+import timm
+import torch
+
+import fp8vit
+from fp8vit.block import _rows
+from helpers import BLOCK_CASES, max_rel_err, timm_block
+
+pytestmark = pytest.mark.gpu
+
+
+def _pair(case, dim=128, heads=4):
+    torch.manual_seed(0)
+    block, exact = timm_block(dim=dim, num_heads=heads, **BLOCK_CASES[case])
+    block = block.cuda().eval()
+    return block, fp8vit.TE_Block.from_timm(block, exact_gelu=exact, backend="te")
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_te_parameter_names_match_reference_backend(case):
+    block, te = _pair(case)
+    ref = fp8vit.TE_Block.from_timm(block.cpu(), exact_gelu=BLOCK_CASES[case].get("exact_gelu", False),
+                                    backend="torch")
+    te_keys = {k for k in te.state_dict() if not k.endswith("_extra_state")}
+    assert te_keys == set(ref.state_dict())
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_fp32_forward_and_grads_match_timm(case):
+    block, te = _pair(case)
+    x = torch.randn(4, 197, 128, device="cuda", requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y2 = block(x), te(x2)
+    g = torch.randn_like(y)
+    y.backward(g), y2.backward(g)
+    err_y, err_g = max_rel_err(y, y2), max_rel_err(x.grad, x2.grad)
+    print(f"{case}: fp32 rel err out {err_y:.2e} dx {err_g:.2e}")
+    assert err_y < 2e-3 and err_g < 2e-3
+    te_grads = fp8vit.weights.te_to_timm({k: p.grad for k, p in te.named_parameters()}, te.cfg)
+    for k, p in block.named_parameters():
+        assert max_rel_err(p.grad, te_grads[k]) < 5e-3, k
+
+
+@pytest.mark.parametrize("case", ["vit", "layerscale_qknorm", "exact_gelu"])
+def test_bf16_error_is_bf16_rounding_only(case):
+    block, te = _pair(case)
+    x = torch.randn(8, 197, 128, device="cuda")
+    truth = block(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        timm_bf16, te_bf16 = block(x), te(x)
+    e_timm, e_te = max_rel_err(truth, timm_bf16), max_rel_err(truth, te_bf16)
+    print(f"{case}: bf16 rel err timm {e_timm:.2e} TE {e_te:.2e}")
+    assert e_te <= 2 * e_timm + 1e-3
+
+
+def test_masks_match_timm():
+    block, te = _pair("vit")
+    x = torch.randn(2, 16, 128, device="cuda")
+    mask = torch.rand(2, 1, 16, 16, device="cuda") > 0.3
+    mask[..., 0] = True
+    assert max_rel_err(block(x, attn_mask=mask), te(x, attn_mask=mask)) < 2e-3
+    assert max_rel_err(block(x, is_causal=True), te(x, is_causal=True)) < 2e-3
+
+
+@pytest.mark.parametrize("name", ["vit_base_patch16_224", "deit3_small_patch16_224",
+                                  "vit_little_patch16_reg4_gap_256"])
+def test_convert_whole_vit_keeps_logits(name):
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False).cuda().eval()
+    x = torch.randn(4, 3, *model.default_cfg["input_size"][1:], device="cuda")
+    with torch.no_grad():
+        truth = model(x)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            timm_bf16 = model(x).float()
+        fp8vit.convert_to_te(model, exact_gelu=True)
+        assert all(b.backend == "te" for b in model.blocks)
+        te_fp32 = model(x)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            te_bf16 = model(x).float()
+    print(f"{name}: logits rel err TE fp32 {max_rel_err(truth, te_fp32):.2e}, "
+          f"bf16 timm {max_rel_err(truth, timm_bf16):.2e} TE {max_rel_err(truth, te_bf16):.2e}")
+    assert max_rel_err(truth, te_fp32) < 5e-3
+    assert max_rel_err(truth, te_bf16) <= 2 * max_rel_err(truth, timm_bf16) + 1e-3
+
+
+def test_row_padding_with_te_kernels():
+    lin = fp8vit._te.modules().LayerNormLinear(128, 96, device="cuda")
+    x = torch.randn(3, 65, 128, device="cuda", requires_grad=True)
+    y = _rows(lin, x, 16)
+    y.square().sum().backward()
+    gx, gw = x.grad.clone(), lin.weight.grad.clone()
+    x.grad = lin.weight.grad = None
+    ref = lin(x)
+    ref.square().sum().backward()
+    assert max_rel_err(ref, y) < 1e-5 and max_rel_err(x.grad, gx) < 1e-5
+    assert max_rel_err(lin.weight.grad, gw) < 1e-4
