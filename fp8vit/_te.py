@@ -250,7 +250,10 @@ def modules() -> types.SimpleNamespace:
     def safe(cls):
         return type(cls.__name__, (_SafeExtraState, cls), {"__module__": __name__})
 
+    import inspect
+
     return types.SimpleNamespace(
+        packed_qkv="qkv_layer" in inspect.signature(te.DotProductAttention.forward).parameters,
         LayerNormLinear=safe(te.LayerNormLinear),
         Linear=safe(te.Linear),
         LayerNormMLP=safe(te.LayerNormMLP),

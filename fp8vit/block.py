@@ -157,6 +157,8 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         self.k_norm = cfg.norm_layer(cfg.head_dim, **tdd) if cfg.qk_norm else nn.Identity()
         self.attn = m.DotProductAttention(cfg.num_heads, cfg.head_dim, attention_dropout=cfg.attn_drop,
                                           qkv_format="bshd", attn_mask_type="no_mask")
+        # TE >= 2.20 takes the packed [B, N, 3, H, D] buffer explicitly (pointer detection is deprecated).
+        self._packed_qkv = m.packed_qkv
         self.proj = m.Linear(cfg.dim, cfg.dim, bias=cfg.proj_bias, **dd)
         self.proj_drop = nn.Dropout(cfg.proj_drop)
         self.ls1 = LayerScale(cfg.dim, init_values=cfg.init_values, **tdd) if cfg.init_values else nn.Identity()
@@ -257,8 +259,16 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
     def _attention(self, x, attn_mask, is_causal, mult):
         B, N, C = x.shape
         qkv = _rows(self.qkv, x, mult).view(B, N, 3, self.num_heads, self.head_dim)  # timm's order
-        q, k, v = qkv.unbind(2)  # each [B, N, H, D]: TE's "bshd"
-        q, k = self.q_norm(q), self.k_norm(k)
+        if self.cfg.qk_norm:
+            q, k, v = qkv.unbind(2)  # each [B, N, H, D]: TE's "bshd"
+            # The norm runs in fp32 under autocast; TE's attention wants one dtype (SDPA casts too).
+            qkv_kw = {"query_layer": self.q_norm(q).to(v.dtype), "key_layer": self.k_norm(k).to(v.dtype),
+                      "value_layer": v}
+        elif self._packed_qkv:
+            qkv_kw = {"qkv_layer": qkv, "qkv_interleave_dim": -3}  # the "3" of [B, N, 3, H, D]
+        else:
+            q, k, v = qkv.unbind(2)
+            qkv_kw = {"query_layer": q, "key_layer": k, "value_layer": v}
         mask_kw = {}
         if attn_mask is not None:
             mask = attn_mask
@@ -268,7 +278,7 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
             mask_kw = {"attention_mask": ~mask, "attn_mask_type": "arbitrary"}
         elif is_causal:
             mask_kw = {"attn_mask_type": "causal"}
-        o = self.attn(q, k, v, **mask_kw)  # [B, N, H*D]
+        o = self.attn(**qkv_kw, **mask_kw)  # [B, N, H*D]
         return self.proj_drop(_rows(self.proj, o, mult))
 
     def extra_repr(self) -> str:

@@ -143,8 +143,11 @@ class DotProductAttention(nn.Module):
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale
 
-    def forward(self, query_layer, key_layer, value_layer, attention_mask=None, attn_mask_type=None):
+    def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
+                attn_mask_type=None, qkv_layer=None, qkv_interleave_dim=-3):
         mask_type = attn_mask_type or self.attn_mask_type
+        if qkv_layer is not None:  # packed [B, N, 3, H, D]
+            query_layer, key_layer, value_layer = qkv_layer.unbind(qkv_interleave_dim)
         q, k, v = (t.transpose(1, 2) for t in (query_layer, key_layer, value_layer))  # [B, H, N, D]
         keep = None if attention_mask is None else ~attention_mask  # TE: True = masked out
         o = F.scaled_dot_product_attention(
@@ -156,5 +159,5 @@ class DotProductAttention(nn.Module):
 
 def modules() -> types.SimpleNamespace:
     """The stand-ins, in the shape of ``_te.modules()``."""
-    return types.SimpleNamespace(LayerNormLinear=LayerNormLinear, Linear=Linear,
+    return types.SimpleNamespace(packed_qkv=True, LayerNormLinear=LayerNormLinear, Linear=Linear,
                                  LayerNormMLP=LayerNormMLP, DotProductAttention=DotProductAttention)

@@ -46,8 +46,11 @@ def test_fp32_forward_and_grads_match_timm(case):
     print(f"{case}: fp32 rel err out {err_y:.2e} dx {err_g:.2e}")
     assert err_y < 2e-3 and err_g < 2e-3
     te_grads = fp8vit.weights.te_to_timm({k: p.grad for k, p in te.named_parameters()}, te.cfg)
+    # Relative to the largest weight gradient of the block: some gradients are analytically
+    # zero (k_norm.bias: softmax ignores a per-query constant) and are pure rounding noise.
+    scale = max(float(p.grad.abs().max()) for p in block.parameters())
     for k, p in block.named_parameters():
-        assert max_rel_err(p.grad, te_grads[k]) < 5e-3, k
+        assert float((p.grad - te_grads[k]).abs().max()) < 2e-3 * scale, k
 
 
 @pytest.mark.parametrize("case", ["vit", "layerscale_qknorm", "exact_gelu"])
