@@ -1,0 +1,268 @@
+"""``fp8vit-bench``: timm bf16 vs fp8vit (bf16 and FP8 per recipe), in one process and one run.
+
+    fp8vit-bench --model huge --batch-size 128 --steps 30 --plot bench.png --json bench.json
+
+For each variant: median step time with its spread (p10-p90) over the timed steps after warm-up,
+images/s, model TFLOP/s and the fraction of the GPU's dense bf16 peak, peak memory, speedup
+against timm bf16 eager measured in the same run, and optionally cost per million images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from .detect import gpu_info
+from .workload import SIZES, build_model, synthetic_batch, train_flops, train_step_fn
+
+__all__ = ["main", "run_variant", "VARIANTS", "DENSE_BF16_PEAK"]
+
+# Dense (no sparsity) bf16 tensor-core peak from the vendors' datasheets, FLOP/s, by name prefix.
+DENSE_BF16_PEAK = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "GH200": 989e12, "B200": 2250e12,
+                   "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12}
+
+VARIANTS = ("timm-bf16", "timm-bf16-compile", "te-bf16", "te-fp8-delayed", "te-fp8-current",
+            "te-fp8-block", "te-fp8-mxfp8")
+
+
+def _peak(name: str) -> Optional[float]:
+    for key in sorted(DENSE_BF16_PEAK, key=len, reverse=True):
+        if key in name:
+            return DENSE_BF16_PEAK[key]
+    return None
+
+
+def _spec(variant: str):
+    """variant -> (precision, recipe, compile)."""
+    if variant.startswith("te-fp8-"):
+        return "fp8", variant[len("te-fp8-"):], False
+    return {"timm-bf16": ("bf16", None, False), "timm-bf16-compile": ("bf16", None, True),
+            "te-bf16": ("te-bf16", None, False)}[variant]
+
+
+def _make_optimizer(params, name: str, device: str):
+    fused = device == "cuda"
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, fused=fused)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, fused=fused)
+    raise ValueError(f"optimizer={name!r}; choose 'sgd' or 'adamw'")
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int, device: str,
+                optimizer: str = "sgd", img_size: int = 224) -> Dict:
+    """Build, warm up and time one variant. Returns its measurements (times in ms)."""
+    precision, recipe, compile_ = _spec(variant)
+    torch.manual_seed(0)
+    wl = build_model(model, precision=precision, recipe=recipe, img_size=img_size, device=device)
+    opt = _make_optimizer(wl.model.parameters(), optimizer, device)
+    net = torch.compile(wl.model) if compile_ else None
+    step = train_step_fn(wl, opt, model=net)
+    x, y = synthetic_batch(batch, wl, device=device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        loss = step(x, y)
+    _sync(device)
+    warm_s = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = step(x, y)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            loss = step(x, y)
+            times.append((time.perf_counter() - t) * 1e3)
+    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    med = statistics.median(times)
+    flops = train_flops(wl.model, batch, img_size)
+    out = {"variant": variant, "batch": batch, "median_ms": med, "p10_ms": q[0], "p90_ms": q[-1],
+           "min_ms": min(times), "max_ms": max(times), "images_per_s": batch / med * 1e3,
+           "tflops": flops / (med * 1e-3) / 1e12, "loss": float(loss), "warmup_s": warm_s,
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
+    del wl, opt, net, step, x, y
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def max_batch(variant: str, *, model: str, start: int, device: str, optimizer: str, img_size: int,
+              limit: int = 4096, granularity: int = 8) -> int:
+    """Largest batch (multiple of ``granularity``) for which two training steps fit in memory."""
+    def fits(b):
+        try:
+            run_variant(variant, model=model, batch=b, steps=1, warmup=1, device=device,
+                        optimizer=optimizer, img_size=img_size)
+            return True
+        except torch.OutOfMemoryError:
+            gc.collect()
+            torch.cuda.empty_cache()
+            return False
+
+    lo, hi = 0, start
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + granularity)
+    while hi - lo > granularity:
+        mid = (lo + hi) // 2 // granularity * granularity
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _table(rows: List[Dict], peak: Optional[float], price: Optional[float]) -> str:
+    base = next((r for r in rows if r["variant"] == "timm-bf16"), None)
+    head = (f"{'variant':20s} {'median ms':>10s} {'p10-p90 ms':>15s} {'img/s':>8s} {'TFLOP/s':>8s} "
+            f"{'% peak':>7s} {'mem GiB':>8s} {'vs timm':>8s}" + (f" {'$/1M img':>9s}" if price else ""))
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['variant']:20s} skipped: {r['skipped']}")
+            continue
+        pct = f"{100 * r['tflops'] * 1e12 / peak:6.1f}%" if peak else "    n/a"
+        mem = f"{r['peak_mem_gib']:8.1f}" if r["peak_mem_gib"] is not None else "     n/a"
+        speed = f"{base['median_ms'] / r['median_ms']:7.2f}x" if base and "median_ms" in base else "     n/a"
+        line = (f"{r['variant']:20s} {r['median_ms']:10.1f} {r['p10_ms']:7.1f}-{r['p90_ms']:<7.1f} "
+                f"{r['images_per_s']:8.1f} {r['tflops']:8.1f} {pct} {mem} {speed}")
+        if price:
+            line += f" {price / 3600 / r['images_per_s'] * 1e6:9.2f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _plot(rows: List[Dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "median_ms" in r]
+    base = next((r["median_ms"] for r in rows if r["variant"] == "timm-bf16"), None)
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 1.5))
+    names = [r["variant"] for r in rows][::-1]
+    vals = [r["images_per_s"] for r in rows][::-1]
+    colors = ["#888888" if n.startswith("timm") else ("#1f77b4" if n == "te-bf16" else "#d62728")
+              for n in names]
+    bars = ax.barh(names, vals, color=colors)
+    for bar, r in zip(bars, rows[::-1]):
+        label = f" {r['images_per_s']:.0f} img/s"
+        if base:
+            label += f"  ({base / r['median_ms']:.2f}x)"
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=9)
+    ax.set_xlabel("training throughput, images/s (higher is better)")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlim(0, max(vals) * 1.35)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _environment(device: str) -> Dict:
+    import timm
+
+    from . import _te
+    env = {"torch": torch.__version__, "timm": timm.__version__, "python": sys.version.split()[0]}
+    te_ok, te_reason = _te.te_status()
+    if te_ok:
+        import importlib.metadata as md
+        for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
+            try:
+                env["transformer_engine"] = md.version(dist)
+                break
+            except md.PackageNotFoundError:
+                continue
+    else:
+        env["transformer_engine"] = f"unavailable: {te_reason}"
+    info = gpu_info()
+    env["device"] = info.name if device == "cuda" else "cpu"
+    env["capability"] = info.capability
+    return env
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="fp8vit-bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help=f"{sorted(SIZES)} or a timm model name "
+                   "(default: huge on a GPU, micro on CPU)")
+    p.add_argument("--batch-size", type=int, nargs="+", default=None,
+                   help="one or more batch sizes (default: 128 on a GPU, 4 on CPU)")
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 30 GPU, 3 CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10 GPU, 1 CPU)")
+    p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
+                   help="default: all that can run here")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
+    p.add_argument("--price-per-hour", type=float, default=None, help="GPU price, for $ per 1M images")
+    p.add_argument("--max-batch", action="store_true",
+                   help="also find the largest batch that fits for timm-bf16 and the default FP8 recipe")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write a bar chart (PNG) here")
+    a = p.parse_args(argv)
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib: pip install 'fp8vit[plot]' (or matplotlib)")
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = a.model or ("huge" if device == "cuda" else "micro")
+    batches = a.batch_size or ([128] if device == "cuda" else [4])
+    steps = a.steps or (30 if device == "cuda" else 3)
+    warmup = a.warmup if a.warmup is not None else (10 if device == "cuda" else 1)
+    info = gpu_info()
+    env = _environment(device)
+    print(f"fp8vit-bench: {model}, batch {batches}, {steps} timed steps after {warmup} warm-up, "
+          f"optimizer {a.optimizer}")
+    print(" ".join(f"{k}={v}" for k, v in env.items()))
+    variants = a.variants or [v for v in VARIANTS if not (v == "timm-bf16-compile" and device == "cpu")]
+    results = []
+    for batch in batches:
+        rows = []
+        for v in variants:
+            precision, recipe, _ = _spec(v)
+            if precision == "fp8" and not info.recipes[recipe][0]:
+                rows.append({"variant": v, "batch": batch, "skipped": info.recipes[recipe][1]})
+                continue
+            r = run_variant(v, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
+                            optimizer=a.optimizer, img_size=a.img_size)
+            rows.append(r)
+            print(f"  {v}: {r['median_ms']:.1f} ms", flush=True)
+        print(f"\n{model}, batch {batch}, {env['device']}:")
+        print(_table(rows, _peak(env["device"]), a.price_per_hour))
+        results.extend(rows)
+    extra = {}
+    if a.max_batch and device == "cuda":
+        best = f"te-fp8-{info.default_recipe}" if info.fp8[0] else "te-bf16"
+        for v in ("timm-bf16", best):
+            extra[v] = max_batch(v, model=model, start=batches[0], device=device,
+                                 optimizer=a.optimizer, img_size=a.img_size)
+            print(f"largest batch that fits, {v}: {extra[v]}")
+        if extra.get("timm-bf16"):
+            print(f"ratio {best} / timm-bf16: {extra[best] / extra['timm-bf16']:.2f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"environment": env, "model": model, "steps": steps, "warmup": warmup,
+                       "optimizer": a.optimizer, "results": results, "max_batch": extra}, f, indent=2)
+    if a.plot:
+        first = [r for r in results if r["batch"] == batches[0]]
+        _plot(first, a.plot, f"{model} training step, batch {batches[0]}, {env['device']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
