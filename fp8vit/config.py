@@ -84,10 +84,13 @@ def resolve_activation(act_layer: Union[str, Callable], exact_gelu: bool) -> Tup
             _warned_gelu = True
             warnings.warn(f"fp8vit: {GELU_TANH_NOTE}", UserWarning, stacklevel=4)
         return act_layer, "gelu"
-    # TE also has relu, silu and qgelu kernels, but on the H200 its fused ReLU MLP's input
-    # gradient differed from timm's by 1.4e-2 (relative, fp32) where GELU's is 1e-4, so only
-    # the GELU kernel is used until the others are verified; the rest run unfused and exact.
-    return act_layer, None
+    if isinstance(act, nn.ReLU):
+        return act_layer, "relu"
+    if isinstance(act, nn.SiLU):
+        return act_layer, "silu"
+    if type(act).__name__ == "QuickGELU":  # x * sigmoid(1.702 x), TE's "qgelu"
+        return act_layer, "qgelu"
+    return act_layer, None  # no TE kernel: unfused MLP with the torch activation, exact
 
 
 def _mlp_ratio(hidden: int, dim: int) -> float:

@@ -92,7 +92,7 @@ def train_step_fn(wl: Workload, optimizer: torch.optim.Optimizer,
         optimizer: over ``wl.model``'s parameters.
         model: callable to run instead of ``wl.model`` (e.g. its ``torch.compile``d version).
     """
-    net = model or wl.model
+    net = model if model is not None else wl.model
     fp8 = wl.precision == "fp8"
 
     def step(x, y):

@@ -17,7 +17,14 @@ def snr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
 
 def max_rel_err(ref: torch.Tensor, test: torch.Tensor) -> float:
     """max |ref - test| / max |ref|."""
-    return float((ref.double() - test.double()).abs().max() / ref.double().abs().max())
+    ref, test = ref.detach().double(), test.detach().double()
+    return float((ref - test).abs().max() / ref.abs().max())
+
+
+def rel_l2_err(ref: torch.Tensor, test: torch.Tensor) -> float:
+    """||ref - test|| / ||ref||: robust to a few elements that flip at an activation's kink."""
+    ref, test = ref.detach().double(), test.detach().double()
+    return float((ref - test).norm() / ref.norm())
 
 
 # Option combinations of timm's Block that TE_Block must reproduce.
@@ -28,6 +35,10 @@ BLOCK_CASES = {
     "rmsnorm": dict(norm_layer="rms"),
     "exact_gelu": dict(qkv_bias=True, exact_gelu=True),
     "mlp_ratio_relu": dict(mlp_ratio=2.5, act_layer=nn.ReLU),
+    "silu": dict(act_layer=nn.SiLU),
+    "quick_gelu": dict(act_layer="quick_gelu"),
+    "mish_unfused": dict(act_layer=nn.Mish),
+    "dropout_unfused": dict(proj_drop=0.1, attn_drop=0.1),
 }
 
 
@@ -42,6 +53,9 @@ def timm_block(dim=64, num_heads=4, **kw):
         kw["norm_layer"] = functools.partial(RmsNorm, eps=1e-6)
     kw.setdefault("norm_layer", functools.partial(nn.LayerNorm, eps=1e-6))
     kw.setdefault("act_layer", nn.GELU if exact else functools.partial(nn.GELU, approximate="tanh"))
+    if isinstance(kw["act_layer"], str):  # timm's Block takes classes; VisionTransformer resolves names
+        from timm.layers import get_act_layer
+        kw["act_layer"] = get_act_layer(kw["act_layer"])
     block = Block(dim, num_heads, **kw)
     with torch.no_grad():
         for name, p in block.named_parameters():

@@ -65,10 +65,9 @@ def test_mlp_dropout_forces_unfused_mlp():
 @pytest.mark.parametrize("act, exact, expected", [
     (functools.partial(nn.GELU, approximate="tanh"), False, "gelu"),
     (nn.GELU, True, None),
-    # only TE's GELU kernel is used fused (see resolve_activation); the rest run unfused, exactly
-    (nn.ReLU, False, None),
-    (nn.SiLU, False, None),
-    ("quick_gelu", False, None),
+    (nn.ReLU, False, "relu"),
+    (nn.SiLU, False, "silu"),
+    ("quick_gelu", False, "qgelu"),
     (nn.Mish, False, None),
 ])
 def test_activation_mapping(act, exact, expected):

@@ -1,7 +1,9 @@
 """TE_Block with Transformer Engine's kernels, FP8 off, against timm on the GPU.
 
-Tolerances: fp32 runs both blocks in fp32 (TE's GEMMs may use TF32-free cuBLAS or not, and the
-attention backends differ), so 2e-3 relative to the output's max is allowed. Under bf16 autocast
+Tolerances: fp32 runs both blocks in fp32 with different kernels (measured: 1e-4 relative), so
+2e-3 relative to the output's max is allowed. The input gradient is checked in relative L2 norm
+(1e-3): with ReLU, a pre-activation within rounding of 0 flips the kink and moves single
+elements of dx by up to 1.4e-2 of its max (measured, with TE's kernel and with torch's ReLU alike). Under bf16 autocast
 both sides round to bf16 (8 bits of mantissa); the check there is that TE is no further from the
 fp32 timm result than 2x timm's own bf16 result is (plus a 1e-3 floor), i.e. TE adds no error
 beyond bf16 rounding.
@@ -13,7 +15,7 @@ import torch
 
 import fp8vit
 from fp8vit.block import _rows
-from helpers import BLOCK_CASES, max_rel_err, timm_block
+from helpers import BLOCK_CASES, max_rel_err, rel_l2_err, timm_block
 
 pytestmark = pytest.mark.gpu
 
@@ -42,9 +44,9 @@ def test_fp32_forward_and_grads_match_timm(case):
     y, y2 = block(x), te(x2)
     g = torch.randn_like(y)
     y.backward(g), y2.backward(g)
-    err_y, err_g = max_rel_err(y, y2), max_rel_err(x.grad, x2.grad)
-    print(f"{case}: fp32 rel err out {err_y:.2e} dx {err_g:.2e}")
-    assert err_y < 2e-3 and err_g < 2e-3
+    err_y, err_g = max_rel_err(y, y2), rel_l2_err(x.grad, x2.grad)
+    print(f"{case}: fp32 max rel err out {err_y:.2e}, rel L2 err dx {err_g:.2e}")
+    assert err_y < 2e-3 and err_g < 1e-3
     te_grads = fp8vit.weights.te_to_timm({k: p.grad for k, p in te.named_parameters()}, te.cfg)
     # Relative to the largest weight gradient of the block: some gradients are analytically
     # zero (k_norm.bias: softmax ignores a per-query constant) and are pure rounding noise.
