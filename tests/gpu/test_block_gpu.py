@@ -2,8 +2,9 @@
 
 Tolerances: fp32 runs both blocks in fp32 with different kernels (measured: 1e-4 relative), so
 2e-3 relative to the output's max is allowed. The input gradient is checked in relative L2 norm
-(1e-3): with ReLU, a pre-activation within rounding of 0 flips the kink and moves single
-elements of dx by up to 1.4e-2 of its max (measured, with TE's kernel and with torch's ReLU alike). Under bf16 autocast
+(1e-3; 5e-3 for ReLU): a ReLU pre-activation within rounding of 0 flips the kink, which moves
+single elements of dx by up to 1.4e-2 of its max and the L2 error to 2.8e-3 (measured on H200,
+with TE's kernel and with torch's ReLU alike); smooth activations measure 8e-5 to 1e-4. Under bf16 autocast
 both sides round to bf16 (8 bits of mantissa); the check there is that TE is no further from the
 fp32 timm result than 2x timm's own bf16 result is (plus a 1e-3 floor), i.e. TE adds no error
 beyond bf16 rounding.
@@ -46,7 +47,7 @@ def test_fp32_forward_and_grads_match_timm(case):
     y.backward(g), y2.backward(g)
     err_y, err_g = max_rel_err(y, y2), rel_l2_err(x.grad, x2.grad)
     print(f"{case}: fp32 max rel err out {err_y:.2e}, rel L2 err dx {err_g:.2e}")
-    assert err_y < 2e-3 and err_g < 1e-3
+    assert err_y < 2e-3 and err_g < (5e-3 if case == "mlp_ratio_relu" else 1e-3)
     te_grads = fp8vit.weights.te_to_timm({k: p.grad for k, p in te.named_parameters()}, te.cfg)
     # Relative to the largest weight gradient of the block: some gradients are analytically
     # zero (k_norm.bias: softmax ignores a per-query constant) and are pure rounding noise.
