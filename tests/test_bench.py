@@ -1,0 +1,63 @@
+"""Benchmark and workload logic on CPU: FLOP count, table, JSON, the example's smoke run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from timm.models.vision_transformer import VisionTransformer
+
+from fp8vit import bench
+from fp8vit.workload import train_flops
+
+
+def test_train_flops_matches_published_vit_b16_count():
+    # ViT-B/16 at 224 px: 17.56 GMACs per image forward (timm's model card), i.e. 35.1 GFLOPs.
+    with torch.device("meta"):
+        model = VisionTransformer(embed_dim=768, depth=12, num_heads=12)
+    fwd = train_flops(model, 1, 224) / 3
+    assert abs(fwd / 35.1e9 - 1) < 0.02
+
+
+def test_table_ratios_are_against_timm_eager():
+    rows = [{"variant": "timm-bf16", "median_ms": 200.0, "p10_ms": 190, "p90_ms": 210, "images_per_s": 640.0,
+             "tflops": 400.0, "peak_mem_gib": 40.0},
+            {"variant": "te-fp8-delayed", "median_ms": 100.0, "p10_ms": 95, "p90_ms": 105, "images_per_s": 1280.0,
+             "tflops": 800.0, "peak_mem_gib": 30.0},
+            {"variant": "te-fp8-mxfp8", "batch": 128, "skipped": "needs sm_100"}]
+    text = bench._table(rows, 1000e12, price=3.6)
+    lines = text.splitlines()
+    assert "2.00x" in lines[3] and "1.00x" in lines[2]
+    assert "80.0%" in lines[3]
+    assert "skipped: needs sm_100" in lines[4]
+    # $3.60/h at 1280 img/s: 1e6 images take 781 s -> $0.78
+    assert lines[3].rstrip().endswith("0.78")
+
+
+def test_peak_lookup_prefers_longest_name():
+    assert bench._peak("NVIDIA GH200 480GB") == bench.DENSE_BF16_PEAK["GH200"]
+    assert bench._peak("NVIDIA H200") == bench.DENSE_BF16_PEAK["H200"]
+    assert bench._peak("Some GPU") is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test; GPU runs are in docs/benchmarks.md")
+def test_bench_cli_on_cpu_writes_json(tmp_path):
+    out = tmp_path / "b.json"
+    rc = bench.main(["--steps", "2", "--warmup", "1", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    by = {r["variant"]: r for r in data["results"]}
+    assert by["timm-bf16"]["median_ms"] > 0 and by["te-bf16"]["median_ms"] > 0
+    assert "no CUDA GPU" in by["te-fp8-delayed"]["skipped"]
+    assert data["environment"]["device"] == "cpu"
+
+
+def test_train_example_runs_on_cpu_and_says_why_fp8_is_off():
+    if torch.cuda.is_available():
+        pytest.skip("CPU smoke test")
+    res = subprocess.run([sys.executable, "examples/train_vit.py", "--steps", "2", "--log-every", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "FP8: off: no CUDA GPU" in res.stdout
+    assert "step     2  loss" in res.stdout
