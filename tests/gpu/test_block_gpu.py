@@ -50,12 +50,15 @@ def test_fp32_forward_and_grads_match_timm(case):
     kink = 5.0 if case == "mlp_ratio_relu" else 1.0  # see the module docstring
     assert err_y < 2e-3 and err_g < kink * 1e-3
     te_grads = fp8vit.weights.te_to_timm({k: p.grad for k, p in te.named_parameters()}, te.cfg)
-    # Relative to the largest weight gradient of the block: some gradients are analytically
-    # zero (k_norm.bias: softmax ignores a per-query constant) and are pure rounding noise.
-    scale = max(float(p.grad.abs().max()) for p in block.parameters())
-    for k, p in block.named_parameters():
-        # ReLU measured 2.5e-3 (attn.proj.bias: the residual gradient passes the kink)
-        assert float((p.grad - te_grads[k]).abs().max()) < kink * 2e-3 * scale, k
+    # Relative L2 error per parameter, with a floor at 1% of the block's largest gradient norm:
+    # some gradients are analytically zero (k_norm.bias: softmax ignores a per-query constant) and
+    # hold only rounding noise. ReLU: a flipped kink moves whole rows of mlp.fc1.weight's gradient.
+    floor = 1e-2 * max(float(p.grad.norm()) for p in block.parameters())
+    errs = {k: float((p.grad - te_grads[k]).norm()) / max(float(p.grad.norm()), floor)
+            for k, p in block.named_parameters()}
+    worst = max(errs, key=errs.get)
+    print(f"{case}: worst weight-grad rel L2 err {worst} {errs[worst]:.2e}")
+    assert errs[worst] < kink * 2e-3, worst
 
 
 @pytest.mark.parametrize("case", ["vit", "layerscale_qknorm", "exact_gelu"])
