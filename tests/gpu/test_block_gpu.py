@@ -58,7 +58,10 @@ def test_fp32_forward_and_grads_match_timm(case):
             for k, p in block.named_parameters()}
     worst = max(errs, key=errs.get)
     print(f"{case}: worst weight-grad rel L2 err {worst} {errs[worst]:.2e}")
-    assert errs[worst] < kink * 2e-3, worst
+    # ReLU: about 40 of 252k (token, unit) pairs flip (|pre-activation| < 1e-4 of max), against
+    # ~350 random-sign terms RMS in norm2.bias's gradient: sqrt(40)/350 = 1.8e-2 expected, 1.4e-2
+    # measured on H200; smooth activations, TE's fused kernels included, measure 4.6e-4 to 6.1e-4.
+    assert errs[worst] < (2.5e-2 if kink > 1 else 2e-3), worst
 
 
 @pytest.mark.parametrize("case", ["vit", "layerscale_qknorm", "exact_gelu"])
