@@ -108,8 +108,11 @@ def main():
                       f"{args.batch_size * world / dt:8.1f} img/s", flush=True)
     if rank == 0 and times:
         med = sorted(times)[len(times) // 2]
+        ran = args.precision
+        if ran == "fp8" and not fp8vit.fp8_support()[0]:
+            ran = "fp8 requested, ran bf16: FP8 is off here"
         print(f"median after warm-up: {med * 1e3:.1f} ms/step, {args.batch_size * world / med:.1f} img/s "
-              f"({world} process{'es' if world > 1 else ''}, {args.precision})")
+              f"({world} process{'es' if world > 1 else ''}, {ran})")
     if world > 1:
         dist.destroy_process_group()
 
