@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable, Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from timm.layers import DropPath, LayerNorm, LayerScale, trunc_normal_
+from timm.layers import DropPath, LayerScale, trunc_normal_
 from torch import nn
 
 from . import _te, reference
@@ -93,12 +93,14 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
     what TE cannot honour raises ``ValueError`` naming the keyword. Weights use timm's layout.
 
     Args:
-        dim, num_heads, mlp_ratio, qkv_bias, qk_norm, scale_attn_norm, scale_mlp_norm, proj_bias,
-        proj_drop, attn_drop, init_values, drop_path, act_layer, norm_layer, mlp_layer,
-        attn_layer, depth: as timm's ``Block``.
+        dim: channels ``C``.
+        num_heads: attention heads.
+        *args, **kwargs: the rest of timm ``Block``'s keywords (``mlp_ratio, qkv_bias, qk_norm,
+            scale_attn_norm, scale_mlp_norm, proj_bias, proj_drop, attn_drop, init_values,
+            drop_path, act_layer, norm_layer, mlp_layer, attn_layer, depth``; timm 0.6's ``drop``),
+            see :meth:`BlockConfig.from_timm_kwargs`.
         device: where parameters live; None means CUDA for the TE backend, CPU for torch.
         dtype: parameter dtype (None: torch's default dtype).
-        drop: timm 0.6's name for ``proj_drop``.
         exact_gelu: keep timm's erf GELU (unfused MLP) instead of TE's tanh GELU kernel.
         backend: ``"te"``, ``"torch"`` (reference modules, no FP8) or None (automatic).
     """
@@ -107,32 +109,16 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         self,
         dim: int,
         num_heads: int,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = False,
-        qk_norm: bool = False,
-        scale_attn_norm: bool = False,
-        scale_mlp_norm: bool = False,
-        proj_bias: bool = True,
-        proj_drop: float = 0.0,
-        attn_drop: float = 0.0,
-        init_values: Optional[float] = None,
-        drop_path: float = 0.0,
-        act_layer: Union[str, Callable] = nn.GELU,
-        norm_layer: Callable = LayerNorm,
-        mlp_layer: Optional[Callable] = None,
-        attn_layer=None,
-        depth: int = 0,
+        *args,
         device=None,
         dtype: Optional[torch.dtype] = None,
-        *,
-        drop: Optional[float] = None,
         exact_gelu: bool = False,
         backend: Optional[str] = None,
+        **kwargs,
     ) -> None:
-        cfg = BlockConfig.from_timm_kwargs(
-            dim, num_heads, mlp_ratio, qkv_bias, qk_norm, scale_attn_norm, scale_mlp_norm, proj_bias,
-            proj_drop, attn_drop, init_values, drop_path, act_layer, norm_layer, mlp_layer,
-            attn_layer, depth, drop=drop, exact_gelu=exact_gelu)
+        # timm's keywords (and their positional order) are BlockConfig.from_timm_kwargs's: one
+        # list, validated there. Unknown keywords raise TypeError naming them.
+        cfg = BlockConfig.from_timm_kwargs(dim, num_heads, *args, exact_gelu=exact_gelu, **kwargs)
         self._build(cfg, device, dtype, backend)
 
     # A second constructor path (from_timm) builds from a config; both end here.

@@ -85,21 +85,13 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class LayerNormLinear(_NormParams):
+class LayerNormLinear(_NormParams, Linear):
     """``te.LayerNormLinear``: norm (``layer_norm_weight/bias``) then ``weight``/``bias``."""
 
     def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
                  params_dtype=None, device="cpu"):
-        super().__init__()
-        dd = _dd(device, params_dtype)
-        self._init_norm(in_features, normalization, eps, dd)
-        _linear_params(self, "", out_features, in_features, bias, dd)
-        if not bias:
-            self.bias = None
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        _reset_linear(self.weight, self.bias)
+        Linear.__init__(self, in_features, out_features, bias, params_dtype, device)
+        self._init_norm(in_features, normalization, eps, _dd(device, params_dtype))
 
     def forward(self, x):
         return F.linear(self._ln(x), self.weight, self.bias)

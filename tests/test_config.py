@@ -14,11 +14,14 @@ from fp8vit.config import BlockConfig, resolve_activation, resolve_norm
 
 
 def test_every_timm_block_keyword_is_accepted():
-    timm_params = set(inspect.signature(Block.__init__).parameters) - {"self"}
-    ours = set(inspect.signature(fp8vit.TE_Block.__init__).parameters)
-    assert timm_params <= ours, f"missing: {timm_params - ours}"
-    cfg_params = set(inspect.signature(BlockConfig.from_timm_kwargs).parameters)
-    assert timm_params - {"device", "dtype"} <= cfg_params
+    # Every keyword of the installed timm's Block, at timm's default value, builds a TE_Block
+    # equal in config to the one timm's defaults imply.
+    params = inspect.signature(Block.__init__).parameters
+    kwargs = {k: p.default for k, p in params.items()
+              if k != "self" and p.default is not inspect.Parameter.empty}
+    te = fp8vit.TE_Block(64, 4, backend="torch", **kwargs)
+    assert te.cfg == fp8vit.TE_Block(64, 4, backend="torch").cfg
+    assert te.cfg.qkv_bias is False and te.cfg.mlp_hidden == 256
 
 
 def test_timm_defaults_resolve_like_timm():
