@@ -105,6 +105,22 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
     return out
 
 
+def largest_fitting(fits, start: int, limit: int = 4096, granularity: int = 8) -> int:
+    """Largest multiple of ``granularity`` <= ``limit`` for which ``fits(batch)`` is True.
+
+    Doubles from ``start`` until a batch fails, then bisects; assumes ``fits`` is monotone.
+    Returns 0 if even ``start`` does not fit.
+    """
+    lo, hi = 0, start
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + granularity)
+    while hi - lo > granularity:
+        mid = (lo + hi) // 2 // granularity * granularity
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def max_batch(variant: str, *, model: str, start: int, device: str, optimizer: str, img_size: int,
               limit: int = 4096, granularity: int = 8) -> int:
     """Largest batch (multiple of ``granularity``) for which two training steps fit in memory."""
@@ -118,14 +134,7 @@ def max_batch(variant: str, *, model: str, start: int, device: str, optimizer: s
             torch.cuda.empty_cache()
             return False
 
-    lo, hi = 0, start
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + granularity)
-    while hi - lo > granularity:
-        mid = (lo + hi) // 2 // granularity * granularity
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return largest_fitting(fits, start, limit, granularity)
 
 
 def _table(rows: List[Dict], peak: Optional[float], price: Optional[float]) -> str:

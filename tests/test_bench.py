@@ -61,3 +61,31 @@ def test_train_example_runs_on_cpu_and_says_why_fp8_is_off():
     assert res.returncode == 0, res.stderr
     assert "FP8: off: no CUDA GPU" in res.stdout
     assert "step     2  loss" in res.stdout
+
+
+@pytest.mark.parametrize("capacity, start, expected", [(300, 128, 296), (128, 128, 128), (100, 128, 96),
+                                                       (5000, 128, 4096), (4, 128, 0)])
+def test_largest_fitting_batch_search(capacity, start, expected):
+    tried = []
+
+    def fits(b):
+        tried.append(b)
+        return b <= capacity
+
+    assert bench.largest_fitting(fits, start) == expected
+    assert len(tried) <= 16  # doubling plus bisection, not a linear scan
+
+
+def test_train_example_reads_an_image_folder(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CPU smoke test")
+    from PIL import Image
+    for cls in ("a", "b"):
+        (tmp_path / cls).mkdir()
+        for i in range(4):
+            Image.new("RGB", (40, 40), (60 * i, 100 if cls == "a" else 200, 0)).save(tmp_path / cls / f"{i}.png")
+    res = subprocess.run([sys.executable, "examples/train_vit.py", "--data", str(tmp_path), "--img-size", "32",
+                          "--num-classes", "2", "--batch-size", "4", "--steps", "3", "--log-every", "1",
+                          "--workers", "0"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "step     3  loss" in res.stdout
