@@ -16,6 +16,7 @@ from .config import BlockConfig
 from .context import FP8State, fp8_context
 from .convert import convert_from_te, convert_to_te, set_grad_checkpointing
 from .detect import GPUInfo, fp8_support, gpu_info
+from .diagnostics import BlockStats, DiagnosisReport, diagnose, set_block_fp8
 from .errors import ConversionError, FP8UnavailableError, TEUnavailableError
 from .recipes import RECIPE_NAMES, make_recipe
 
@@ -33,6 +34,11 @@ __all__ = [
     "FP8State",
     "RECIPE_NAMES",
     "make_recipe",
+    # FP8 safety
+    "diagnose",
+    "DiagnosisReport",
+    "BlockStats",
+    "set_block_fp8",
     # capability detection
     "fp8_support",
     "gpu_info",

@@ -13,7 +13,7 @@ option and timm's weight layout.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import warnings
 from typing import Optional
 
@@ -127,6 +127,8 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         self.cfg = cfg
         self.backend = resolve_backend(backend)
         self.grad_checkpointing = False
+        # False: this block runs its GEMMs in bf16 even inside fp8_context (see fp8vit.diagnose).
+        self.fp8_enabled = True
         m = _te.modules() if self.backend == "te" else reference.modules()
         if device is None:
             device = "cuda" if self.backend == "te" else "cpu"
@@ -229,12 +231,15 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
                              f"{attn_mask.dtype}: TE has no additive-mask attention kernel")
         if attn_mask is not None and is_causal:
             raise ValueError("pass either attn_mask or is_causal=True to TE_Block, not both")
-        if self.grad_checkpointing and torch.is_grad_enabled():
-            if self.backend == "te":
-                return _te.checkpoint(self._forward, x, attn_mask, is_causal)
-            return torch.utils.checkpoint.checkpoint(self._forward, x, attn_mask, is_causal,
-                                                     use_reentrant=False)
-        return self._forward(x, attn_mask, is_causal)
+        with contextlib.ExitStack() as stack:
+            if not self.fp8_enabled and self.backend == "te" and _te.active_fp8_recipe() is not None:
+                stack.enter_context(_te.autocast(enabled=False, recipe=None))  # nested: this block only
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                if self.backend == "te":
+                    return _te.checkpoint(self._forward, x, attn_mask, is_causal)
+                return torch.utils.checkpoint.checkpoint(self._forward, x, attn_mask, is_causal,
+                                                         use_reentrant=False)
+            return self._forward(x, attn_mask, is_causal)
 
     def _forward(self, x, attn_mask, is_causal):
         mult = row_multiple(_te.active_fp8_recipe()) if self.backend == "te" else 1

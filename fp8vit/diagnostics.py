@@ -1,0 +1,317 @@
+"""``diagnose``: where in a model does FP8 cost accuracy, measured on one batch.
+
+Runs the same forward/backward twice on the same weights and batch, in bf16 and in FP8, and
+compares each ``TE_Block``'s output activations and weight gradients by signal-to-noise ratio.
+Blocks below a threshold (or with non-finite values) are recommended to stay in bf16;
+:meth:`DiagnosisReport.apply` does that without rebuilding the model.
+
+    report = fp8vit.diagnose(model, images, target=labels, recipe="delayed")
+    print(report.table())
+    report.apply(model)          # recommended blocks now run their GEMMs in bf16 inside fp8_context
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .block import TE_Block
+from .context import fp8_context
+
+__all__ = ["diagnose", "DiagnosisReport", "BlockStats", "snr_db", "underflow_fraction",
+           "set_block_fp8", "SCHEMA_VERSION", "E4M3_MAX", "E5M2_MAX"]
+
+SCHEMA_VERSION = 1
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+# Smallest subnormals: E4M3 2^-9, E5M2 2^-16. Values below half of them round to zero.
+_E4M3_TINY, _E5M2_TINY = 2.0 ** -10, 2.0 ** -17
+
+
+def snr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
+    """Signal-to-noise ratio of ``test`` against ``ref``: ``10 log10(sum ref^2 / sum (ref - test)^2)``.
+
+    Returns:
+        dB; ``inf`` when identical, ``nan`` when either holds non-finite values, ``-inf`` when
+        ``ref`` is all zeros but ``test`` is not.
+    """
+    ref, test = ref.detach().double(), test.detach().double()
+    if not (torch.isfinite(ref).all() and torch.isfinite(test).all()):
+        return math.nan
+    noise = float((ref - test).pow(2).sum())
+    signal = float(ref.pow(2).sum())
+    if noise == 0:
+        return math.inf
+    if signal == 0:
+        return -math.inf
+    return 10 * math.log10(signal / noise)
+
+
+def underflow_fraction(x: torch.Tensor, fmt_max: float, tiny: float) -> float:
+    """Fraction of the nonzero elements of ``x`` that per-tensor FP8 scaling flushes to zero.
+
+    Per-tensor scaling maps ``amax(x)`` to ``fmt_max``; an element whose scaled magnitude is below
+    ``tiny`` (half the format's smallest subnormal) rounds to zero.
+    """
+    a = x.detach().abs().float()
+    amax = float(a.max()) if a.numel() else 0.0
+    nonzero = a > 0
+    n = int(nonzero.sum())
+    if n == 0 or not math.isfinite(amax):
+        return 0.0
+    return float(((a * (fmt_max / amax) < tiny) & nonzero).sum()) / n
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockStats:
+    """FP8 vs bf16 for one block.
+
+    Attributes:
+        name: the block's path in the model (``blocks.7``).
+        local_snr_db: SNR of the block's own FP8 error: its residual update (output - input) in
+            FP8 against the same block's update in bf16 on the same (FP8-run) input. The residual
+            stream itself passes through unquantized, so it is left out of both. This is what the
+            recommendation uses.
+        activation_snr_db: SNR of the block's output, FP8 run against bf16 run: its own error
+            plus everything upstream.
+        weight_grad_snr_db: SNR of all the block's weight gradients together, FP8 against bf16
+            (gradients carry the error of every block downstream too).
+        input_amax: max |block input| in the FP8 run.
+        input_underflow: fraction of the block input that E4M3 per-tensor scaling flushes to zero.
+        grad_underflow: fraction of the gradient at the block output that E5M2 flushes to zero.
+        nonfinite: count of inf/nan in the block's output and weight gradients in the FP8 run.
+        te_scaling: TE delayed-scaling state per module, ``{module: [amax, scale]}`` of the
+            forward input (empty for stateless recipes and the reference backend).
+    """
+
+    name: str
+    local_snr_db: float
+    activation_snr_db: float
+    weight_grad_snr_db: float
+    input_amax: float
+    input_underflow: float
+    grad_underflow: float
+    nonfinite: int
+    te_scaling: Dict[str, List[float]] = dataclasses.field(default_factory=dict)
+
+    def ok(self, threshold_db: float, grad_threshold_db: float) -> bool:
+        """FP8 is acceptable here: finite, local SNR >= ``threshold_db`` and weight-gradient SNR
+        >= ``grad_threshold_db`` (NaN never passes)."""
+        return (self.nonfinite == 0 and self.local_snr_db >= threshold_db
+                and self.weight_grad_snr_db >= grad_threshold_db)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiagnosisReport:
+    """The result of :func:`diagnose`; JSON schema version :data:`SCHEMA_VERSION`."""
+
+    recipe: str
+    threshold_db: float
+    grad_threshold_db: float
+    output_snr_db: float
+    blocks: tuple
+
+    @property
+    def recommend_bf16(self) -> List[str]:
+        """Blocks to keep in bf16 at the thresholds, in model order."""
+        return [b.name for b in self.blocks if not b.ok(self.threshold_db, self.grad_threshold_db)]
+
+    def module_filter_fn(self) -> Callable[[nn.Module, str], bool]:
+        """For ``convert_to_te(model, module_filter_fn=...)``: convert all but the recommended blocks."""
+        keep = set(self.recommend_bf16)
+        return lambda module, fqn: fqn not in keep
+
+    def apply(self, model: nn.Module) -> List[str]:
+        """Run the recommended ``TE_Block``s of ``model`` in bf16 (FP8 off for them only).
+
+        Returns:
+            the names switched to bf16.
+        """
+        return set_block_fp8(model, self.recommend_bf16, enabled=False)
+
+    def to_dict(self) -> dict:
+        return {"schema_version": SCHEMA_VERSION, "recipe": self.recipe, "threshold_db": self.threshold_db,
+                "grad_threshold_db": _json_num(self.grad_threshold_db), "output_snr_db": _json_num(self.output_snr_db), "recommend_bf16": self.recommend_bf16,
+                "blocks": [{k: _json_num(v) for k, v in dataclasses.asdict(b).items()} for b in self.blocks]}
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DiagnosisReport":
+        if d.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"diagnosis schema_version {d.get('schema_version')!r}; this fp8vit reads "
+                             f"{SCHEMA_VERSION}")
+        blocks = tuple(BlockStats(**{k: _from_json_num(v) for k, v in b.items()}) for b in d["blocks"])
+        return cls(d["recipe"], d["threshold_db"], _from_json_num(d["grad_threshold_db"]),
+                   _from_json_num(d["output_snr_db"]), blocks)
+
+    def table(self) -> str:
+        head = (f"{'block':14s} {'local dB':>8s} {'act dB':>7s} {'wgrad dB':>8s} {'in amax':>9s} "
+                f"{'in uflow':>9s} {'grad uflow':>10s} {'nonfinite':>9s}  verdict")
+        lines = [f"FP8 recipe {self.recipe}; keep bf16 below {self.threshold_db:g} dB local SNR or "
+                 f"{self.grad_threshold_db:g} dB weight-gradient SNR; model output SNR "
+                 f"{self.output_snr_db:.1f} dB", head, "-" * len(head)]
+        for b in self.blocks:
+            verdict = "fp8" if b.ok(self.threshold_db, self.grad_threshold_db) else "keep bf16"
+            lines.append(f"{b.name:14s} {b.local_snr_db:8.1f} {b.activation_snr_db:7.1f} "
+                         f"{b.weight_grad_snr_db:8.1f} {b.input_amax:9.3g} {b.input_underflow:9.2%} "
+                         f"{b.grad_underflow:10.2%} {b.nonfinite:9d}  {verdict}")
+        rec = self.recommend_bf16
+        lines.append(f"recommend bf16 for: {', '.join(rec) if rec else 'none'}")
+        return "\n".join(lines)
+
+
+def _json_num(v):
+    """JSON has no inf/nan: write them as strings."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def _from_json_num(v):
+    return float(v) if v in ("inf", "-inf", "nan") else v
+
+
+def set_block_fp8(model: nn.Module, names: Sequence[str], enabled: bool) -> List[str]:
+    """Turn FP8 on or off for the named ``TE_Block``s of ``model`` (others are untouched).
+
+    Raises:
+        KeyError: a name that is not a ``TE_Block`` of ``model``.
+    """
+    mods = dict(model.named_modules())
+    bad = [n for n in names if not isinstance(mods.get(n), TE_Block)]
+    if bad:
+        raise KeyError(f"not TE_Blocks of this model: {bad}")
+    for n in names:
+        mods[n].fp8_enabled = enabled
+    return list(names)
+
+
+@contextlib.contextmanager
+def _fp8_run_context(recipe, enabled: bool):
+    """The context of one diagnosis pass (a seam for tests: FP8 needs a GPU)."""
+    with fp8_context(recipe, enabled=enabled, strict=enabled):
+        yield
+
+
+def _te_scaling(block: nn.Module) -> Dict[str, List[float]]:
+    out = {}
+    for name, mod in block.named_modules():
+        meta = getattr(mod, "fp8_meta", None)
+        state = meta.get("scaling_fwd") if isinstance(meta, dict) else None
+        if state is not None and hasattr(state, "amax_history"):
+            out[name] = [float(state.amax_history[0][0]), float(state.scale[0])]
+    return out
+
+
+def _one_pass(model, blocks, x, target, loss_fn, recipe, fp8: bool):
+    """Forward + backward; returns (output, {block: (input, output, grad_out, weight grads)})."""
+    caught: Dict[str, dict] = {n: {} for n in blocks}
+    hooks = []
+    for name, blk in blocks.items():
+        def fwd(mod, args, out, name=name):
+            caught[name]["input"] = args[0].detach().float()
+            caught[name]["output"] = out.detach().float()
+            if fp8:  # the same block on the same input with FP8 off: its own error, isolated
+                was, mod.fp8_enabled = mod.fp8_enabled, False
+                try:
+                    with torch.no_grad():
+                        caught[name]["local_ref"] = mod.forward(args[0].detach()).float()
+                finally:
+                    mod.fp8_enabled = was
+
+        def bwd(mod, grad_in, grad_out, name=name):
+            caught[name]["grad_out"] = grad_out[0].detach().float()
+
+        hooks += [blk.register_forward_hook(fwd), blk.register_full_backward_hook(bwd)]
+    try:
+        model.zero_grad(set_to_none=True)
+        x = x.detach().requires_grad_(True)  # so backward hooks fire on the first block too
+        with _fp8_run_context(recipe, fp8):
+            out = model(x)
+            loss = loss_fn(out, target)
+        loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    for name, blk in blocks.items():
+        caught[name]["wgrad"] = torch.cat([p.grad.detach().float().flatten() for p in blk.parameters()
+                                           if p.grad is not None])
+    model.zero_grad(set_to_none=True)
+    return out.detach().float(), caught
+
+
+def _default_loss(out, target):
+    if target is None:
+        return out.float().square().mean()
+    return F.cross_entropy(out.float(), target)
+
+
+def diagnose(
+    model: nn.Module,
+    batch: torch.Tensor,
+    *,
+    target: Optional[torch.Tensor] = None,
+    loss_fn: Optional[Callable] = None,
+    recipe=None,
+    threshold_db: float = 20.0,
+    grad_threshold_db: float = 12.0,
+    warmup: int = 2,
+) -> DiagnosisReport:
+    """Compare one FP8 forward/backward with bf16, per ``TE_Block``.
+
+    Weights are not changed (no optimizer step); gradients are cleared afterwards. With delayed
+    scaling the first FP8 passes only fill the amax history, hence ``warmup`` FP8 passes first.
+
+    Args:
+        model: a model containing ``TE_Block``s (after ``convert_to_te``), in train or eval mode
+            (eval gives deterministic dropout).
+        batch: the input, e.g. images ``[B, 3, H, W]``.
+        target: labels for the default cross-entropy loss; None uses ``mean(output^2)``.
+        loss_fn: ``loss_fn(output, target) -> scalar`` instead of the default.
+        recipe: FP8 recipe name or TE recipe object (None: the GPU's default).
+        threshold_db: blocks whose local (own) activation SNR is below this stay bf16. 20 dB:
+            noise power 1% of the signal.
+        grad_threshold_db: ... or whose weight-gradient SNR is below this. 12 dB: gradients are
+            E5M2 (2 mantissa bits), see docs/numerics.md.
+        warmup: FP8 passes before the measured one.
+
+    Raises:
+        ValueError: the model has no ``TE_Block``.
+        FP8UnavailableError: FP8 cannot run here (the reason is in the message).
+    """
+    blocks = {n: m for n, m in model.named_modules() if isinstance(m, TE_Block)}
+    if not blocks:
+        raise ValueError("diagnose: the model has no TE_Block; run fp8vit.convert_to_te(model) first")
+    loss_fn = loss_fn or _default_loss
+    ref_out, ref = _one_pass(model, blocks, batch, target, loss_fn, recipe, fp8=False)
+    for _ in range(warmup):
+        _one_pass(model, blocks, batch, target, loss_fn, recipe, fp8=True)
+    out, got = _one_pass(model, blocks, batch, target, loss_fn, recipe, fp8=True)
+    stats = []
+    for name, blk in blocks.items():
+        r, g = ref[name], got[name]
+        nonfinite = int((~torch.isfinite(g["output"])).sum() + (~torch.isfinite(g["wgrad"])).sum())
+        stats.append(BlockStats(
+            name=name,
+            local_snr_db=snr_db(g["local_ref"] - g["input"], g["output"] - g["input"]),
+            activation_snr_db=snr_db(r["output"], g["output"]),
+            weight_grad_snr_db=snr_db(r["wgrad"], g["wgrad"]),
+            input_amax=float(g["input"].abs().max()),
+            input_underflow=underflow_fraction(g["input"], E4M3_MAX, _E4M3_TINY),
+            grad_underflow=underflow_fraction(g.get("grad_out", torch.zeros(1)), E5M2_MAX, _E5M2_TINY),
+            nonfinite=nonfinite,
+            te_scaling=_te_scaling(blk),
+        ))
+    from .recipes import recipe_name
+    name = recipe if isinstance(recipe, str) else (recipe_name(recipe) if recipe is not None else "default")
+    return DiagnosisReport(recipe=name, threshold_db=threshold_db, grad_threshold_db=grad_threshold_db,
+                           output_snr_db=snr_db(ref_out, out),
+                           blocks=tuple(stats))
