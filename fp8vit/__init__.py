@@ -17,6 +17,7 @@ from .context import FP8State, fp8_context
 from .convert import convert_from_te, convert_to_te, set_grad_checkpointing
 from .detect import GPUInfo, fp8_support, gpu_info
 from .diagnostics import BlockStats, DiagnosisReport, diagnose, set_block_fp8
+from .guards import NonFiniteEvent, NonFiniteGuard
 from .errors import ConversionError, FP8UnavailableError, TEUnavailableError
 from .recipes import RECIPE_NAMES, make_recipe
 
@@ -39,6 +40,8 @@ __all__ = [
     "DiagnosisReport",
     "BlockStats",
     "set_block_fp8",
+    "NonFiniteGuard",
+    "NonFiniteEvent",
     # capability detection
     "fp8_support",
     "gpu_info",

@@ -315,3 +315,41 @@ def diagnose(
     return DiagnosisReport(recipe=name, threshold_db=threshold_db, grad_threshold_db=grad_threshold_db,
                            output_snr_db=snr_db(ref_out, out),
                            blocks=tuple(stats))
+
+
+def main(argv=None) -> int:
+    """``fp8vit-diagnose``: diagnose a randomly initialised timm ViT on a synthetic batch."""
+    import argparse
+    import sys
+
+    from .errors import FP8UnavailableError
+    from .workload import SIZES, build_model, synthetic_batch
+
+    p = argparse.ArgumentParser(prog="fp8vit-diagnose", description=main.__doc__)
+    p.add_argument("--model", default="base", help=f"{sorted(SIZES)} or a timm model name")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--recipe", default=None, help="FP8 recipe name (default: the GPU's best)")
+    p.add_argument("--threshold", type=float, default=20.0, help="local activation SNR floor, dB")
+    p.add_argument("--grad-threshold", type=float, default=12.0, help="weight-gradient SNR floor, dB")
+    p.add_argument("--json", default=None, help="write the report here")
+    a = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    wl = build_model(a.model, precision="fp8", recipe=a.recipe, img_size=a.img_size, device=device)
+    x, y = synthetic_batch(a.batch_size, wl, device=device)
+    try:
+        rep = diagnose(wl.model.eval(), x, target=y, recipe=a.recipe, threshold_db=a.threshold,
+                       grad_threshold_db=a.grad_threshold)
+    except FP8UnavailableError as err:
+        print(f"fp8vit-diagnose: {err}", file=sys.stderr)
+        return 1
+    print(rep.table())
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(rep.to_json(indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
