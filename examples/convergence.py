@@ -74,7 +74,7 @@ def train(base, data, *, recipe, fp8, epochs, batch, lr, seed=0):
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
-            hist["loss"].append(float(loss))
+            hist["loss"].append(float(loss.detach()))
         hist["acc"].append(accuracy(model, xt, yt, recipe, fp8))
     return hist
 

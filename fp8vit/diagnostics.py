@@ -345,6 +345,13 @@ def main(argv=None) -> int:
         print(f"fp8vit-diagnose: {err}", file=sys.stderr)
         return 1
     print(rep.table())
+    if rep.recommend_bf16:
+        # Evidence that the recommendation matters: the same pass with those blocks in bf16.
+        rep.apply(wl.model)
+        after = diagnose(wl.model, x, target=y, recipe=a.recipe, threshold_db=a.threshold,
+                         grad_threshold_db=a.grad_threshold)
+        print(f"model output SNR vs bf16: {rep.output_snr_db:.1f} dB with FP8 in every block, "
+              f"{after.output_snr_db:.1f} dB with {', '.join(rep.recommend_bf16)} in bf16")
     if a.json:
         with open(a.json, "w") as f:
             f.write(rep.to_json(indent=2))
