@@ -120,7 +120,7 @@ def _install_checkpointing(model: nn.Module) -> None:
     timm's flag stays False for the blocks (so timm never wraps them in ``checkpoint_seq``);
     the method of the class still runs for the other parts (e.g. the patch embedding).
     """
-    original = type(model).__dict__.get("set_grad_checkpointing")
+    original = getattr(type(model), "set_grad_checkpointing", None)  # may live in a base class
     if original is None or "set_grad_checkpointing" in vars(model):
         return
 

@@ -5,14 +5,7 @@ import functools
 import torch
 from torch import nn
 
-
-def snr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
-    """Signal-to-noise ratio of ``test`` against ``ref`` in dB (inf when identical)."""
-    ref, test = ref.double(), test.double()
-    noise = (ref - test).pow(2).sum()
-    if noise == 0:
-        return float("inf")
-    return float(10 * torch.log10(ref.pow(2).sum() / noise))
+from fp8vit.diagnostics import snr_db  # noqa: F401 - one definition, shared by the tests
 
 
 def max_rel_err(ref: torch.Tensor, test: torch.Tensor) -> float:
