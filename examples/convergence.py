@@ -1,6 +1,6 @@
 """Does FP8 converge like bf16? Train one small ViT from one seed in bf16 and in FP8 on real images.
 
-    python examples/convergence.py --epochs 30 --plot convergence.png --json convergence.json
+    python examples/convergence.py --plot convergence.png --json convergence.json
 
 Data: scikit-learn's bundled handwritten digits (1797 8x8 grey images, 10 classes; no download),
 upsampled to 32x32 and split 80/20 with a fixed seed. Model: timm VisionTransformer, patch 4 (65
@@ -102,7 +102,7 @@ def plot(results, path, title):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--recipes", nargs="*", default=None, help="FP8 recipes (default: all this GPU supports)")
