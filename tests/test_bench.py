@@ -89,3 +89,16 @@ def test_train_example_reads_an_image_folder(tmp_path):
                           "--workers", "0"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "step     3  loss" in res.stdout
+
+
+def test_convergence_example_runs_on_cpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CPU smoke test")
+    out = tmp_path / "c.json"
+    res = subprocess.run([sys.executable, "examples/convergence.py", "--epochs", "1", "--json", str(out),
+                          "--plot", str(tmp_path / "c.png")], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "fp8-delayed: not run: no CUDA GPU" in res.stdout
+    summary = json.loads(out.read_text())["summary"]
+    assert set(summary) == {"bf16"} and 0.0 <= summary["bf16"]["test_accuracy"] <= 1.0
+    assert (tmp_path / "c.png").stat().st_size > 10_000
