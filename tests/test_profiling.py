@@ -1,0 +1,25 @@
+"""Kernel-name categories and the per-step breakdown (the GPU profile itself needs a GPU)."""
+
+import pytest
+
+from fp8vit.profiling import categorize, kernel_breakdown
+
+
+@pytest.mark.parametrize("name, cat", [
+    ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "gemm"),
+    ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN", "gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
+    ("void transformer_engine::cast_transpose_kernel<...>", "fp8 cast/transpose/amax"),
+    ("void transformer_engine::normalization::ln_fwd_tuned_kernel<...>", "layernorm"),
+    ("void at::native::(anonymous namespace)::fused_sgd_kernel", "optimizer"),
+    ("void at::native::vectorized_elementwise_kernel<4, ...>", "elementwise/copy"),
+    ("aten::addmm", "gemm"),
+    ("some_new_kernel", "other"),
+])
+def test_categorize(name, cat):
+    assert categorize(name) == cat
+
+
+def test_breakdown_per_step_and_total():
+    br = kernel_breakdown([("gemm_a", 3000.0), ("flash_fwd", 1000.0), ("mystery", 2000.0)], steps=2)
+    assert br == {"gemm": 1.5, "attention": 0.5, "other": 1.0, "total": 3.0}
