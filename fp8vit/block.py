@@ -14,7 +14,6 @@ option and timm's weight layout.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Optional
 
 import torch
@@ -24,18 +23,15 @@ from timm.layers import DropPath, LayerScale, trunc_normal_
 from torch import nn
 
 from . import _te, reference
+from ._warn import warn_once
 from .config import BlockConfig, config_from_timm_block
 from .recipes import row_multiple
 from .weights import te_to_timm, timm_to_te
 
 __all__ = ["TE_Block", "resolve_backend"]
 
-_warned_backend = False
-
-
 def resolve_backend(backend: Optional[str]) -> str:
     """``"te"``, ``"torch"`` or None (TE where it imports and a GPU is visible, else torch)."""
-    global _warned_backend
     if backend not in (None, "te", "torch"):
         raise ValueError(f"backend={backend!r}; use 'te', 'torch' or None (automatic)")
     if backend is not None:
@@ -45,11 +41,9 @@ def resolve_backend(backend: Optional[str]) -> str:
     ok, reason = _te.te_status()
     if ok and torch.cuda.is_available():
         return "te"
-    if not _warned_backend:
-        _warned_backend = True
-        why = reason if not ok else "no CUDA GPU is visible"
-        warnings.warn(f"fp8vit: TE_Block uses PyTorch reference modules (same weights, no FP8): {why}",
-                      RuntimeWarning, stacklevel=3)
+    why = reason if not ok else "no CUDA GPU is visible"
+    warn_once(f"fp8vit: TE_Block uses PyTorch reference modules (same weights, no FP8): {why}",
+              RuntimeWarning, stacklevel=2)
     return "torch"
 
 

@@ -7,7 +7,6 @@ before any TE module is built, so the checks run (and are tested) on machines wi
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -15,6 +14,8 @@ from torch import nn
 from timm.layers import LayerNorm, Mlp
 from timm.layers import activations as timm_act
 from timm.layers import get_act_layer
+
+from ._warn import warn_once
 
 __all__ = ["BlockConfig", "config_from_timm_block", "resolve_norm", "resolve_activation", "GELU_TANH_NOTE"]
 
@@ -25,7 +26,6 @@ GELU_TANH_NOTE = (
     "5e-4 per activation (docs/numerics.md). Pass exact_gelu=True to keep the erf GELU (the MLP "
     "then runs unfused: TE fc1, torch GELU, TE fc2)."
 )
-_warned_gelu = False
 
 
 def _build(layer: Callable, *args):
@@ -69,7 +69,6 @@ def resolve_activation(act_layer: Union[str, Callable], exact_gelu: bool) -> Tup
     None means no TE kernel computes exactly this activation, and the MLP runs unfused with
     the torch activation between TE's fc1 and fc2.
     """
-    global _warned_gelu
     if isinstance(act_layer, str):
         act_layer = get_act_layer(act_layer)
     act = act_layer()
@@ -80,9 +79,7 @@ def resolve_activation(act_layer: Union[str, Callable], exact_gelu: bool) -> Tup
     if isinstance(act, nn.GELU) or isinstance(act, exact_gelus):
         if exact_gelu:
             return act_layer, None
-        if not _warned_gelu:
-            _warned_gelu = True
-            warnings.warn(f"fp8vit: {GELU_TANH_NOTE}", UserWarning, stacklevel=4)
+        warn_once(f"fp8vit: {GELU_TANH_NOTE}", UserWarning, stacklevel=3)
         return act_layer, "gelu"
     if isinstance(act, nn.ReLU):
         return act_layer, "relu"

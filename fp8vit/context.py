@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from typing import Any, Iterator, Optional, Union
 
 import torch
 
 from . import _te
+from ._warn import warn_once
 from .detect import gpu_info
 from .errors import FP8UnavailableError
 from .recipes import check_recipe_name, make_recipe, recipe_name
 
 __all__ = ["fp8_context", "FP8State"]
-
-_warned: set = set()
-
 
 @dataclasses.dataclass(frozen=True)
 class FP8State:
@@ -36,13 +33,6 @@ class FP8State:
     recipe_name: Optional[str]
     dtype: Optional[torch.dtype]
     reason: str = ""
-
-
-def _warn_once(reason: str) -> None:
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"fp8vit: FP8 is off, running in bf16/autocast only: {reason}",
-                      RuntimeWarning, stacklevel=4)
 
 
 def _resolve(recipe: Union[None, str, Any], info) -> Any:
@@ -100,7 +90,8 @@ def fp8_context(
         elif strict:
             raise FP8UnavailableError(f"FP8 was required (strict=True) but cannot run: {reason}")
         else:
-            _warn_once(reason)
+            warn_once(f"fp8vit: FP8 is off, running in bf16/autocast only: {reason}",
+                      RuntimeWarning, stacklevel=3)
     state = FP8State(fp8=use_fp8, recipe=te_recipe,
                      recipe_name=recipe_name(te_recipe) if use_fp8 else None,
                      dtype=dtype, reason=reason)

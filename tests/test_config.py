@@ -77,11 +77,16 @@ def test_activation_mapping(act, exact, expected):
     assert resolve_activation(act, exact)[1] == expected
 
 
-def test_exact_gelu_mapped_to_tanh_warns_once(monkeypatch):
-    import fp8vit.config as config
-    monkeypatch.setattr(config, "_warned_gelu", False)
+def test_exact_gelu_mapped_to_tanh_warns_once():
+    import warnings
+
+    from fp8vit import _warn
+    _warn.reset()
     with pytest.warns(UserWarning, match="tanh-approximate"):
         assert resolve_activation(nn.GELU, False)[1] == "gelu"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_activation(nn.GELU, False)[1] == "gelu"  # once per process
 
 
 def test_gelu_tanh_error_bound_stated_in_the_warning():

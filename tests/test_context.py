@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fp8vit
-from fp8vit import context, detect
+from fp8vit import _warn, context, detect
 from fp8vit.detect import GPUInfo
 
 
@@ -17,8 +17,8 @@ def _info(fp8_ok, recipes=None, default=None, cap=(9, 0)):
 
 
 @pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    monkeypatch.setattr(context, "_warned", set())
+def _fresh():
+    _warn.reset()
     yield
     detect.clear_cache()
 
