@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import fp8vit  # first: imports Transformer Engine before any cuDNN kernel runs
-from fp8vit.workload import PRECISIONS, SIZES, build_model, synthetic_batch, train_step_fn
+from fp8vit.workload import PRECISIONS, SIZES, build_model, make_optimizer, synthetic_batch, train_step_fn
 
 
 def parse_args():
@@ -78,9 +78,7 @@ def main():
     torch.manual_seed(0)
     wl = build_model(args.model, precision=args.precision, recipe=args.recipe, img_size=args.img_size,
                      num_classes=args.num_classes, device=device)
-    params = wl.model.parameters()
-    opt = (torch.optim.SGD(params, lr=lr, momentum=0.9, fused=not cpu) if args.optimizer == "sgd"
-           else torch.optim.AdamW(params, lr=lr, fused=not cpu))
+    opt = make_optimizer(wl.model.parameters(), args.optimizer, lr=lr, device=device)
     net = wl.model
     if world > 1:
         net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[torch.cuda.current_device()])

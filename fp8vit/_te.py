@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import os
 import types
 from typing import Any, Optional, Tuple
@@ -133,6 +134,7 @@ def recipe_module() -> types.ModuleType:
     return importlib.import_module("transformer_engine.common.recipe")
 
 
+@functools.lru_cache(maxsize=None)
 def _state_manager():
     try:
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
@@ -249,8 +251,6 @@ def modules() -> types.SimpleNamespace:
 
     def safe(cls):
         return type(cls.__name__, (_SafeExtraState, cls), {"__module__": __name__})
-
-    import inspect
 
     return types.SimpleNamespace(
         packed_qkv="qkv_layer" in inspect.signature(te.DotProductAttention.forward).parameters,

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .detect import gpu_info
-from .workload import SIZES, build_model, synthetic_batch, train_flops, train_step_fn
+from .workload import SIZES, build_model, make_optimizer, synthetic_batch, train_flops, train_step_fn
 
 __all__ = ["main", "run_variant", "VARIANTS", "DENSE_BF16_PEAK"]
 
@@ -47,15 +47,6 @@ def _spec(variant: str):
             "te-bf16": ("te-bf16", None, False)}[variant]
 
 
-def _make_optimizer(params, name: str, device: str):
-    fused = device == "cuda"
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, fused=fused)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, fused=fused)
-    raise ValueError(f"optimizer={name!r}; choose 'sgd' or 'adamw'")
-
-
 def _sync(device):
     if device == "cuda":
         torch.cuda.synchronize()
@@ -67,7 +58,9 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
     precision, recipe, compile_ = _spec(variant)
     torch.manual_seed(0)
     wl = build_model(model, precision=precision, recipe=recipe, img_size=img_size, device=device)
-    opt = _make_optimizer(wl.model.parameters(), optimizer, device)
+    # Bench learning rates are small and fixed: the step time, not the training, is measured.
+    opt = make_optimizer(wl.model.parameters(), optimizer, lr=1e-3 if optimizer == "sgd" else 1e-4,
+                         device=device)
     net = torch.compile(wl.model) if compile_ else None
     step = train_step_fn(wl, opt, model=net)
     x, y = synthetic_batch(batch, wl, device=device)

@@ -14,6 +14,7 @@ option and timm's weight layout.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Optional
 
 import torch
@@ -29,6 +30,7 @@ from .recipes import row_multiple
 from .weights import te_to_timm, timm_to_te
 
 __all__ = ["TE_Block", "resolve_backend"]
+
 
 def resolve_backend(backend: Optional[str]) -> str:
     """``"te"``, ``"torch"`` or None (TE where it imports and a GPU is visible, else torch)."""
@@ -131,7 +133,6 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
                              "only; move the model to the GPU first, or pass backend='torch'")
         dd = {"device": device, "params_dtype": dtype}
         tdd = {"device": device, "dtype": dtype}
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
 
         self.qkv = m.LayerNormLinear(cfg.dim, 3 * cfg.dim, eps=cfg.norm_eps, bias=cfg.qkv_bias,
                                      normalization=cfg.norm, **dd)
@@ -243,7 +244,7 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
 
     def _attention(self, x, attn_mask, is_causal, mult):
         B, N, C = x.shape
-        qkv = _rows(self.qkv, x, mult).view(B, N, 3, self.num_heads, self.head_dim)  # timm's order
+        qkv = _rows(self.qkv, x, mult).view(B, N, 3, self.cfg.num_heads, self.cfg.head_dim)  # timm's order
         if self.cfg.qk_norm:
             q, k, v = qkv.unbind(2)  # each [B, N, H, D]: TE's "bshd"
             # The norm runs in fp32 under autocast; TE's attention wants one dtype (SDPA casts too).
@@ -274,8 +275,6 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
 
 def _supported_kwargs(block_cls, kwargs: dict) -> dict:
     """Drop keywords the installed timm's ``Block`` lacks, if they hold their default value."""
-    import inspect
-
     params = inspect.signature(block_cls.__init__).parameters
     defaults = {"qk_norm": False, "proj_bias": True, "proj_drop": 0.0}
     out = {}

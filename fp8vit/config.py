@@ -7,6 +7,7 @@ before any TE module is built, so the checks run (and are tested) on machines wi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -225,8 +226,6 @@ def config_from_timm_block(block: nn.Module, *, exact_gelu: bool = False) -> Blo
     Raises:
         ValueError: a part of the block TE_Block does not implement, named.
     """
-    import functools
-
     from timm.layers import Attention, DropPath, LayerScale
 
     attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)

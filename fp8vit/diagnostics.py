@@ -12,10 +12,12 @@ Blocks below a threshold (or with non-finite values) are recommended to stay in 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
 import math
+import sys
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -24,6 +26,7 @@ from torch import nn
 
 from .block import TE_Block
 from .context import fp8_context
+from .recipes import recipe_name
 
 __all__ = ["diagnose", "DiagnosisReport", "BlockStats", "snr_db", "underflow_fraction",
            "set_block_fp8", "SCHEMA_VERSION", "E4M3_MAX", "E5M2_MAX"]
@@ -310,7 +313,6 @@ def diagnose(
             nonfinite=nonfinite,
             te_scaling=_te_scaling(blk),
         ))
-    from .recipes import recipe_name
     name = recipe if isinstance(recipe, str) else (recipe_name(recipe) if recipe is not None else "default")
     return DiagnosisReport(recipe=name, threshold_db=threshold_db, grad_threshold_db=grad_threshold_db,
                            output_snr_db=snr_db(ref_out, out),
@@ -319,9 +321,6 @@ def diagnose(
 
 def main(argv=None) -> int:
     """``fp8vit-diagnose``: diagnose a randomly initialised timm ViT on a synthetic batch."""
-    import argparse
-    import sys
-
     from .errors import FP8UnavailableError
     from .workload import SIZES, build_model, synthetic_batch
 

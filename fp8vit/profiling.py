@@ -51,7 +51,7 @@ def kernel_breakdown(events: Iterable[Tuple[str, float]], steps: int) -> Dict[st
 def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
-    from .workload import PRECISIONS, SIZES, build_model, synthetic_batch, train_step_fn
+    from .workload import PRECISIONS, SIZES, build_model, make_optimizer, synthetic_batch, train_step_fn
 
     p = argparse.ArgumentParser(prog="python -m fp8vit.profiling", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="huge", help=f"{sorted(SIZES)} or a timm model name")
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     wl = build_model(a.model, precision=a.precision, recipe=a.recipe, device=device)
-    opt = torch.optim.SGD(wl.model.parameters(), lr=1e-3, momentum=0.9, fused=device == "cuda")
+    opt = make_optimizer(wl.model.parameters(), "sgd", lr=1e-3, device=device)
     step = train_step_fn(wl, opt)
     x, y = synthetic_batch(a.batch_size, wl, device=device)
     for _ in range(a.warmup):

@@ -21,7 +21,7 @@ from torch import nn
 from .context import fp8_context
 from .convert import convert_to_te
 
-__all__ = ["SIZES", "PRECISIONS", "build_model", "train_step_fn", "synthetic_batch", "train_flops",
+__all__ = ["SIZES", "PRECISIONS", "build_model", "make_optimizer", "train_step_fn", "synthetic_batch", "train_flops",
            "Workload"]
 
 # ViT sizes by short name: (embed_dim, depth, num_heads). Patch 16, 224 px.
@@ -73,6 +73,23 @@ def build_model(model: str = "huge", *, precision: str = "fp8", recipe: Optional
     if precision != "bf16":
         convert_to_te(net, backend=backend)
     return Workload(net, precision, recipe, img_size, num_classes)
+
+
+def make_optimizer(params, name: str = "sgd", *, lr: float, device: str = "cuda") -> torch.optim.Optimizer:
+    """SGD with momentum 0.9 or AdamW, fused (one kernel per step) on CUDA.
+
+    Args:
+        params: the parameters to optimize.
+        name: ``"sgd"`` or ``"adamw"``.
+        lr: learning rate.
+        device: ``"cuda"`` enables the fused implementation.
+    """
+    fused = device == "cuda"
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, fused=fused)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, fused=fused)
+    raise ValueError(f"optimizer={name!r}; choose 'sgd' or 'adamw'")
 
 
 def synthetic_batch(batch: int, wl: Workload, device: str = "cuda", seed: int = 0):
