@@ -125,6 +125,7 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         self.grad_checkpointing = False
         # False: this block runs its GEMMs in bf16 even inside fp8_context (see fp8vit.diagnose).
         self.fp8_enabled = True
+        self.fp32_residual = False
         m = _te.modules() if self.backend == "te" else reference.modules()
         if device is None:
             device = "cuda" if self.backend == "te" else "cpu"
@@ -238,6 +239,10 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
 
     def _forward(self, x, attn_mask, is_causal):
         mult = row_multiple(_te.active_fp8_recipe()) if self.backend == "te" else 1
+        if not self.fp32_residual and torch.is_autocast_enabled(x.device.type):
+            # Residual stream in the autocast dtype: TE casts its GEMM inputs to it anyway, so an
+            # fp32 stream costs a cast before each norm and fp32 adds and gradients (issue 10).
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         x = x + self.drop_path1(self.ls1(self._attention(x, attn_mask, is_causal, mult)))
         x = x + self.drop_path2(self.ls2(_rows(self.mlp, x, mult)))
         return x

@@ -1,0 +1,168 @@
+"""Performance levers for fp8vit's FP8 step, measured in one process (issue 10).
+
+    python3 docs/perf/levers.py --model huge --batch 128 --variants all --profile te-layer,fp8vit \
+        --out $OUT
+
+Each variant is one training step of a timm ViT (SGD momentum, synthetic data, bf16 autocast) timed
+as the median of ``--steps`` after ``--warmup``; ratios are only meaningful within one run.
+``--profile`` also writes a per-kernel table (name, calls/step, ms/step) for the named variants.
+
+Variants (all under DelayedScaling HYBRID, TE's default history, except timm-bf16):
+  timm-bf16          timm blocks, bf16 autocast
+  te-layer           a plain te.TransformerLayer configured for a ViT (bshd, no mask, eps 1e-6)
+  fp8vit             fp8vit.convert_to_te as shipped in this tree
+  fp8vit-res-fp32    fp8vit with the residual stream kept in fp32 (timm's behaviour under autocast)
+  *-foreach          the same with foreach SGD instead of fused SGD
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+
+import fp8vit  # imports TE before torch runs a cuDNN kernel
+import torch
+import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer
+
+SIZES = {"base": (768, 12, 12), "large": (1024, 24, 16), "huge": (1280, 32, 16)}
+
+
+def te_layer_block():
+    import transformer_engine.pytorch as te
+
+    class TELayer(te.TransformerLayer):
+        def __init__(self, dim, num_heads, mlp_ratio=4.0, qkv_bias=False, proj_drop=0.0, attn_drop=0.0, **kw):
+            super().__init__(hidden_size=dim, ffn_hidden_size=int(dim * mlp_ratio), num_attention_heads=num_heads,
+                             hidden_dropout=proj_drop, attention_dropout=attn_drop, attn_input_format="bshd",
+                             self_attn_mask_type="no_mask", layernorm_epsilon=1e-6)
+    return TELayer
+
+
+def build(variant, size):
+    dim, depth, heads = SIZES[size]
+    kw = dict(embed_dim=dim, depth=depth, num_heads=heads)
+    if variant.startswith("te-layer"):
+        return VisionTransformer(block_fn=te_layer_block(), **kw).cuda()
+    model = VisionTransformer(**kw).cuda()
+    if variant.startswith("fp8vit"):
+        fp8vit.convert_to_te(model)
+        if "res-fp32" in variant:
+            for b in model.blocks:
+                b.fp32_residual = True
+    return model
+
+
+def make_step(variant, model):
+    from fp8vit import _te
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused="foreach" not in variant,
+                          foreach=True if "foreach" in variant else None)
+    fp8 = not variant.startswith("timm")
+    recipe = fp8vit.make_recipe("delayed") if fp8 else None
+
+    def step(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            with _te.autocast(enabled=True, recipe=recipe) if fp8 else contextlib.nullcontext():
+                out = model(x)
+            loss = F.cross_entropy(out.float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def graph_blocks(model, batch, dim):
+    """Capture model.blocks with te.make_graphed_callables (as ../shared/reference/graphs_probe.py)."""
+    import transformer_engine.pytorch as te
+    sample = (torch.randn(batch, 197, dim, device="cuda", requires_grad=True),)
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        model.blocks = te.make_graphed_callables(model.blocks, sample, enabled=True,
+                                                 recipe=fp8vit.make_recipe("delayed"),
+                                                 cache_quantized_params=False)
+
+
+def time_variant(variant, size, batch, steps, warmup, profile):
+    torch.manual_seed(0)
+    model = build(variant, size).train()
+    if "graphed" in variant:
+        graph_blocks(model, batch, SIZES[size][0])
+    step = make_step(variant, model)
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        step(x, y)
+    torch.cuda.synchronize()
+    ev = []
+    for _ in range(steps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); loss = step(x, y); e.record(); ev.append((s, e))
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in ev)
+    r = {"variant": variant, "model": size, "batch": batch, "median_ms": statistics.median(ms),
+         "p10_ms": ms[len(ms) // 10], "p90_ms": ms[-1 - len(ms) // 10], "loss": float(loss),
+         "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as prof_ctx
+        n = 3
+        with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                step(x, y)
+            torch.cuda.synchronize()
+        table = collections.defaultdict(lambda: [0, 0.0])
+        for e in prof.events():
+            if str(e.device_type).endswith("CUDA"):
+                table[e.name][0] += 1
+                table[e.name][1] += e.device_time
+        r["kernels"] = sorted(([k, c / n, us / n / 1e3] for k, (c, us) in table.items()), key=lambda t: -t[2])
+        r["kernel_ms"] = sum(t[2] for t in r["kernels"])
+    del model, step, x, y
+    gc.collect(); torch.cuda.empty_cache()
+    return r
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="huge", choices=sorted(SIZES))
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--variants", default="all")
+    p.add_argument("--profile", default="")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = p.parse_args()
+    names = (["timm-bf16", "te-layer", "te-layer-foreach", "fp8vit", "fp8vit-foreach", "fp8vit-res-fp32"]
+             if a.variants == "all" else a.variants.split(","))
+    prof = set(filter(None, a.profile.split(",")))
+    rows = []
+    for v in names:
+        r = time_variant(v, a.model, a.batch, a.steps, a.warmup, v in prof)
+        rows.append(r)
+        print(f"{a.model} b{a.batch} {v:22s} {r['median_ms']:8.1f} ms  (p10 {r['p10_ms']:.1f}, p90 {r['p90_ms']:.1f})"
+              f"  peak {r['peak_gib']:.1f} GiB" + (f"  kernels {r['kernel_ms']:.1f} ms" if "kernel_ms" in r else ""),
+              flush=True)
+    base = next((r["median_ms"] for r in rows if r["variant"] == "te-layer"), None)
+    if base:
+        for r in rows:
+            print(f"  {r['variant']:22s} / te-layer = {r['median_ms'] / base:.3f}")
+    with open(os.path.join(a.out, f"levers_{a.model}_{a.batch}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    for r in rows:
+        if "kernels" in r:
+            with open(os.path.join(a.out, f"kernels_{r['variant']}_{a.model}_{a.batch}.txt"), "w") as f:
+                f.write(f"# {r['variant']} {a.model} b{a.batch}: {r['kernel_ms']:.2f} ms kernel time/step\n")
+                f.write(f"{'ms/step':>9s} {'calls':>7s}  kernel\n")
+                for name, calls, ms in r["kernels"]:
+                    f.write(f"{ms:9.3f} {calls:7.1f}  {name[:160]}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
