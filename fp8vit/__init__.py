@@ -1,27 +1,37 @@
 """fp8vit: FP8 training of timm Vision Transformers on NVIDIA Transformer Engine.
 
-    model = timm.create_model("vit_base_patch16_224")
-    fp8vit.convert_to_te(model.cuda())            # or VisionTransformer(block_fn=fp8vit.TE_Block)
+    model = timm.create_model("vit_base_patch16_224").cuda()
+    fp8vit.convert_to_te(model)                   # or VisionTransformer(block_fn=fp8vit.TE_Block)
+    fp8vit.make_graphed_blocks(model, batch_size=128)   # optional: CUDA graphs (below ViT-H)
     with fp8vit.fp8_context():                    # bf16 autocast + TE FP8 where the GPU has it
         loss = criterion(model(images), labels)
     loss.backward()
 
 ``import fp8vit`` never requires TE or a GPU. If TE is installed and a GPU is visible, it is
 imported here, before any cuDNN kernel runs (a later import can load a clashing cuDNN).
+The command-line tools (``fp8vit-bench``, ``fp8vit-profile``, ``fp8vit-diagnose``) live in
+``fp8vit.tools``, which the library itself never imports.
 """
+
+from importlib.metadata import PackageNotFoundError, version
 
 from . import _te
 from .block import TE_Block
 from .config import BlockConfig
 from .context import FP8State, fp8_context
-from .convert import convert_from_te, convert_to_te, set_grad_checkpointing
+from .convert import convert_from_te, convert_to_te, set_block_fp8, set_grad_checkpointing
 from .detect import GPUInfo, fp8_support, gpu_info
-from .diagnostics import BlockStats, DiagnosisReport, diagnose, set_block_fp8
+from .diagnostics import BlockStats, DiagnosisReport, diagnose
+from .errors import Check, ConversionError, FP8UnavailableError, TEUnavailableError
+from .graphs import GraphedBlocks, make_graphed_blocks
 from .guards import NonFiniteEvent, NonFiniteGuard
-from .errors import ConversionError, FP8UnavailableError, TEUnavailableError
-from .recipes import RECIPE_NAMES, make_recipe
+from .numerics import snr_db
+from .recipes import RECIPE_NAMES, RecipeName, make_recipe
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("fp8vit")  # one source of truth: pyproject.toml
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     # blocks and model conversion
@@ -30,22 +40,27 @@ __all__ = [
     "convert_to_te",
     "convert_from_te",
     "set_grad_checkpointing",
+    "set_block_fp8",
     # FP8 execution
     "fp8_context",
     "FP8State",
+    "RecipeName",
     "RECIPE_NAMES",
     "make_recipe",
+    "make_graphed_blocks",
+    "GraphedBlocks",
     # FP8 safety
     "diagnose",
     "DiagnosisReport",
     "BlockStats",
-    "set_block_fp8",
+    "snr_db",
     "NonFiniteGuard",
     "NonFiniteEvent",
     # capability detection
     "fp8_support",
     "gpu_info",
     "GPUInfo",
+    "Check",
     # errors
     "TEUnavailableError",
     "FP8UnavailableError",

@@ -1,13 +1,15 @@
-"""The only module that imports ``transformer_engine``.
+"""The only module that touches ``transformer_engine``, its internals included.
 
 Everything TE-specific that the rest of fp8vit needs goes through here:
 
 * import with an explanation of *why* it failed (not installed, no CUDA, the cuDNN clash),
-  cached as ``(ok, reason)``;
+  cached as a :class:`Check`;
 * shims for APIs that moved between TE releases (``te.autocast`` vs the deprecated
   ``te.fp8_autocast``; ``FP8GlobalStateManager`` living in ``quantization`` or ``fp8``);
 * the TE modules fp8vit builds blocks from, subclassed so that their FP8 scaling state is
-  checkpointed as plain tensors instead of a pickle (see ``_SafeExtraState``).
+  checkpointed as plain tensors instead of a pickle (see ``_SafeExtraState``);
+* readers and writers of TE's delayed-scaling state (``fp8_meta``) for diagnostics and guards;
+* CUDA-graph capture (``make_graphed_callables``) and the plain ``TransformerLayer`` (bench only).
 """
 
 from __future__ import annotations
@@ -18,23 +20,18 @@ import importlib.util
 import inspect
 import os
 import types
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch import nn
 
-from .errors import TEUnavailableError
+from .errors import Check, TEUnavailableError
 
 __all__ = [
-    "te_status",
-    "load_te",
-    "preload",
-    "autocast",
-    "checkpoint",
-    "recipe_module",
-    "recipe_checks",
-    "active_fp8_recipe",
-    "modules",
-    "EXTRA_STATE_FORMAT",
+    "te_status", "installed", "load_te", "preload", "clear_cache", "te_check", "has_recipe",
+    "recipe_module", "autocast", "checkpoint", "active_fp8_recipe", "modules", "MODULE_NAMES",
+    "is_te_module", "scaling_state", "repair_amax_histories", "make_graphed_callables",
+    "transformer_layer_class", "EXTRA_STATE_FORMAT",
 ]
 
 INSTALL_HINT = "install it with: pip install 'fp8vit[te]'  (that is transformer-engine[pytorch])"
@@ -84,14 +81,25 @@ def _import() -> Tuple[Optional[types.ModuleType], str]:
     return te, ""
 
 
-def te_status() -> Tuple[bool, str]:
-    """Whether Transformer Engine imports here. Cached.
+def te_status() -> Check:
+    """Whether Transformer Engine imports here. Cached (see :func:`clear_cache`).
 
     Returns:
-        ``(ok, reason)``: ``reason`` is empty when ``ok``, else says why and how to fix it.
+        ``Check(ok, reason)``: ``reason`` is empty when ``ok``, else says why and how to fix it.
     """
     te, reason = _import()
-    return te is not None, reason
+    return Check(te is not None, reason)
+
+
+def installed() -> bool:
+    """Whether a ``transformer_engine`` package is installed (importable or not)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def clear_cache() -> None:
+    """Forget the cached import result and capability answers (a failed import is retried)."""
+    _import.cache_clear()
+    te_check.cache_clear()
 
 
 def load_te() -> types.ModuleType:
@@ -110,7 +118,7 @@ def preload() -> None:
     """
     if os.environ.get("FP8VIT_LAZY_TE") == "1":
         return
-    if importlib.util.find_spec("transformer_engine") is None or not torch.cuda.is_available():
+    if not installed() or not torch.cuda.is_available():
         return
     _import()
 
@@ -151,26 +159,28 @@ def active_fp8_recipe() -> Optional[Any]:
     return mgr.get_fp8_recipe() if mgr.is_fp8_enabled() else None
 
 
+def is_te_module(module: nn.Module) -> bool:
+    """Whether ``module`` is a TE module (has FP8 state), as opposed to a reference stand-in."""
+    return hasattr(module, "fp8_meta")
+
+
 @functools.lru_cache(maxsize=None)
-def recipe_checks() -> dict:
-    """TE's own capability check for each recipe name: ``{name: (ok, reason)}``. Needs TE + CUDA."""
-    te = load_te()
+def te_check(fn_name: str) -> Check:
+    """Ask TE one of its capability questions (``is_fp8_available``, ...). Cached; needs TE.
 
-    def check(fn_name: str) -> Tuple[bool, str]:
-        fn = getattr(te, fn_name, None)
-        if fn is None:
-            return False, f"this Transformer Engine has no {fn_name}()"
-        ok, reason = fn(return_reason=True)
-        return bool(ok), reason or ""
+    Returns:
+        TE's answer and reason, or a Check saying this TE lacks the function.
+    """
+    fn = getattr(load_te(), fn_name, None)
+    if fn is None:
+        return Check(False, f"this Transformer Engine has no {fn_name}()")
+    ok, reason = fn(return_reason=True)
+    return Check(bool(ok), reason or "")
 
-    fp8 = check("is_fp8_available")
-    rec = recipe_module()
-    out = {"delayed": fp8}
-    out["current"] = fp8 if hasattr(rec, "Float8CurrentScaling") else (
-        False, "this Transformer Engine has no Float8CurrentScaling (needs TE >= 2.2)")
-    out["block"] = check("is_fp8_block_scaling_available")
-    out["mxfp8"] = check("is_mxfp8_available")
-    return out
+
+def has_recipe(cls_name: str) -> bool:
+    """Whether TE's recipe module defines ``cls_name`` (e.g. ``"Float8CurrentScaling"``)."""
+    return hasattr(recipe_module(), cls_name)
 
 
 # --------------------------------------------------------------------------- checkpoint state
@@ -244,18 +254,86 @@ class _SafeExtraState:
         return None
 
 
+MODULE_NAMES = ("LayerNormLinear", "Linear", "LayerNormMLP", "DotProductAttention")
+
+
 @functools.lru_cache(maxsize=None)
 def modules() -> types.SimpleNamespace:
-    """TE's block modules with :class:`_SafeExtraState` mixed in."""
+    """TE's block modules with :class:`_SafeExtraState` mixed in, plus ``packed_qkv``: whether
+    ``DotProductAttention.forward`` takes the packed ``qkv_layer`` argument (TE >= 2.20)."""
     te = load_te()
 
-    def safe(cls):
-        return type(cls.__name__, (_SafeExtraState, cls), {"__module__": __name__})
+    def safe(name: str) -> type:
+        # Module-level name and qualname: pickle finds the class again through __getattr__ below.
+        return type(name, (_SafeExtraState, getattr(te, name)), {"__module__": __name__, "__qualname__": name})
 
     return types.SimpleNamespace(
         packed_qkv="qkv_layer" in inspect.signature(te.DotProductAttention.forward).parameters,
-        LayerNormLinear=safe(te.LayerNormLinear),
-        Linear=safe(te.Linear),
-        LayerNormMLP=safe(te.LayerNormMLP),
-        DotProductAttention=safe(te.DotProductAttention),
+        **{name: safe(name) for name in MODULE_NAMES},
     )
+
+
+def __getattr__(name: str):
+    """``fp8vit._te.LayerNormLinear`` etc., built on first use (so whole-model pickles load)."""
+    if name in MODULE_NAMES:
+        return getattr(modules(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --------------------------------------------------------------------------- FP8 scaling state
+def _delayed_states(module: nn.Module):
+    """``(name, key, state)`` for every delayed-scaling state (``fp8_meta[scaling_fwd/bwd]``)."""
+    for name, mod in module.named_modules():
+        meta = getattr(mod, "fp8_meta", None)
+        if not isinstance(meta, dict):
+            continue
+        for key in ("scaling_fwd", "scaling_bwd"):
+            state = meta.get(key)
+            if isinstance(getattr(state, "amax_history", None), torch.Tensor):
+                yield name, key, state
+
+
+def scaling_state(module: nn.Module) -> Dict[str, List[float]]:
+    """``{submodule: [amax, scale]}`` of the forward input of every TE module under ``module``
+    that ran delayed scaling (empty for stateless recipes and the reference backend)."""
+    return {name: [float(st.amax_history[0][0]), float(st.scale[0])]
+            for name, key, st in _delayed_states(module) if key == "scaling_fwd"}
+
+
+def repair_amax_histories(module: nn.Module) -> int:
+    """Replace non-finite values in every TE amax history under ``module`` by zero.
+
+    One non-finite step would otherwise freeze the FP8 scales for the whole history length.
+
+    Returns:
+        how many histories held a non-finite value.
+    """
+    fixed = 0
+    with torch.no_grad():
+        for _, _, state in _delayed_states(module):
+            hist = state.amax_history
+            if not bool(torch.isfinite(hist).all()):
+                torch.nan_to_num_(hist, nan=0.0, posinf=0.0, neginf=0.0)
+                fixed += 1
+    return fixed
+
+
+# --------------------------------------------------------------------------- CUDA graphs, bench
+def make_graphed_callables(module: nn.Module, sample_args: Tuple[torch.Tensor, ...], *, fp8: bool,
+                           recipe: Any, num_warmup_iters: int, amax_reduction_group=None) -> nn.Module:
+    """``te.make_graphed_callables`` for one module: forward and backward captured as CUDA graphs.
+
+    FP8 scaling factors are read from device memory inside the graphs and updated outside them
+    (TE's amax reduction at the end of each autocast/backward), so delayed scaling keeps working.
+    Parameter gradients are cloned on return (TE's default), so accumulation over micro-batches
+    is correct.
+    """
+    return load_te().make_graphed_callables(
+        module, sample_args, num_warmup_iters=num_warmup_iters, enabled=fp8,
+        recipe=recipe if fp8 else None, amax_reduction_group=amax_reduction_group,
+        cache_quantized_params=False)
+
+
+def transformer_layer_class() -> type:
+    """``te.TransformerLayer`` (the bench's speed reference; fp8vit's blocks do not use it)."""
+    return load_te().TransformerLayer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-__all__ = ["warn_once", "reset"]
+__all__ = ["warn_once"]
 
 _seen: set = set()
 
@@ -14,8 +14,3 @@ def warn_once(message: str, category: type = UserWarning, stacklevel: int = 2) -
     if message not in _seen:
         _seen.add(message)
         warnings.warn(message, category, stacklevel=stacklevel + 1)
-
-
-def reset() -> None:
-    """Forget what was warned (tests)."""
-    _seen.clear()

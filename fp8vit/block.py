@@ -7,50 +7,32 @@
 
 Why not ``te.TransformerLayer``: its defaults are GPT's (causal mask, ``sbhd`` layout, dropout
 0.1, eps 1e-5), it has one bias flag for all GEMMs, no LayerScale, and it interleaves the QKV
-weight. Composing the same four fused modules here costs the same kernels and keeps every timm
-option and timm's weight layout.
+weight. Composing the same four fused modules here costs the same kernels (docs/performance.md)
+and keeps every timm option and timm's weight layout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from timm.layers import DropPath, LayerScale, trunc_normal_
+from timm.models.vision_transformer import Block
 from torch import nn
 
-from . import _te, reference
-from ._warn import warn_once
+from .backend import Backend, get_backend, resolve_backend
 from .config import BlockConfig, config_from_timm_block
-from .recipes import row_multiple
 from .weights import te_to_timm, timm_to_te
 
-__all__ = ["TE_Block", "resolve_backend"]
+__all__ = ["TE_Block"]
 
 
-def resolve_backend(backend: Optional[str]) -> str:
-    """``"te"``, ``"torch"`` or None (TE where it imports and a GPU is visible, else torch)."""
-    if backend not in (None, "te", "torch"):
-        raise ValueError(f"backend={backend!r}; use 'te', 'torch' or None (automatic)")
-    if backend is not None:
-        if backend == "te":
-            _te.load_te()  # raises TEUnavailableError with the reason
-        return backend
-    ok, reason = _te.te_status()
-    if ok and torch.cuda.is_available():
-        return "te"
-    why = reason if not ok else "no CUDA GPU is visible"
-    warn_once(f"fp8vit: TE_Block uses PyTorch reference modules (same weights, no FP8): {why}",
-              RuntimeWarning, stacklevel=2)
-    return "torch"
-
-
-def _rows(module: nn.Module, x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Apply a TE GEMM module over the token rows of ``x`` [B, N, Cin] -> [B, N, Cout].
+def _aligned_rows(module: nn.Module, x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Apply a GEMM module over the token rows of ``x`` [B, N, Cin] -> [B, N, Cout].
 
     Under FP8 the rows ``B * N`` must be a multiple of 16 (32 for MXFP8): the weight-gradient
     GEMM reduces over them. If they are not, pad with zero rows and slice the result; padded
@@ -65,9 +47,9 @@ def _rows(module: nn.Module, x: torch.Tensor, multiple: int) -> torch.Tensor:
     return y[: B * N].view(B, N, -1)
 
 
-class _MLP(nn.Module):
-    """Unfused MLP for activations TE has no kernel for (or exact GELU) and for dropout:
-    TE LayerNorm+fc1 -> torch activation -> dropout -> TE fc2 -> dropout (timm's ``Mlp`` order)."""
+class _UnfusedMLP(nn.Module):
+    """MLP for activations TE has no kernel for (or exact GELU) and for dropout, in timm's ``Mlp``
+    order: TE LayerNorm+fc1 -> torch activation -> dropout -> TE fc2 -> dropout."""
 
     def __init__(self, cfg: BlockConfig, m, dd: dict):
         super().__init__()
@@ -93,12 +75,17 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         num_heads: attention heads.
         *args, **kwargs: the rest of timm ``Block``'s keywords (``mlp_ratio, qkv_bias, qk_norm,
             scale_attn_norm, scale_mlp_norm, proj_bias, proj_drop, attn_drop, init_values,
-            drop_path, act_layer, norm_layer, mlp_layer, attn_layer, depth``; timm 0.6's ``drop``),
-            see :meth:`BlockConfig.from_timm_kwargs`.
-        device: where parameters live; None means CUDA for the TE backend, CPU for torch.
+            drop_path, act_layer, norm_layer, mlp_layer, attn_layer, depth``), see
+            :meth:`BlockConfig.from_timm_kwargs`.
+        device: where parameters live; None means CUDA for the TE backend, CPU for reference.
         dtype: parameter dtype (None: torch's default dtype).
         exact_gelu: keep timm's erf GELU (unfused MLP) instead of TE's tanh GELU kernel.
-        backend: ``"te"``, ``"torch"`` (reference modules, no FP8) or None (automatic).
+        backend: ``"te"``, ``"reference"`` (PyTorch modules, no FP8) or None (automatic).
+        fp32_residual: keep the residual stream in fp32 under autocast, as timm's ``Block`` does.
+            The default (False) carries it in the autocast dtype, as ``te.TransformerLayer``
+            does: TE casts its inputs to that dtype anyway, and the fp32 stream costs 10% of a
+            ViT-H FP8 step in casts and wider adds (docs/performance.md).
+        config: a ready :class:`BlockConfig` instead of the timm keywords (see :meth:`from_config`).
     """
 
     def __init__(
@@ -110,30 +97,31 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         dtype: Optional[torch.dtype] = None,
         exact_gelu: bool = False,
         backend: Optional[str] = None,
+        fp32_residual: bool = False,
+        config: Optional[BlockConfig] = None,
         **kwargs,
     ) -> None:
-        # timm's keywords (and their positional order) are BlockConfig.from_timm_kwargs's: one
-        # list, validated there. Unknown keywords raise TypeError naming them.
-        cfg = BlockConfig.from_timm_kwargs(dim, num_heads, *args, exact_gelu=exact_gelu, **kwargs)
-        self._build(cfg, device, dtype, backend)
-
-    # A second constructor path (from_timm) builds from a config; both end here.
-    def _build(self, cfg: BlockConfig, device, dtype, backend: Optional[str]) -> None:
-        nn.Module.__init__(self)
-        self.cfg = cfg
+        if config is None:
+            # timm's keywords (and their positional order) are BlockConfig.from_timm_kwargs's: one
+            # list, validated there. Unknown keywords raise TypeError naming them.
+            config = BlockConfig.from_timm_kwargs(dim, num_heads, *args, exact_gelu=exact_gelu, **kwargs)
+        elif args or kwargs or (dim, num_heads) != (config.dim, config.num_heads):
+            raise TypeError(f"TE_Block(config=...) takes no other timm keywords; got dim={dim}, "
+                            f"num_heads={num_heads} for a config of {config.dim}/{config.num_heads} "
+                            f"and extra {list(args) + sorted(kwargs)}")
+        super().__init__()
+        self.cfg = cfg = config
         self.backend = resolve_backend(backend)
         self.grad_checkpointing = False
-        # False: this block runs its GEMMs in bf16 even inside fp8_context (see fp8vit.diagnose).
-        self.fp8_enabled = True
-        self.fp32_residual = False
-        m = _te.modules() if self.backend == "te" else reference.modules()
-        if device is None:
-            device = "cuda" if self.backend == "te" else "cpu"
-        if self.backend == "te" and torch.device(device).type != "cuda":
+        self.fp8_enabled = True  # False: GEMMs in bf16 even inside fp8_context (set_block_fp8)
+        self.fp32_residual = fp32_residual
+        m = self._impl.modules
+        device = self._impl.default_device if device is None else device
+        if self._impl.fp8 and torch.device(device).type not in ("cuda", "meta"):
             raise ValueError(f"TE_Block on device {device!r}: Transformer Engine modules run on CUDA "
-                             "only; move the model to the GPU first, or pass backend='torch'")
-        dd = {"device": device, "params_dtype": dtype}
-        tdd = {"device": device, "dtype": dtype}
+                             "only; move the model to the GPU first, or pass backend='reference'")
+        dd = {"device": device, "params_dtype": dtype}  # TE's keyword names
+        tdd = {"device": device, "dtype": dtype}  # torch's
 
         self.qkv = m.LayerNormLinear(cfg.dim, 3 * cfg.dim, eps=cfg.norm_eps, bias=cfg.qkv_bias,
                                      normalization=cfg.norm, **dd)
@@ -141,8 +129,6 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         self.k_norm = cfg.norm_layer(cfg.head_dim, **tdd) if cfg.qk_norm else nn.Identity()
         self.attn = m.DotProductAttention(cfg.num_heads, cfg.head_dim, attention_dropout=cfg.attn_drop,
                                           qkv_format="bshd", attn_mask_type="no_mask")
-        # TE >= 2.20 takes the packed [B, N, 3, H, D] buffer explicitly (pointer detection is deprecated).
-        self._packed_qkv = m.packed_qkv
         self.proj = m.Linear(cfg.dim, cfg.dim, bias=cfg.proj_bias, **dd)
         self.proj_drop = nn.Dropout(cfg.proj_drop)
         self.ls1 = LayerScale(cfg.dim, init_values=cfg.init_values, **tdd) if cfg.init_values else nn.Identity()
@@ -152,45 +138,55 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
             self.mlp = m.LayerNormMLP(cfg.dim, cfg.mlp_hidden, eps=cfg.norm_eps, bias=cfg.proj_bias,
                                       normalization=cfg.norm, activation=cfg.te_activation, **dd)
         else:
-            self.mlp = _MLP(cfg, m, dd)
+            self.mlp = _UnfusedMLP(cfg, m, dd)
         self.ls2 = LayerScale(cfg.dim, init_values=cfg.init_values, **tdd) if cfg.init_values else nn.Identity()
         self.drop_path2 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
 
-    # ------------------------------------------------------------------ timm interop
+    @property
+    def _impl(self) -> Backend:
+        return get_backend(self.backend)
+
+    # ------------------------------------------------------------------ construction, timm interop
     @classmethod
-    def from_timm(cls, block: nn.Module, *, exact_gelu: bool = False, backend: Optional[str] = None) -> "TE_Block":
-        """A ``TE_Block`` with the settings, weights, device, dtype and mode of a timm ``Block``.
+    def from_config(cls, cfg: BlockConfig, **kwargs) -> "TE_Block":
+        """A ``TE_Block`` for a validated config; ``kwargs`` are ``device, dtype, backend, fp32_residual``."""
+        return cls(cfg.dim, cfg.num_heads, config=cfg, **kwargs)
+
+    @classmethod
+    def from_timm(cls, block: nn.Module, *, exact_gelu: bool = False, backend: Optional[str] = None,
+                  fp32_residual: bool = False) -> "TE_Block":
+        """A ``TE_Block`` with the settings, weights, device, dtype, ``requires_grad`` flags and
+        mode of a timm ``Block``.
 
         Raises:
             ValueError: a part of ``block`` that TE_Block does not implement, named.
         """
-        cfg = config_from_timm_block(block, exact_gelu=exact_gelu)
         ref = block.norm1.weight
-        new = cls.__new__(cls)
-        new._build(cfg, ref.device, ref.dtype, backend)
+        new = cls.from_config(config_from_timm_block(block, exact_gelu=exact_gelu), device=ref.device,
+                              dtype=ref.dtype, backend=backend, fp32_residual=fp32_residual)
         new.load_timm_state_dict(block.state_dict())
+        _copy_requires_grad(block, new, timm_to_te)
         return new.train(block.training)
 
     def load_timm_state_dict(self, sd) -> None:
         """Load a timm ``Block`` state dict (keys relative to the block) exactly.
 
         Raises:
-            KeyError: keys that do not match this block's configuration, listed.
+            ValueError: keys that do not match this block's configuration, listed.
         """
         res = self.load_state_dict(timm_to_te(sd, self.cfg), strict=False)
         # strict=False only so that FP8 scaling state (_extra_state) may be absent.
         missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
         if missing or res.unexpected_keys:
-            raise KeyError(f"TE_Block: tensors not set {missing}, unknown {res.unexpected_keys}")
+            raise ValueError(f"TE_Block: tensors not set {missing}, unknown {res.unexpected_keys}")
 
     def to_timm(self) -> nn.Module:
-        """The equivalent timm ``Block`` (same weights, device, dtype, mode). FP8 scaling state is dropped."""
-        from timm.models.vision_transformer import Block
-
+        """The equivalent timm ``Block`` (same weights, device, dtype, ``requires_grad`` flags, mode).
+        FP8 scaling state is dropped."""
         ref = self.qkv.weight
-        kwargs = _supported_kwargs(Block, self.cfg.timm_kwargs())
-        block = Block(**kwargs).to(device=ref.device, dtype=ref.dtype)
+        block = Block(**_installed_block_kwargs(self.cfg.timm_kwargs())).to(device=ref.device, dtype=ref.dtype)
         block.load_state_dict(te_to_timm(self.state_dict(), self.cfg), strict=True)
+        _copy_requires_grad(self, block, te_to_timm)
         return block.train(self.training)
 
     def init_weights(self) -> None:
@@ -218,7 +214,7 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
             is_causal: causal attention, as in timm.
 
         Returns:
-            ``[B, N, C]``.
+            ``[B, N, C]``, in the autocast dtype under autocast unless ``fp32_residual``.
         """
         if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
             raise ValueError(f"TE_Block expects x of shape [B, N, {self.cfg.dim}], got {tuple(x.shape)}")
@@ -227,35 +223,31 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
                              f"{attn_mask.dtype}: TE has no additive-mask attention kernel")
         if attn_mask is not None and is_causal:
             raise ValueError("pass either attn_mask or is_causal=True to TE_Block, not both")
-        with contextlib.ExitStack() as stack:
-            if not self.fp8_enabled and self.backend == "te" and _te.active_fp8_recipe() is not None:
-                stack.enter_context(_te.autocast(enabled=False, recipe=None))  # nested: this block only
+        impl = self._impl
+        recipe = impl.active_recipe()  # looked up once per forward: it is on the hot path
+        with impl.fp8_off() if recipe is not None and not self.fp8_enabled else contextlib.nullcontext():
+            mult = impl.row_multiple(recipe if self.fp8_enabled else None)
             if self.grad_checkpointing and torch.is_grad_enabled():
-                if self.backend == "te":
-                    return _te.checkpoint(self._forward, x, attn_mask, is_causal)
-                return torch.utils.checkpoint.checkpoint(self._forward, x, attn_mask, is_causal,
-                                                         use_reentrant=False)
-            return self._forward(x, attn_mask, is_causal)
+                return impl.checkpoint(self._forward, x, attn_mask, is_causal, mult)
+            return self._forward(x, attn_mask, is_causal, mult)
 
-    def _forward(self, x, attn_mask, is_causal):
-        mult = row_multiple(_te.active_fp8_recipe()) if self.backend == "te" else 1
+    def _forward(self, x, attn_mask, is_causal, mult: int):
         if not self.fp32_residual and torch.is_autocast_enabled(x.device.type):
-            # Residual stream in the autocast dtype: TE casts its GEMM inputs to it anyway, so an
-            # fp32 stream costs a cast before each norm and fp32 adds and gradients (issue 10).
             x = x.to(torch.get_autocast_dtype(x.device.type))
         x = x + self.drop_path1(self.ls1(self._attention(x, attn_mask, is_causal, mult)))
-        x = x + self.drop_path2(self.ls2(_rows(self.mlp, x, mult)))
+        x = x + self.drop_path2(self.ls2(_aligned_rows(self.mlp, x, mult)))
         return x
 
-    def _attention(self, x, attn_mask, is_causal, mult):
-        B, N, C = x.shape
-        qkv = _rows(self.qkv, x, mult).view(B, N, 3, self.cfg.num_heads, self.cfg.head_dim)  # timm's order
+    def _attention(self, x, attn_mask, is_causal, mult: int):
+        B, N, _ = x.shape
+        qkv = _aligned_rows(self.qkv, x, mult).view(B, N, 3, self.cfg.num_heads, self.cfg.head_dim)
         if self.cfg.qk_norm:
             q, k, v = qkv.unbind(2)  # each [B, N, H, D]: TE's "bshd"
             # The norm runs in fp32 under autocast; TE's attention wants one dtype (SDPA casts too).
             qkv_kw = {"query_layer": self.q_norm(q).to(v.dtype), "key_layer": self.k_norm(k).to(v.dtype),
                       "value_layer": v}
-        elif self._packed_qkv:
+        elif self._impl.modules.packed_qkv:
+            # TE >= 2.20 takes the packed buffer explicitly (pointer detection is deprecated).
             qkv_kw = {"qkv_layer": qkv, "qkv_interleave_dim": -3}  # the "3" of [B, N, 3, H, D]
         else:
             q, k, v = qkv.unbind(2)
@@ -270,24 +262,30 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         elif is_causal:
             mask_kw = {"attn_mask_type": "causal"}
         o = self.attn(**qkv_kw, **mask_kw)  # [B, N, H*D]
-        return self.proj_drop(_rows(self.proj, o, mult))
+        return self.proj_drop(_aligned_rows(self.proj, o, mult))
 
     def extra_repr(self) -> str:
         c = self.cfg
         return (f"dim={c.dim}, heads={c.num_heads}, mlp={c.mlp_hidden} ({c.te_activation or 'unfused'}), "
-                f"norm={c.norm}(eps={c.norm_eps}), backend={self.backend}")
+                f"norm={c.norm}(eps={c.norm_eps}), backend={self.backend}"
+                + (", fp32_residual=True" if self.fp32_residual else ""))
 
 
-def _supported_kwargs(block_cls, kwargs: dict) -> dict:
-    """Drop keywords the installed timm's ``Block`` lacks, if they hold their default value."""
-    params = inspect.signature(block_cls.__init__).parameters
-    defaults = {"qk_norm": False, "proj_bias": True, "proj_drop": 0.0}
-    out = {}
+def _installed_block_kwargs(kwargs: dict) -> dict:
+    """Drop keywords the installed timm's ``Block`` lacks (``proj_bias`` before timm 1.0.10), if
+    they hold BlockConfig's default value; otherwise that timm cannot build this block."""
+    params = inspect.signature(Block.__init__).parameters
+    defaults = {f.name: f.default for f in dataclasses.fields(BlockConfig)}
     for k, v in kwargs.items():
-        if k in params:
-            out[k] = v
-        elif k == "proj_drop" and "drop" in params:
-            out["drop"] = v
-        elif defaults.get(k, object()) != v:
-            raise ValueError(f"the installed timm's Block has no {k!r} keyword, needed for {k}={v}")
-    return out
+        if k not in params and defaults.get(k, object()) != v:
+            raise ValueError(f"the installed timm's Block has no {k!r} keyword, needed for {k}={v}; "
+                             "upgrade timm")
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _copy_requires_grad(src: nn.Module, dst: nn.Module, rename) -> None:
+    """Carry frozen parameters over a conversion: ``rename`` maps ``src`` names to ``dst`` names."""
+    frozen = {n: p.requires_grad for n, p in src.named_parameters()}
+    dst_params = dict(dst.named_parameters())
+    for name, flag in rename(frozen, dst.cfg if isinstance(dst, TE_Block) else src.cfg).items():
+        dst_params[name].requires_grad_(flag)

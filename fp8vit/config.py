@@ -12,9 +12,9 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 from torch import nn
-from timm.layers import LayerNorm, Mlp
+from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, get_act_layer
 from timm.layers import activations as timm_act
-from timm.layers import get_act_layer
+from timm.models.vision_transformer import Attention
 
 from ._warn import warn_once
 
@@ -98,7 +98,6 @@ def _mlp_ratio(hidden: int, dim: int) -> float:
 
 
 def _is_timm_attention(attn_layer) -> bool:
-    from timm.layers import Attention
     return attn_layer in (None, "", "attn") or attn_layer is Attention
 
 
@@ -167,22 +166,16 @@ class BlockConfig:
         attn_layer=None,
         depth: int = 0,
         *,
-        drop: Optional[float] = None,
         exact_gelu: bool = False,
     ) -> "BlockConfig":
-        """Validate timm ``Block.__init__`` keywords (timm 0.6 through 1.0) into a config.
+        """Validate timm ``Block.__init__`` keywords (timm 0.9 through 1.0) into a config.
 
         ``depth`` only matters to timm's DiffAttention, which is rejected, so it has no effect,
-        as in timm's ``Block`` with standard attention. ``drop`` is timm 0.6's name for
-        ``proj_drop``.
+        as in timm's ``Block`` with standard attention.
 
         Raises:
             ValueError: a setting TE_Block cannot honour, naming it and what to do instead.
         """
-        if drop is not None:
-            if proj_drop not in (0.0, drop):
-                raise ValueError(f"got both drop={drop} (timm 0.6 name) and proj_drop={proj_drop}")
-            proj_drop = drop
         if dim % num_heads:
             raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
         if scale_attn_norm or scale_mlp_norm:
@@ -226,8 +219,6 @@ def config_from_timm_block(block: nn.Module, *, exact_gelu: bool = False) -> Blo
     Raises:
         ValueError: a part of the block TE_Block does not implement, named.
     """
-    from timm.layers import Attention, DropPath, LayerScale
-
     attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
     if not isinstance(attn, Attention):
         _reject(block, f"attn of type {type(attn).__name__} (only timm's Attention)")
@@ -255,7 +246,12 @@ def config_from_timm_block(block: nn.Module, *, exact_gelu: bool = False) -> Blo
                  if isinstance(act, nn.GELU) else type(act))
     init_values = None
     if isinstance(block.ls1, LayerScale):
-        init_values = float(block.ls1.gamma.detach().flatten()[0]) or 1e-5
+        # Recent timm keeps the init value; older timm did not, and the current gamma stands in.
+        # It only matters to init_weights(); the weights themselves are copied.
+        init_values = getattr(block.ls1, "init_values", None)
+        if init_values is None:
+            gamma = block.ls1.gamma
+            init_values = 1e-5 if gamma.is_meta else (float(gamma.detach().flatten()[0]) or 1e-5)
     drop_path = block.drop_path1.drop_prob if isinstance(block.drop_path1, DropPath) else 0.0
     dim = norm1.weight.shape[0]
     return BlockConfig.from_timm_kwargs(

@@ -12,9 +12,13 @@ from . import _te
 from ._warn import warn_once
 from .detect import gpu_info
 from .errors import FP8UnavailableError
-from .recipes import check_recipe_name, make_recipe, recipe_name
+from .recipes import check_recipe_name, recipe_name, resolve_recipe
 
-__all__ = ["fp8_context", "FP8State"]
+__all__ = ["fp8_context", "FP8State", "AUTOCAST_DTYPES"]
+
+# What torch autocast can run FP8's surrounding ops in (TE's GEMM outputs are in this dtype too).
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
 
 @dataclasses.dataclass(frozen=True)
 class FP8State:
@@ -24,7 +28,7 @@ class FP8State:
         fp8: whether TE's FP8 autocast is on.
         recipe: the TE recipe object in use, or None.
         recipe_name: ``"delayed"``, ``"current"``, ``"block"``, ``"mxfp8"``, ``"custom"`` or None.
-        dtype: the torch autocast dtype (None if torch autocast is off).
+        dtype: the torch autocast dtype in effect (None if torch autocast is off).
         reason: why FP8 is off (empty when on, or when it was not asked for).
     """
 
@@ -33,20 +37,6 @@ class FP8State:
     recipe_name: Optional[str]
     dtype: Optional[torch.dtype]
     reason: str = ""
-
-
-def _resolve(recipe: Union[None, str, Any], info) -> Any:
-    """Recipe argument -> TE recipe object, checking that this GPU can run it."""
-    if recipe is None:
-        return make_recipe(info.default_recipe)
-    if isinstance(recipe, str):
-        ok, why = info.recipes[recipe]
-        if not ok:
-            usable = [n for n, (o, _) in info.recipes.items() if o]
-            raise FP8UnavailableError(f"FP8 recipe {recipe!r} cannot run here: {why}. "
-                                      f"Recipes this GPU supports: {usable}")
-        return make_recipe(recipe)
-    return recipe  # a TE recipe object: TE validates it on first use
 
 
 @contextlib.contextmanager
@@ -61,35 +51,42 @@ def fp8_context(
 
     Wrap the forward pass (and the loss) only; call ``backward()`` outside, as with
     ``torch.autocast``. TE modules run their FP8 GEMMs; everything else (patch embedding,
-    head, loss) runs under torch autocast.
+    head, loss) runs under torch autocast, on the GPU and on the CPU alike (a model left on the
+    CPU of a GPU machine is autocast too).
 
     Args:
         recipe: a TE recipe object, or a name: ``"delayed"``, ``"current"``, ``"block"``,
             ``"mxfp8"``. None picks the best one this GPU supports (MXFP8 on Blackwell, delayed
-            scaling on Hopper and Ada).
+            scaling on Hopper and Ada) and falls back to ``dtype`` autocast, with one warning,
+            where FP8 cannot run.
         enabled: False runs ``dtype`` autocast only, with no warning.
-        dtype: torch autocast dtype; None leaves torch autocast off.
-        strict: raise :class:`FP8UnavailableError` instead of falling back when FP8 cannot run.
+        dtype: torch autocast dtype, ``torch.bfloat16`` or ``torch.float16``; None leaves torch
+            autocast off.
+        strict: with ``recipe=None``, raise instead of falling back when FP8 cannot run.
 
     Yields:
         :class:`FP8State` saying what is actually on.
 
     Raises:
-        ValueError: ``recipe`` is an unknown name.
-        FP8UnavailableError: a named recipe this GPU cannot run, or no FP8 and ``strict``.
+        ValueError: ``recipe`` is an unknown name, or ``dtype`` is not one autocast can use.
+        FP8UnavailableError: a recipe was named (or ``strict``) and cannot run here; the message
+            says why and which recipes can.
     """
-    info = gpu_info()
-    device_type = "cuda" if info.capability is not None else "cpu"
+    if dtype is not None and dtype not in AUTOCAST_DTYPES:
+        raise ValueError(f"fp8_context(dtype={dtype}): use torch.bfloat16 (recommended), torch.float16, "
+                         "or None for no torch autocast")
     if isinstance(recipe, str):
         check_recipe_name(recipe)  # a typo is an error everywhere, not only on FP8 GPUs
+    info = gpu_info()
     use_fp8, te_recipe, reason = False, None, ""
     if enabled:
-        ok, reason = info.fp8
-        if ok:
-            te_recipe, use_fp8 = _resolve(recipe, info), True
-        elif strict:
-            raise FP8UnavailableError(f"FP8 was required (strict=True) but cannot run: {reason}")
+        if info.fp8.ok:
+            te_recipe, use_fp8 = resolve_recipe(recipe, info.recipes), True
+        elif recipe is not None or strict:
+            what = f"recipe {recipe!r}" if recipe is not None else "strict=True"
+            raise FP8UnavailableError(f"FP8 was required ({what}) but cannot run here: {info.fp8.reason}")
         else:
+            reason = info.fp8.reason
             warn_once(f"fp8vit: FP8 is off, running in bf16/autocast only: {reason}",
                       RuntimeWarning, stacklevel=3)
     state = FP8State(fp8=use_fp8, recipe=te_recipe,
@@ -97,7 +94,9 @@ def fp8_context(
                      dtype=dtype, reason=reason)
     with contextlib.ExitStack() as stack:
         if dtype is not None:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            stack.enter_context(torch.autocast("cpu", dtype=dtype))
+            if info.capability is not None:
+                stack.enter_context(torch.autocast("cuda", dtype=dtype))
         if use_fp8:
             stack.enter_context(_te.autocast(enabled=True, recipe=te_recipe))
         yield state

@@ -7,29 +7,24 @@ in place, returns the model, an optional filter decides per module.
 from __future__ import annotations
 
 import types
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence
 
-import torch
+from timm.models.vision_transformer import Block
 from torch import nn
 
 from .block import TE_Block
 from .errors import ConversionError
 
-__all__ = ["convert_to_te", "convert_from_te", "set_grad_checkpointing"]
+__all__ = ["convert_to_te", "convert_from_te", "set_grad_checkpointing", "set_block_fp8", "ModuleFilter"]
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 
-def _timm_block_types():
-    from timm.models.vision_transformer import Block
-    return (Block,)
-
-
-def _known_unconvertible():
-    """timm block classes that look like ViT blocks but that TE_Block does not implement."""
-    import timm.models.vision_transformer as vt
-    names = ("ResPostBlock", "ParallelScalingBlock", "ParallelThingsBlock", "DiffBlock")
-    return tuple(getattr(vt, n) for n in names if hasattr(vt, n))
+def _unconvertible(mod: nn.Module) -> bool:
+    """A ViT block variant of timm's (``ResPostBlock``, ``ParallelScalingBlock``, ``DiffBlock``, ...)
+    that is not the pre-norm ``Block`` TE_Block implements."""
+    cls = type(mod)
+    return cls.__module__ == Block.__module__ and cls.__name__.endswith("Block") and not isinstance(mod, Block)
 
 
 def _swap(model: nn.Module, fqn: str, new: nn.Module) -> None:
@@ -44,44 +39,60 @@ def convert_to_te(
     module_filter_fn: Optional[ModuleFilter] = None,
     exact_gelu: bool = False,
     backend: Optional[str] = None,
+    fp32_residual: bool = False,
 ) -> nn.Module:
     """Replace every timm ``Block`` of ``model`` by an equivalent ``TE_Block``, in place.
 
-    Weights are copied exactly (timm's QKV layout is kept), as are training mode, device and
-    dtype. Also makes ``model.set_grad_checkpointing()`` use TE's FP8-aware checkpointing.
-    Calling it on a model built with ``block_fn=TE_Block`` only does the latter.
+    Weights are copied exactly (timm's QKV layout is kept), as are training mode, device, dtype
+    and frozen parameters (``requires_grad``). Also makes ``model.set_grad_checkpointing()`` use
+    TE's FP8-aware checkpointing. Calling it on a model built with ``block_fn=TE_Block`` only does
+    the latter. All blocks are built before any is swapped: a failure leaves the model unchanged.
 
     Args:
         model: a timm ``VisionTransformer`` (vit_*, deit_*, deit3_*, eva-free ViTs with
-            register tokens, no class token, any pooling) or any module containing timm ``Block``s.
+            register tokens, no class token, any pooling), any module containing timm ``Block``s,
+            or a timm ``Block`` itself (then the new ``TE_Block`` is returned).
         module_filter_fn: ``fn(module, fqn) -> bool``; blocks for which it returns False stay
             timm blocks (e.g. keep the first and last block in bf16).
         exact_gelu: keep timm's erf GELU (unfused MLP) instead of TE's tanh GELU kernel.
-        backend: ``"te"``, ``"torch"`` or None (automatic); see ``TE_Block``.
+        backend: ``"te"``, ``"reference"`` or None (automatic); see ``TE_Block``.
+        fp32_residual: keep the residual stream in fp32 under autocast (timm's behaviour; slower,
+            see ``TE_Block``).
 
     Returns:
-        ``model``.
+        ``model`` (or the ``TE_Block`` replacing it, if ``model`` is a ``Block``).
 
     Raises:
-        ConversionError: a block (selected by the filter) that cannot be converted, named with
-            its path and the reason.
+        ConversionError: ``model`` holds no timm ``Block``, or a block (selected by the filter)
+            cannot be converted; named with its path and the reason.
     """
-    block_types, odd_types = _timm_block_types(), _known_unconvertible()
-    for fqn, mod in list(model.named_modules()):
-        if not isinstance(mod, block_types + odd_types) or isinstance(mod, TE_Block):
+    kw = dict(exact_gelu=exact_gelu, backend=backend, fp32_residual=fp32_residual)
+    if isinstance(model, Block) and not _unconvertible(model):
+        return _convert_one(model, type(model).__name__, kw)
+    found, new = False, {}
+    for fqn, mod in model.named_modules():
+        if isinstance(mod, TE_Block) or not (isinstance(mod, Block) or _unconvertible(mod)):
             continue
-        if module_filter_fn is not None and not module_filter_fn(mod, fqn):
-            continue
-        if isinstance(mod, odd_types):
-            raise ConversionError(f"{fqn} ({type(mod).__name__}) cannot be converted: TE_Block implements "
-                                  "timm's pre-norm Block only; exclude it with module_filter_fn")
-        try:
-            new = TE_Block.from_timm(mod, exact_gelu=exact_gelu, backend=backend)
-        except ValueError as err:
-            raise ConversionError(f"{fqn}: {err}") from err
-        _swap(model, fqn, new)
+        found = True
+        if module_filter_fn is None or module_filter_fn(mod, fqn):
+            new[fqn] = _convert_one(mod, fqn, kw)
+    if not found and not any(isinstance(m, TE_Block) for m in model.modules()):
+        raise ConversionError(f"{type(model).__name__} holds no timm Block "
+                                  f"({Block.__module__}.Block) to convert")
+    for fqn, block in new.items():  # every block built: swap them all
+        _swap(model, fqn, block)
     _install_checkpointing(model)
     return model
+
+
+def _convert_one(mod: nn.Module, fqn: str, kw: dict) -> TE_Block:
+    if _unconvertible(mod):
+        raise ConversionError(f"{fqn} ({type(mod).__name__}) cannot be converted: TE_Block implements "
+                              "timm's pre-norm Block only; exclude it with module_filter_fn")
+    try:
+        return TE_Block.from_timm(mod, **kw)
+    except ValueError as err:
+        raise ConversionError(f"{fqn}: {err}") from err
 
 
 def convert_from_te(model: nn.Module) -> nn.Module:
@@ -99,6 +110,26 @@ def convert_from_te(model: nn.Module) -> nn.Module:
     if "set_grad_checkpointing" in vars(model):
         del model.set_grad_checkpointing  # back to the class's own method
     return model
+
+
+def set_block_fp8(model: nn.Module, names: Sequence[str], enabled: bool) -> List[str]:
+    """Turn FP8 on or off for the named ``TE_Block``s of ``model`` (others are untouched).
+
+    A block with FP8 off runs its GEMMs in the autocast dtype inside ``fp8_context``.
+
+    Returns:
+        ``names``, as a list.
+
+    Raises:
+        ValueError: a name that is not a ``TE_Block`` of ``model``.
+    """
+    mods = dict(model.named_modules())
+    bad = [n for n in names if not isinstance(mods.get(n), TE_Block)]
+    if bad:
+        raise ValueError(f"not TE_Blocks of this model: {bad}")
+    for n in names:
+        mods[n].fp8_enabled = enabled
+    return list(names)
 
 
 def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> nn.Module:

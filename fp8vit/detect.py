@@ -1,7 +1,7 @@
 """What this machine can do: GPU description and FP8 support, detected once and cached.
 
-Detection asks the hardware and TE, never version strings. Each answer is ``(ok, reason)``
-and the reason is reused verbatim by ``fp8_context`` warnings and errors.
+Detection asks the hardware and TE, never version strings. Each answer is a :class:`Check`
+``(ok, reason)`` and the reason is reused verbatim by ``fp8_context`` warnings and errors.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import _te
-from .recipes import MIN_CAPABILITY, RECIPE_NAMES, default_recipe_name
+from .errors import Check
+from .recipes import default_recipe_name, recipe_support
 
 __all__ = ["GPUInfo", "gpu_info", "fp8_support", "clear_cache", "arch_name"]
 
@@ -37,79 +38,63 @@ class GPUInfo:
         name: device name (``"cpu"`` without CUDA).
         capability: compute capability, e.g. ``(9, 0)``; None without CUDA.
         arch: architecture name, e.g. ``"Hopper"``.
-        recipes: ``{recipe: (ok, reason)}`` for every recipe in ``RECIPE_NAMES``.
+        recipes: ``{recipe: Check}`` for every recipe in ``RECIPE_NAMES``.
         default_recipe: what ``fp8_context()`` uses when no recipe is named; None if FP8 is off.
-        fp8: ``(ok, reason)`` for FP8 as a whole.
+        fp8: :class:`Check` for FP8 as a whole.
     """
 
     name: str
     capability: Optional[Tuple[int, int]]
     arch: str
-    recipes: Dict[str, Tuple[bool, str]]
+    recipes: Dict[str, Check]
     default_recipe: Optional[str]
-    fp8: Tuple[bool, str]
+    fp8: Check
 
     def summary(self) -> str:
         """One human-readable paragraph, as printed by the examples."""
         cap = "" if self.capability is None else f" (sm_{self.capability[0]}{self.capability[1]}, {self.arch})"
-        lines = [f"device: {self.name}{cap}",
-                 f"FP8: {'yes, default recipe ' + repr(self.default_recipe) if self.fp8[0] else 'off: ' + self.fp8[1]}"]
-        for name, (ok, why) in self.recipes.items():
-            lines.append(f"  {name:8s} {'ok' if ok else 'no: ' + why}")
+        fp8 = f"yes, default recipe {self.default_recipe!r}" if self.fp8.ok else f"off: {self.fp8.reason}"
+        lines = [f"device: {self.name}{cap}", f"FP8: {fp8}"]
+        for name, check in self.recipes.items():
+            lines.append(f"  {name:8s} {'ok' if check.ok else 'no: ' + check.reason}")
         return "\n".join(lines)
 
 
 def _device() -> Tuple[str, Optional[Tuple[int, int]]]:
-    """(name, capability) of the current CUDA device; ("cpu", None) without one. Patched in tests."""
+    """(name, capability) of the current CUDA device; ("cpu", None) without one."""
     if not torch.cuda.is_available():
         return "cpu", None
     idx = torch.cuda.current_device()
     return torch.cuda.get_device_name(idx), tuple(torch.cuda.get_device_capability(idx))
 
 
-def _recipe_support(capability: Optional[Tuple[int, int]], name: str) -> Dict[str, Tuple[bool, str]]:
-    """``{recipe: (ok, reason)}``: hardware first, then TE's own checks."""
-    if capability is None:
-        why = (f"no CUDA GPU is visible (torch {torch.__version__}, "
-               f"built with CUDA {torch.version.cuda or 'none'})")
-        return {r: (False, why) for r in RECIPE_NAMES}
-    out = {}
-    for r in RECIPE_NAMES:
-        need = MIN_CAPABILITY[r]
-        if capability < need:
-            out[r] = (False, f"{name} has compute capability {capability[0]}.{capability[1]} "
-                             f"({arch_name(capability)}); recipe {r!r} needs {need[0]}.{need[1]}+")
-    te_ok, te_reason = _te.te_status()
-    if not te_ok:
-        return {r: out.get(r, (False, te_reason)) for r in RECIPE_NAMES}
-    checks = _te.recipe_checks()
-    return {r: out.get(r, checks[r]) for r in RECIPE_NAMES}
-
-
 @functools.lru_cache(maxsize=None)
 def gpu_info() -> GPUInfo:
     """Describe the current device and which FP8 recipes run on it. Cached; see :func:`clear_cache`."""
     name, cap = _device()
-    recipes = _recipe_support(cap, name)
+    arch = arch_name(cap) if cap else "none"
+    recipes = recipe_support(cap, name, arch)
     default = default_recipe_name(recipes)
-    if default is not None:
-        fp8 = (True, "")
-    else:
-        # The reason of the most basic recipe is the most useful one to show.
-        fp8 = (False, recipes["delayed"][1])
-    return GPUInfo(name=name, capability=cap, arch=arch_name(cap) if cap else "none",
-                   recipes=recipes, default_recipe=default, fp8=fp8)
+    # Without any recipe, the reason of the most basic one is the most useful to show.
+    fp8 = Check(True) if default is not None else recipes["delayed"]
+    return GPUInfo(name=name, capability=cap, arch=arch, recipes=recipes, default_recipe=default, fp8=fp8)
 
 
-def fp8_support() -> Tuple[bool, str]:
+def fp8_support() -> Check:
     """Whether FP8 training can run here.
 
     Returns:
-        ``(ok, reason)``; ``reason`` is empty when ok, else says why FP8 is off and what would fix it.
+        ``Check(ok, reason)``; ``reason`` is empty when ok, else says why FP8 is off and what would
+        fix it.
     """
     return gpu_info().fp8
 
 
 def clear_cache() -> None:
-    """Forget cached detection results (e.g. after changing ``CUDA_VISIBLE_DEVICES``)."""
+    """Forget every cached detection result (e.g. after changing ``CUDA_VISIBLE_DEVICES``).
+
+    Clears the device description and TE's import status and capability answers, so a TE
+    installed or repaired since then is seen.
+    """
     gpu_info.cache_clear()
+    _te.clear_cache()

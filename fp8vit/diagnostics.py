@@ -12,63 +12,25 @@ Blocks below a threshold (or with non-finite values) are recommended to stay in 
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
 import json
 import math
-import sys
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _te
 from .block import TE_Block
 from .context import fp8_context
+from .convert import set_block_fp8
+from .numerics import E4M3_MAX, E4M3_TINY, E5M2_MAX, E5M2_TINY, snr_db, underflow_fraction
 from .recipes import recipe_name
 
-__all__ = ["diagnose", "DiagnosisReport", "BlockStats", "snr_db", "underflow_fraction",
-           "set_block_fp8", "SCHEMA_VERSION", "E4M3_MAX", "E5M2_MAX"]
+__all__ = ["diagnose", "DiagnosisReport", "BlockStats", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
-E4M3_MAX, E5M2_MAX = 448.0, 57344.0
-# Smallest subnormals: E4M3 2^-9, E5M2 2^-16. Values below half of them round to zero.
-_E4M3_TINY, _E5M2_TINY = 2.0 ** -10, 2.0 ** -17
-
-
-def snr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
-    """Signal-to-noise ratio of ``test`` against ``ref``: ``10 log10(sum ref^2 / sum (ref - test)^2)``.
-
-    Returns:
-        dB; ``inf`` when identical, ``nan`` when either holds non-finite values, ``-inf`` when
-        ``ref`` is all zeros but ``test`` is not.
-    """
-    ref, test = ref.detach().double(), test.detach().double()
-    if not (torch.isfinite(ref).all() and torch.isfinite(test).all()):
-        return math.nan
-    noise = float((ref - test).pow(2).sum())
-    signal = float(ref.pow(2).sum())
-    if noise == 0:
-        return math.inf
-    if signal == 0:
-        return -math.inf
-    return 10 * math.log10(signal / noise)
-
-
-def underflow_fraction(x: torch.Tensor, fmt_max: float, tiny: float) -> float:
-    """Fraction of the nonzero elements of ``x`` that per-tensor FP8 scaling flushes to zero.
-
-    Per-tensor scaling maps ``amax(x)`` to ``fmt_max``; an element whose scaled magnitude is below
-    ``tiny`` (half the format's smallest subnormal) rounds to zero.
-    """
-    a = x.detach().abs().float()
-    amax = float(a.max()) if a.numel() else 0.0
-    nonzero = a > 0
-    n = int(nonzero.sum())
-    if n == 0 or not math.isfinite(amax):
-        return 0.0
-    return float(((a * (fmt_max / amax) < tiny) & nonzero).sum()) / n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,38 +144,6 @@ def _from_json_num(v):
     return float(v) if v in ("inf", "-inf", "nan") else v
 
 
-def set_block_fp8(model: nn.Module, names: Sequence[str], enabled: bool) -> List[str]:
-    """Turn FP8 on or off for the named ``TE_Block``s of ``model`` (others are untouched).
-
-    Raises:
-        KeyError: a name that is not a ``TE_Block`` of ``model``.
-    """
-    mods = dict(model.named_modules())
-    bad = [n for n in names if not isinstance(mods.get(n), TE_Block)]
-    if bad:
-        raise KeyError(f"not TE_Blocks of this model: {bad}")
-    for n in names:
-        mods[n].fp8_enabled = enabled
-    return list(names)
-
-
-@contextlib.contextmanager
-def _fp8_run_context(recipe, enabled: bool):
-    """The context of one diagnosis pass (a seam for tests: FP8 needs a GPU)."""
-    with fp8_context(recipe, enabled=enabled, strict=enabled):
-        yield
-
-
-def _te_scaling(block: nn.Module) -> Dict[str, List[float]]:
-    out = {}
-    for name, mod in block.named_modules():
-        meta = getattr(mod, "fp8_meta", None)
-        state = meta.get("scaling_fwd") if isinstance(meta, dict) else None
-        if state is not None and hasattr(state, "amax_history"):
-            out[name] = [float(state.amax_history[0][0]), float(state.scale[0])]
-    return out
-
-
 def _one_pass(model, blocks, x, target, loss_fn, recipe, fp8: bool):
     """Forward + backward; returns (output, {block: (input, output, grad_out, weight grads)})."""
     caught: Dict[str, dict] = {n: {} for n in blocks}
@@ -237,7 +167,7 @@ def _one_pass(model, blocks, x, target, loss_fn, recipe, fp8: bool):
     try:
         model.zero_grad(set_to_none=True)
         x = x.detach().requires_grad_(True)  # so backward hooks fire on the first block too
-        with _fp8_run_context(recipe, fp8):
+        with fp8_context(recipe, enabled=fp8, strict=fp8):
             out = model(x)
             loss = loss_fn(out, target)
         loss.backward()
@@ -308,54 +238,12 @@ def diagnose(
             activation_snr_db=snr_db(r["output"], g["output"]),
             weight_grad_snr_db=snr_db(r["wgrad"], g["wgrad"]),
             input_amax=float(g["input"].abs().max()),
-            input_underflow=underflow_fraction(g["input"], E4M3_MAX, _E4M3_TINY),
-            grad_underflow=underflow_fraction(g.get("grad_out", torch.zeros(1)), E5M2_MAX, _E5M2_TINY),
+            input_underflow=underflow_fraction(g["input"], E4M3_MAX, E4M3_TINY),
+            grad_underflow=underflow_fraction(g.get("grad_out", torch.zeros(1)), E5M2_MAX, E5M2_TINY),
             nonfinite=nonfinite,
-            te_scaling=_te_scaling(blk),
+            te_scaling=_te.scaling_state(blk),
         ))
     name = recipe if isinstance(recipe, str) else (recipe_name(recipe) if recipe is not None else "default")
     return DiagnosisReport(recipe=name, threshold_db=threshold_db, grad_threshold_db=grad_threshold_db,
                            output_snr_db=snr_db(ref_out, out),
                            blocks=tuple(stats))
-
-
-def main(argv=None) -> int:
-    """``fp8vit-diagnose``: diagnose a randomly initialised timm ViT on a synthetic batch."""
-    from .errors import FP8UnavailableError
-    from .workload import SIZES, build_model, synthetic_batch
-
-    p = argparse.ArgumentParser(prog="fp8vit-diagnose", description=main.__doc__)
-    p.add_argument("--model", default="base", help=f"{sorted(SIZES)} or a timm model name")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--img-size", type=int, default=224)
-    p.add_argument("--recipe", default=None, help="FP8 recipe name (default: the GPU's best)")
-    p.add_argument("--threshold", type=float, default=20.0, help="local activation SNR floor, dB")
-    p.add_argument("--grad-threshold", type=float, default=12.0, help="weight-gradient SNR floor, dB")
-    p.add_argument("--json", default=None, help="write the report here")
-    a = p.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    wl = build_model(a.model, precision="fp8", recipe=a.recipe, img_size=a.img_size, device=device)
-    x, y = synthetic_batch(a.batch_size, wl, device=device)
-    try:
-        rep = diagnose(wl.model.eval(), x, target=y, recipe=a.recipe, threshold_db=a.threshold,
-                       grad_threshold_db=a.grad_threshold)
-    except FP8UnavailableError as err:
-        print(f"fp8vit-diagnose: {err}", file=sys.stderr)
-        return 1
-    print(rep.table())
-    if rep.recommend_bf16:
-        # Evidence that the recommendation matters: the same pass with those blocks in bf16.
-        rep.apply(wl.model)
-        after = diagnose(wl.model, x, target=y, recipe=a.recipe, threshold_db=a.threshold,
-                         grad_threshold_db=a.grad_threshold)
-        print(f"model output SNR vs bf16: {rep.output_snr_db:.1f} dB with FP8 in every block, "
-              f"{after.output_snr_db:.1f} dB with {', '.join(rep.recommend_bf16)} in bf16")
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(rep.to_json(indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,24 @@
-"""Exceptions raised by fp8vit. Each message names the value at fault and the fix."""
+"""Why something cannot run: exceptions, and the ``Check`` result of a capability probe.
 
-__all__ = ["TEUnavailableError", "FP8UnavailableError", "ConversionError"]
+Every message names the value at fault and the fix. A ``Check`` carries the same kind of reason,
+so a probe's answer can be shown as a warning or raised as an error without rewording it.
+"""
+
+from typing import NamedTuple
+
+__all__ = ["Check", "TEUnavailableError", "FP8UnavailableError", "ConversionError"]
+
+
+class Check(NamedTuple):
+    """The answer of a capability probe.
+
+    Attributes:
+        ok: whether the thing probed works here.
+        reason: empty when ``ok``; otherwise why not and what would fix it.
+    """
+
+    ok: bool
+    reason: str = ""
 
 
 class TEUnavailableError(ImportError):

@@ -20,6 +20,9 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from . import _te
+from .block import TE_Block
+
 __all__ = ["NonFiniteGuard", "NonFiniteEvent"]
 
 
@@ -58,7 +61,6 @@ def _default_blocks(model: nn.Module) -> Dict[str, nn.Module]:
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.Sequential):
         return {f"blocks.{i}": b for i, b in enumerate(blocks)}
-    from .block import TE_Block
     return {n: m for n, m in model.named_modules() if isinstance(m, TE_Block)}
 
 
@@ -140,21 +142,8 @@ class NonFiniteGuard:
         self.events.append(event)
         self.consecutive += 1
         if self.repair_fp8_state:
-            _repair_amax_histories(self.model)
+            _te.repair_amax_histories(self.model)
         warnings.warn(f"fp8vit.NonFiniteGuard: {event}", RuntimeWarning, stacklevel=3)
         if self.max_consecutive is not None and self.consecutive > self.max_consecutive:
             raise RuntimeError(f"{self.consecutive} consecutive non-finite steps (max_consecutive="
                                f"{self.max_consecutive}); last: {event}")
-
-
-def _repair_amax_histories(model: nn.Module) -> None:
-    with torch.no_grad():
-        for mod in model.modules():
-            meta = getattr(mod, "fp8_meta", None)
-            if not isinstance(meta, dict):
-                continue
-            for key in ("scaling_fwd", "scaling_bwd"):
-                state = meta.get(key)
-                hist = getattr(state, "amax_history", None)
-                if isinstance(hist, torch.Tensor):
-                    torch.nan_to_num_(hist, nan=0.0, posinf=0.0, neginf=0.0)

@@ -1,4 +1,4 @@
-"""FP8 recipe names, their hardware requirements, and name -> TE recipe object.
+"""FP8 recipes: their names, what each needs, name <-> TE recipe object, the default per GPU.
 
 =========  ==============================  ===============================================
 name       TE recipe                       needs
@@ -10,33 +10,63 @@ block      Float8BlockScaling              sm_90+ (Hopper); 1x128 / 128x128 bloc
 mxfp8      MXFP8BlockScaling               sm_100+ (Blackwell); 1x32 E8M0 block scales
 =========  ==============================  ===============================================
 
-What a given machine supports is asked from TE itself (``_te.recipe_checks``); the table is
-what fp8vit reports when TE is not there to ask.
+Names are validated here before TE is loaded, so a typo is a ``ValueError`` on every machine.
+Whether a recipe runs is decided first by the compute capability, then by TE's own check
+(``_te.te_check``); the table above is what fp8vit reports when TE is not there to ask.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+import enum
+from typing import Any, Dict, Optional, Tuple, Union
 
-__all__ = ["RECIPE_NAMES", "MIN_CAPABILITY", "check_recipe_name", "make_recipe", "recipe_name", "default_recipe_name",
-           "row_multiple"]
+import torch
 
-RECIPE_NAMES: Tuple[str, ...] = ("delayed", "current", "block", "mxfp8")
+from . import _te
+from .errors import Check, FP8UnavailableError
 
-# Minimum compute capability per recipe (from TE's checks; see module docstring).
+__all__ = ["RecipeName", "RECIPE_NAMES", "MIN_CAPABILITY", "check_recipe_name", "make_recipe",
+           "recipe_name", "recipe_support", "default_recipe_name", "resolve_recipe", "row_multiple"]
+
+
+class RecipeName(str, enum.Enum):
+    """The FP8 recipes fp8vit knows by name (a ``str``: ``RecipeName.DELAYED == "delayed"``)."""
+
+    DELAYED = "delayed"
+    CURRENT = "current"
+    BLOCK = "block"
+    MXFP8 = "mxfp8"
+
+
+RECIPE_NAMES: Tuple[str, ...] = tuple(r.value for r in RecipeName)
+
+# Minimum compute capability per recipe (TE's checks; see the module docstring).
 MIN_CAPABILITY = {"delayed": (8, 9), "current": (8, 9), "block": (9, 0), "mxfp8": (10, 0)}
+
+# TE's own availability check per recipe (a function of transformer_engine.pytorch).
+_TE_CHECK = {"delayed": "is_fp8_available", "current": "is_fp8_available",
+             "block": "is_fp8_block_scaling_available", "mxfp8": "is_mxfp8_available"}
 
 # Preference when the caller names no recipe: MXFP8 where the hardware has it (Blackwell),
 # else delayed scaling, the fastest per-tensor recipe measured on Hopper (docs/benchmarks.md).
 _PREFERENCE = ("mxfp8", "delayed", "current", "block")
 
+# recipe_name() probes TE recipe objects with these predicates.
+_PREDICATE = {"delayed": "delayed", "current": "float8_current_scaling", "block": "float8_block_scaling",
+              "mxfp8": "mxfp8"}
+
 
 def check_recipe_name(name: str) -> str:
-    """Return ``name`` if it is a known recipe name, else raise ValueError listing them."""
-    if name not in RECIPE_NAMES:
+    """Return ``name`` as a plain string if it is a known recipe name, else raise.
+
+    Raises:
+        ValueError: an unknown name, listing the known ones. TE is not needed for this check.
+    """
+    try:
+        return RecipeName(name).value
+    except ValueError:
         raise ValueError(f"unknown FP8 recipe {name!r}; choose one of {list(RECIPE_NAMES)} "
-                         "or pass a transformer_engine.common.recipe object")
-    return name
+                         "or pass a transformer_engine.common.recipe object") from None
 
 
 def make_recipe(name: str) -> Any:
@@ -44,11 +74,13 @@ def make_recipe(name: str) -> Any:
 
     Args:
         name: one of :data:`RECIPE_NAMES`.
-    """
-    from . import _te
 
+    Raises:
+        ValueError: an unknown name (checked before TE is loaded).
+        TEUnavailableError: TE cannot be imported; the message says why.
+    """
+    name = check_recipe_name(name)
     rec = _te.recipe_module()
-    check_recipe_name(name)
     if name == "delayed":
         return rec.DelayedScaling(fp8_format=rec.Format.HYBRID)
     if name == "current":
@@ -60,20 +92,73 @@ def make_recipe(name: str) -> Any:
 
 def recipe_name(recipe: Any) -> str:
     """Inverse of :func:`make_recipe` for any TE recipe object (``"custom"`` when unknown)."""
-    for name, pred in (("delayed", "delayed"), ("current", "float8_current_scaling"),
-                       ("block", "float8_block_scaling"), ("mxfp8", "mxfp8")):
+    for name, pred in _PREDICATE.items():
         fn = getattr(recipe, pred, None)
         if fn is not None and fn():
             return name
     return "custom"
 
 
-def default_recipe_name(available: dict) -> Optional[str]:
-    """First preferred recipe among ``available`` (``{name: (ok, reason)}``), or None."""
+def recipe_support(capability: Optional[Tuple[int, int]], device_name: str, arch: str) -> Dict[str, Check]:
+    """``{recipe: Check}`` for a device: hardware first, then TE's own checks.
+
+    Args:
+        capability: compute capability, None without a CUDA GPU.
+        device_name: for the reasons, e.g. ``"NVIDIA A100-SXM4-80GB"``.
+        arch: its architecture name, e.g. ``"Ampere"``.
+    """
+    if capability is None:
+        why = (f"no CUDA GPU is visible (torch {torch.__version__}, "
+               f"built with CUDA {torch.version.cuda or 'none'})")
+        return {r: Check(False, why) for r in RECIPE_NAMES}
+    out: Dict[str, Check] = {}
+    for r in RECIPE_NAMES:
+        need = MIN_CAPABILITY[r]
+        if capability < need:
+            out[r] = Check(False, f"{device_name} has compute capability {capability[0]}.{capability[1]} "
+                                  f"({arch}); recipe {r!r} needs {need[0]}.{need[1]}+")
+    te = _te.te_status()
+    for r in RECIPE_NAMES:
+        if r not in out:
+            out[r] = _te.te_check(_TE_CHECK[r]) if te.ok else te
+    if out["current"].ok and not _te.has_recipe("Float8CurrentScaling"):
+        out["current"] = Check(False, "this Transformer Engine has no Float8CurrentScaling (needs TE >= 2.2)")
+    return out
+
+
+def default_recipe_name(support: Dict[str, Check]) -> Optional[str]:
+    """First preferred recipe among ``support`` (``{name: Check}``), or None if none runs."""
     for name in _PREFERENCE:
-        if available.get(name, (False, ""))[0]:
+        if support.get(name, Check(False)).ok:
             return name
     return None
+
+
+def resolve_recipe(recipe: Union[None, str, Any], support: Dict[str, Check]) -> Any:
+    """A recipe argument (None, a name, or a TE recipe object) -> a TE recipe object that runs here.
+
+    Args:
+        recipe: None picks :func:`default_recipe_name`; a name must be supported; a TE recipe
+            object is returned as is (TE validates it on first use).
+        support: ``{name: Check}`` for this device (``detect.gpu_info().recipes``).
+
+    Raises:
+        ValueError: an unknown name.
+        FP8UnavailableError: a named recipe this device cannot run, or no recipe at all.
+    """
+    if recipe is None:
+        name = default_recipe_name(support)
+        if name is None:
+            raise FP8UnavailableError(f"no FP8 recipe runs here: {support['delayed'].reason}")
+        return make_recipe(name)
+    if isinstance(recipe, str):
+        check = support[check_recipe_name(recipe)]
+        if not check.ok:
+            usable = [n for n, c in support.items() if c.ok]
+            raise FP8UnavailableError(f"FP8 recipe {recipe!r} cannot run here: {check.reason}. "
+                                      f"Recipes this GPU supports: {usable}")
+        return make_recipe(recipe)
+    return recipe
 
 
 def row_multiple(recipe: Any) -> int:

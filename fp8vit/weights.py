@@ -57,7 +57,7 @@ def _rename(sd: Mapping[str, torch.Tensor], mapping: Dict[str, str], what: str) 
     missing = sorted(set(mapping) - keys)
     unexpected = sorted(keys - set(mapping))
     if missing or unexpected:
-        raise KeyError(f"{what}: state dict does not match the block config: missing {missing}, "
+        raise ValueError(f"{what}: state dict does not match the block config: missing {missing}, "
                        f"unexpected {unexpected}")
     return {mapping[k]: sd[k] for k in mapping}
 
@@ -66,7 +66,7 @@ def timm_to_te(sd: Mapping[str, torch.Tensor], cfg: BlockConfig) -> Dict[str, to
     """A timm ``Block`` state dict (keys relative to the block) -> ``TE_Block`` names.
 
     Raises:
-        KeyError: keys missing or left over for ``cfg``, listed.
+        ValueError: keys missing or left over for ``cfg``, listed.
     """
     return _rename(sd, dict(name_pairs(cfg)), "timm -> TE")
 
@@ -76,6 +76,6 @@ def te_to_timm(sd: Mapping[str, torch.Tensor], cfg: BlockConfig) -> Dict[str, to
     has no timm counterpart and is not carried over.
 
     Raises:
-        KeyError: keys missing or left over for ``cfg``, listed.
+        ValueError: keys missing or left over for ``cfg``, listed.
     """
     return _rename(sd, {te: timm for timm, te in name_pairs(cfg)}, "TE -> timm")

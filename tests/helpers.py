@@ -5,7 +5,7 @@ import functools
 import torch
 from torch import nn
 
-from fp8vit.diagnostics import snr_db  # noqa: F401 - one definition, shared by the tests
+from fp8vit.numerics import snr_db  # noqa: F401 - one definition, shared by the tests
 
 
 def max_rel_err(ref: torch.Tensor, test: torch.Tensor) -> float:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from fp8vit import bench
-from fp8vit.workload import train_flops
+from fp8vit.tools import bench
+from fp8vit.tools.workload import VARIANTS, Variant, train_flops
 
 
 def test_train_flops_matches_published_vit_b16_count():
@@ -23,9 +23,9 @@ def test_train_flops_matches_published_vit_b16_count():
 def test_table_ratios_are_against_timm_eager():
     rows = [{"variant": "timm-bf16", "median_ms": 200.0, "p10_ms": 190, "p90_ms": 210, "images_per_s": 640.0,
              "tflops": 400.0, "peak_mem_gib": 40.0},
-            {"variant": "te-fp8-delayed", "median_ms": 100.0, "p10_ms": 95, "p90_ms": 105, "images_per_s": 1280.0,
+            {"variant": "fp8vit-fp8-delayed", "median_ms": 100.0, "p10_ms": 95, "p90_ms": 105, "images_per_s": 1280.0,
              "tflops": 800.0, "peak_mem_gib": 30.0},
-            {"variant": "te-fp8-mxfp8", "batch": 128, "skipped": "needs sm_100"}]
+            {"variant": "fp8vit-fp8-mxfp8", "batch": 128, "skipped": "needs sm_100"}]
     text = bench._table(rows, 1000e12, price=3.6)
     lines = text.splitlines()
     assert "2.00x" in lines[3] and "1.00x" in lines[2]
@@ -48,8 +48,10 @@ def test_bench_cli_on_cpu_writes_json(tmp_path):
     assert rc == 0
     data = json.loads(out.read_text())
     by = {r["variant"]: r for r in data["results"]}
-    assert by["timm-bf16"]["median_ms"] > 0 and by["te-bf16"]["median_ms"] > 0
-    assert "no CUDA GPU" in by["te-fp8-delayed"]["skipped"]
+    assert set(by) == set(VARIANTS)  # every variant is either measured or says why not
+    assert by["timm-bf16"]["median_ms"] > 0 and by["fp8vit-bf16"]["median_ms"] > 0
+    for v in ("fp8vit-fp8-delayed", "fp8vit-bf16-graphed", "te-layer-fp8", "torchao-fp8-compile"):
+        assert "needs a CUDA GPU" in by[v]["skipped"], v
     assert data["environment"]["device"] == "cpu"
 
 
@@ -60,7 +62,42 @@ def test_train_example_runs_on_cpu_and_says_why_fp8_is_off():
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "FP8: off: no CUDA GPU" in res.stdout
-    assert "step     2  loss" in res.stdout
+    assert "step      2  loss" in res.stdout
+
+
+def test_train_example_saves_and_resumes(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CPU smoke test")
+    ckpt = tmp_path / "ckpt.pt"
+    base = [sys.executable, "examples/train_vit.py", "--steps", "2", "--log-every", "1", "--checkpoint", str(ckpt)]
+    first = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert f"saved {ckpt} (step 2)" in first.stdout
+    again = subprocess.run(base[:3] + ["4"] + base[4:] + ["--resume", "--epochs", "2"], capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stdout and "at step 2, epoch 1" in again.stdout
+    assert "step      3  loss" in again.stdout and "done: 4 steps" in again.stdout
+
+
+@pytest.mark.parametrize("name, blocks, fp8, compile_, graphed", [
+    ("timm-bf16", "timm", None, False, False),
+    ("timm-bf16-compile", "timm", None, True, False),
+    ("torchao-fp8-compile", "timm", "torchao", True, False),
+    ("te-layer-fp8-graphed", "te-layer", "delayed", False, True),
+    ("fp8vit-bf16-graphed", "fp8vit", None, False, True),
+    ("fp8vit-fp8-block", "fp8vit", "block", False, False),
+    ("fp8vit-fp8-mxfp8-graphed", "fp8vit", "mxfp8", False, True),
+])
+def test_variant_names_parse(name, blocks, fp8, compile_, graphed):
+    v = Variant.parse(name)
+    assert (v.blocks, v.fp8, v.compile, v.graphed) == (blocks, fp8, compile_, graphed)
+    assert v.te_fp8 == (fp8 not in (None, "torchao"))
+
+
+def test_unknown_variant_lists_the_known_ones():
+    with pytest.raises(ValueError, match="'fp8vit-fp9'.*timm-bf16"):
+        Variant.parse("fp8vit-fp9")
 
 
 @pytest.mark.parametrize("capacity, start, expected", [(300, 128, 296), (128, 128, 128), (100, 128, 96),
@@ -85,10 +122,10 @@ def test_train_example_reads_an_image_folder(tmp_path):
         for i in range(4):
             Image.new("RGB", (40, 40), (60 * i, 100 if cls == "a" else 200, 0)).save(tmp_path / cls / f"{i}.png")
     res = subprocess.run([sys.executable, "examples/train_vit.py", "--data", str(tmp_path), "--img-size", "32",
-                          "--num-classes", "2", "--batch-size", "4", "--steps", "3", "--log-every", "1",
+                          "--num-classes", "2", "--batch-size", "4", "--epochs", "2", "--log-every", "1",
                           "--workers", "0"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "step     3  loss" in res.stdout
+    assert "epoch 1 step      3  loss" in res.stdout and "done: 4 steps" in res.stdout  # 8 images, 2 epochs
 
 
 def test_convergence_example_runs_on_cpu(tmp_path):

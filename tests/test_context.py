@@ -8,17 +8,19 @@ import torch
 import fp8vit
 from fp8vit import _warn, context, detect
 from fp8vit.detect import GPUInfo
+from fp8vit.errors import Check
 
 
 def _info(fp8_ok, recipes=None, default=None, cap=(9, 0)):
-    recipes = recipes or {r: (fp8_ok, "" if fp8_ok else "no FP8 here") for r in fp8vit.RECIPE_NAMES}
-    return GPUInfo(name="GPU", capability=cap, arch="Hopper", recipes=recipes, default_recipe=default,
-                   fp8=(fp8_ok, "" if fp8_ok else "no FP8 here"))
+    recipes = recipes or {r: Check(fp8_ok, "" if fp8_ok else "no FP8 here") for r in fp8vit.RECIPE_NAMES}
+    return GPUInfo(name="GPU", capability=cap, arch="Hopper",
+                   recipes={r: Check(*c) for r, c in recipes.items()}, default_recipe=default,
+                   fp8=Check(fp8_ok, "" if fp8_ok else "no FP8 here"))
 
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    _warn.reset()
+    _warn._seen.clear()
     yield
     detect.clear_cache()
 
@@ -87,8 +89,42 @@ def test_fp8_path_enters_te_autocast(monkeypatch):
         yield
 
     monkeypatch.setattr(context, "gpu_info", lambda: _info(True, default="delayed", cap=None))
-    monkeypatch.setattr(context, "make_recipe", lambda name: FakeRecipe())
+    monkeypatch.setattr(context, "resolve_recipe", lambda recipe, support: FakeRecipe())
     monkeypatch.setattr(context._te, "autocast", fake_autocast)
     with fp8vit.fp8_context() as state:
         assert "args" in seen
     assert state.fp8 and state.recipe_name == "delayed" and seen["args"][0] is True
+
+
+def test_named_recipe_raises_where_fp8_cannot_run(monkeypatch):
+    # Asking for a recipe by name is asking for FP8: no silent fallback.
+    monkeypatch.setattr(context, "gpu_info", lambda: _info(False))
+    with pytest.raises(fp8vit.FP8UnavailableError, match="recipe 'delayed'.*no FP8 here"):
+        with fp8vit.fp8_context("delayed"):
+            pass
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64, torch.float32])
+def test_dtype_must_be_an_autocast_dtype(dtype):
+    with pytest.raises(ValueError, match=f"dtype={dtype}.*bfloat16"):
+        with fp8vit.fp8_context(enabled=False, dtype=dtype):
+            pass
+
+
+def test_cpu_model_is_autocast_on_a_gpu_machine(monkeypatch):
+    # The model's device, not the machine's, decides where autocast must act: CPU autocast is on too.
+    monkeypatch.setattr(context, "gpu_info", lambda: _info(False, cap=(9, 0)))
+    monkeypatch.setattr(torch, "autocast", _recording_autocast(seen := []))
+    with fp8vit.fp8_context(enabled=False):
+        pass
+    assert ("cpu", torch.bfloat16) in seen and ("cuda", torch.bfloat16) in seen
+
+
+def _recording_autocast(seen):
+    import contextlib
+
+    @contextlib.contextmanager
+    def autocast(device_type, dtype=None, **kw):
+        seen.append((device_type, dtype))
+        yield
+    return autocast

@@ -27,7 +27,7 @@ def test_logits_kept_and_state_dict_loads_back_into_timm(name):
     model = _model(name)
     x = torch.randn(2, 3, 64, 64)
     ref = model(x)
-    fp8vit.convert_to_te(model, exact_gelu=True, backend="torch")
+    fp8vit.convert_to_te(model, exact_gelu=True, backend="reference")
     assert all(isinstance(b, fp8vit.TE_Block) for b in model.blocks)
     torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
     fp8vit.convert_from_te(model)
@@ -39,7 +39,7 @@ def test_logits_kept_and_state_dict_loads_back_into_timm(name):
 def test_training_mode_device_dtype_kept():
     model = _model("vit_tiny_patch16_224").double().train()
     model.blocks[1].eval()
-    fp8vit.convert_to_te(model, backend="torch")
+    fp8vit.convert_to_te(model, backend="reference")
     assert model.blocks[0].training and not model.blocks[1].training
     assert {p.dtype for p in model.parameters()} == {torch.float64}
 
@@ -47,7 +47,7 @@ def test_training_mode_device_dtype_kept():
 def test_filter_keeps_first_and_last_block():
     model = _model("vit_tiny_patch16_224")
     last = len(model.blocks) - 1
-    fp8vit.convert_to_te(model, backend="torch",
+    fp8vit.convert_to_te(model, backend="reference",
                          module_filter_fn=lambda m, fqn: fqn not in ("blocks.0", f"blocks.{last}"))
     kinds = [type(b).__name__ for b in model.blocks]
     assert kinds[0] == kinds[-1] == "Block" and set(kinds[1:-1]) == {"TE_Block"}
@@ -57,7 +57,7 @@ def test_unconvertible_block_is_named():
     model = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=4,
                               block_fn=ResPostBlock, num_classes=3)
     with pytest.raises(fp8vit.ConversionError, match=r"blocks\.0 \(ResPostBlock\)"):
-        fp8vit.convert_to_te(model, backend="torch")
+        fp8vit.convert_to_te(model, backend="reference")
 
 
 def test_unsupported_block_option_is_named():
@@ -65,7 +65,7 @@ def test_unsupported_block_option_is_named():
                               num_classes=3)
     model.blocks[1].attn.norm = torch.nn.LayerNorm(64)  # what scale_attn_norm=True builds
     with pytest.raises(fp8vit.ConversionError, match=r"blocks\.1: .*scale_attn_norm"):
-        fp8vit.convert_to_te(model, backend="torch")
+        fp8vit.convert_to_te(model, backend="reference")
 
 
 def test_block_fn_in_vision_transformer_and_timm_init():
@@ -83,7 +83,7 @@ def test_block_fn_in_vision_transformer_and_timm_init():
 
 def test_grad_checkpointing_routes_through_te_block():
     model = _model("vit_tiny_patch16_224").train()
-    fp8vit.convert_to_te(model, backend="torch")
+    fp8vit.convert_to_te(model, backend="reference")
     x = torch.randn(2, 3, 64, 64)
     model(x).sum().backward()
     ref = {k: p.grad.clone() for k, p in model.named_parameters()}

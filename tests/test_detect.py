@@ -15,14 +15,19 @@ def fake_device(monkeypatch):
             calls.append(1)
             return name, cap
         monkeypatch.setattr(detect, "_device", _device)
-        monkeypatch.setattr(_te, "te_status", lambda: (te_ok, "" if te_ok else "TE is not installed"))
-        all_ok = {r: (True, "") for r in fp8vit.RECIPE_NAMES}
-        monkeypatch.setattr(_te, "recipe_checks", lambda: checks or all_ok)
-        detect.clear_cache()
+        monkeypatch.setattr(_te, "te_status", lambda: fp8vit.Check(te_ok, "" if te_ok else "TE is not installed"))
+        answers = checks or {}
+        # TE's own answer per capability function; the recipes ask through these names.
+        by_fn = {"is_fp8_available": answers.get("delayed", (True, "")),
+                 "is_fp8_block_scaling_available": answers.get("block", (True, "")),
+                 "is_mxfp8_available": answers.get("mxfp8", (True, ""))}
+        monkeypatch.setattr(_te, "te_check", lambda fn: fp8vit.Check(*by_fn[fn]))
+        monkeypatch.setattr(_te, "has_recipe", lambda name: True)
+        detect.gpu_info.cache_clear()  # TE's own caches are patched out above
         return calls
 
     yield set_device
-    detect.clear_cache()
+    detect.gpu_info.cache_clear()
 
 
 def test_no_gpu_reason_names_torch(fake_device):
@@ -70,7 +75,7 @@ def test_detection_is_cached(fake_device):
     calls = fake_device("NVIDIA H200", (9, 0))
     fp8vit.gpu_info(), fp8vit.fp8_support(), fp8vit.gpu_info()
     assert len(calls) == 1
-    detect.clear_cache()
+    detect.gpu_info.cache_clear()
     fp8vit.gpu_info()
     assert len(calls) == 2
 
@@ -81,3 +86,13 @@ def test_summary_lists_each_recipe(fake_device):
     assert "sm_90" in text and "Hopper" in text
     for r in fp8vit.RECIPE_NAMES:
         assert r in text
+
+
+def test_clear_cache_forgets_te_import_and_capability_answers(monkeypatch):
+    # A TE installed or repaired after the first probe is seen after clear_cache().
+    monkeypatch.setattr(_te.importlib, "import_module", lambda name: (_ for _ in ()).throw(ImportError("boom")))
+    detect.clear_cache()
+    assert not _te.te_status().ok and "boom" in _te.te_status().reason
+    monkeypatch.undo()
+    detect.clear_cache()
+    assert "boom" not in _te.te_status().reason

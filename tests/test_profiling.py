@@ -2,7 +2,7 @@
 
 import pytest
 
-from fp8vit.profiling import categorize, kernel_breakdown
+from fp8vit.tools.profiling import categorize, kernel_breakdown, kernel_table
 
 
 @pytest.mark.parametrize("name, cat", [
@@ -11,6 +11,9 @@ from fp8vit.profiling import categorize, kernel_breakdown
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
     ("void transformer_engine::cast_transpose_kernel<...>", "fp8 cast/transpose/amax"),
     ("void transformer_engine::normalization::ln_fwd_tuned_kernel<...>", "layernorm"),
+    ("void transformer_engine::unary_kernel<16, true, float, Empty, &gelu<float, float>, __nv_fp8_e4m3>",
+     "activation (+fp8 cast)"),
+    ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*)", "attention"),
     ("void at::native::(anonymous namespace)::fused_sgd_kernel", "optimizer"),
     ("void at::native::vectorized_elementwise_kernel<4, ...>", "elementwise/copy"),
     ("aten::addmm", "gemm"),
@@ -23,3 +26,12 @@ def test_categorize(name, cat):
 def test_breakdown_per_step_and_total():
     br = kernel_breakdown([("gemm_a", 3000.0), ("flash_fwd", 1000.0), ("mystery", 2000.0)], steps=2)
     assert br == {"gemm": 1.5, "attention": 0.5, "other": 1.0, "total": 3.0}
+
+
+def test_kernel_table_groups_by_kernel_and_launching_op():
+    launches = [("fill", "attn > aten::zeros > aten::fill_", 50.0)] * 6 + [("fill", "opt > aten::fill_", 10.0)] * 2 \
+        + [("gemm", "linear", 300.0)] * 4
+    rows = kernel_table(launches, steps=2)
+    assert rows[0] == ("gemm", "linear", 2.0, 0.6)
+    assert rows[1] == ("fill", "attn > aten::zeros > aten::fill_", 3.0, 0.15)
+    assert rows[2] == ("fill", "opt > aten::fill_", 1.0, 0.01)

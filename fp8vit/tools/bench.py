@@ -1,10 +1,13 @@
-"""``fp8vit-bench``: timm bf16 vs fp8vit (bf16 and FP8 per recipe), in one process and one run.
+"""``fp8vit-bench``: fp8vit against what a user would pick instead, in one process and one run.
 
     fp8vit-bench --model huge --batch-size 128 --steps 30 --plot bench.png --json bench.json
 
-For each variant: median step time with its spread (p10-p90) over the timed steps after warm-up,
-images/s, model TFLOP/s and the fraction of the GPU's dense bf16 peak, peak memory, speedup
-against timm bf16 eager measured in the same run, and optionally cost per million images.
+Variants (``fp8vit.tools.workload``): timm bf16 eager and compiled, torchao float8 compiled, a
+plain ``te.TransformerLayer`` (the raw-TE reference), fp8vit in bf16 and in FP8 per recipe, eager
+and with the blocks CUDA-graphed. For each: median step time with its spread (p10-p90) over the
+timed steps after warm-up, images/s, model TFLOP/s and the fraction of the GPU's dense bf16 peak,
+peak memory, speedup against timm bf16 eager measured in the same run, and optionally cost per
+million images. Ratios are only meaningful within one run (H200 step times drift ~5% between runs).
 """
 
 from __future__ import annotations
@@ -19,17 +22,16 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .detect import gpu_info
-from .workload import SIZES, build_model, make_optimizer, synthetic_batch, train_flops, train_step_fn
+from .. import _te
+from ..detect import gpu_info
+from .workload import (SIZES, VARIANTS, Variant, build_workload, make_optimizer, synthetic_batch, train_flops,
+                       train_step_fn)
 
-__all__ = ["main", "run_variant", "VARIANTS", "DENSE_BF16_PEAK"]
+__all__ = ["main", "run_variant", "unavailable", "largest_fitting", "DENSE_BF16_PEAK"]
 
 # Dense (no sparsity) bf16 tensor-core peak from the vendors' datasheets, FLOP/s, by name prefix.
 DENSE_BF16_PEAK = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "GH200": 989e12, "B200": 2250e12,
                    "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12}
-
-VARIANTS = ("timm-bf16", "timm-bf16-compile", "te-bf16", "te-fp8-delayed", "te-fp8-current",
-            "te-fp8-block", "te-fp8-mxfp8")
 
 
 def _peak(name: str) -> Optional[float]:
@@ -39,12 +41,21 @@ def _peak(name: str) -> Optional[float]:
     return None
 
 
-def _spec(variant: str):
-    """variant -> (precision, recipe, compile)."""
-    if variant.startswith("te-fp8-"):
-        return "fp8", variant[len("te-fp8-"):], False
-    return {"timm-bf16": ("bf16", None, False), "timm-bf16-compile": ("bf16", None, True),
-            "te-bf16": ("te-bf16", None, False)}[variant]
+def unavailable(variant: str, device: str) -> str:
+    """Why ``variant`` cannot run here ("" if it can)."""
+    v = Variant.parse(variant)
+    if device != "cuda" and (v.compile or v.graphed or v.blocks == "te-layer" or v.fp8 is not None):
+        return "needs a CUDA GPU"
+    if v.te_fp8 and not gpu_info().recipes[v.fp8].ok:
+        return gpu_info().recipes[v.fp8].reason
+    if v.blocks == "te-layer" and not _te.te_status().ok:
+        return _te.te_status().reason
+    if v.fp8 == "torchao":
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError as err:
+            return f"torchao is not installed ({err})"
+    return ""
 
 
 def _sync(device):
@@ -55,17 +66,15 @@ def _sync(device):
 def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int, device: str,
                 optimizer: str = "sgd", img_size: int = 224) -> Dict:
     """Build, warm up and time one variant. Returns its measurements (times in ms)."""
-    precision, recipe, compile_ = _spec(variant)
     torch.manual_seed(0)
-    wl = build_model(model, precision=precision, recipe=recipe, img_size=img_size, device=device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    wl = build_workload(model, variant, batch_size=batch, img_size=img_size, device=device)
     # Bench learning rates are small and fixed: the step time, not the training, is measured.
     opt = make_optimizer(wl.model.parameters(), optimizer, lr=1e-3 if optimizer == "sgd" else 1e-4,
                          device=device)
-    net = torch.compile(wl.model) if compile_ else None
-    step = train_step_fn(wl, opt, model=net)
+    step = train_step_fn(wl, opt)
     x, y = synthetic_batch(batch, wl, device=device)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(warmup):
         loss = step(x, y)
@@ -91,7 +100,10 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
            "min_ms": min(times), "max_ms": max(times), "images_per_s": batch / med * 1e3,
            "tflops": flops / (med * 1e-3) / 1e12, "loss": float(loss), "warmup_s": warm_s,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
-    del wl, opt, net, step, x, y
+    if wl.graphs is not None:
+        out["graph_replays"], out["graph_eager_calls"] = wl.graphs.replays, wl.graphs.eager_calls
+        wl.graphs.release()
+    del wl, opt, step, x, y
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -132,17 +144,17 @@ def max_batch(variant: str, *, model: str, start: int, device: str, optimizer: s
 
 def _table(rows: List[Dict], peak: Optional[float], price: Optional[float]) -> str:
     base = next((r for r in rows if r["variant"] == "timm-bf16"), None)
-    head = (f"{'variant':20s} {'median ms':>10s} {'p10-p90 ms':>15s} {'img/s':>8s} {'TFLOP/s':>8s} "
+    head = (f"{'variant':28s} {'median ms':>10s} {'p10-p90 ms':>15s} {'img/s':>8s} {'TFLOP/s':>8s} "
             f"{'% peak':>7s} {'mem GiB':>8s} {'vs timm':>8s}" + (f" {'$/1M img':>9s}" if price else ""))
     lines = [head, "-" * len(head)]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"{r['variant']:20s} skipped: {r['skipped']}")
+            lines.append(f"{r['variant']:28s} skipped: {r['skipped']}")
             continue
         pct = f"{100 * r['tflops'] * 1e12 / peak:6.1f}%" if peak else "    n/a"
         mem = f"{r['peak_mem_gib']:8.1f}" if r["peak_mem_gib"] is not None else "     n/a"
         speed = f"{base['median_ms'] / r['median_ms']:7.2f}x" if base and "median_ms" in base else "     n/a"
-        line = (f"{r['variant']:20s} {r['median_ms']:10.1f} {r['p10_ms']:7.1f}-{r['p90_ms']:<7.1f} "
+        line = (f"{r['variant']:28s} {r['median_ms']:10.1f} {r['p10_ms']:7.1f}-{r['p90_ms']:<7.1f} "
                 f"{r['images_per_s']:8.1f} {r['tflops']:8.1f} {pct} {mem} {speed}")
         if price:
             line += f" {price / 3600 / r['images_per_s'] * 1e6:9.2f}"
@@ -160,7 +172,7 @@ def _plot(rows: List[Dict], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 1.5))
     names = [r["variant"] for r in rows][::-1]
     vals = [r["images_per_s"] for r in rows][::-1]
-    colors = ["#888888" if n.startswith("timm") else ("#1f77b4" if n == "te-bf16" else "#d62728")
+    colors = ["#d62728" if n.startswith("fp8vit-fp8") else ("#1f77b4" if n.startswith("fp8vit") else "#888888")
               for n in names]
     bars = ax.barh(names, vals, color=colors)
     for bar, r in zip(bars, rows[::-1]):
@@ -178,10 +190,9 @@ def _plot(rows: List[Dict], path: str, title: str) -> None:
 def _environment(device: str) -> Dict:
     import timm
 
-    from . import _te
     env = {"torch": torch.__version__, "timm": timm.__version__, "python": sys.version.split()[0]}
-    te_ok, te_reason = _te.te_status()
-    if te_ok:
+    te = _te.te_status()
+    if te.ok:
         import importlib.metadata as md
         for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
             try:
@@ -190,7 +201,7 @@ def _environment(device: str) -> Dict:
             except md.PackageNotFoundError:
                 continue
     else:
-        env["transformer_engine"] = f"unavailable: {te_reason}"
+        env["transformer_engine"] = f"unavailable: {te.reason}"
     info = gpu_info()
     env["device"] = info.name if device == "cuda" else "cpu"
     env["capability"] = info.capability
@@ -231,17 +242,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"fp8vit-bench: {model}, batch {batches}, {steps} timed steps after {warmup} warm-up, "
           f"optimizer {a.optimizer}")
     print(" ".join(f"{k}={v}" for k, v in env.items()))
-    variants = a.variants or [v for v in VARIANTS if not (v == "timm-bf16-compile" and device == "cpu")]
+    variants = a.variants or list(VARIANTS)
     results = []
     for batch in batches:
         rows = []
         for v in variants:
-            precision, recipe, _ = _spec(v)
-            if precision == "fp8" and not info.recipes[recipe][0]:
-                rows.append({"variant": v, "batch": batch, "skipped": info.recipes[recipe][1]})
+            why = unavailable(v, device)
+            if why:
+                rows.append({"variant": v, "batch": batch, "skipped": why})
                 continue
-            r = run_variant(v, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
-                            optimizer=a.optimizer, img_size=a.img_size)
+            try:
+                r = run_variant(v, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
+                                optimizer=a.optimizer, img_size=a.img_size)
+            except Exception as err:  # noqa: BLE001 - one broken variant is reported, the rest still run
+                rows.append({"variant": v, "batch": batch, "skipped": f"failed: {type(err).__name__}: {err}"[:300]})
+                print(f"  {v}: FAILED {type(err).__name__}: {err}", flush=True)
+                gc.collect()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             rows.append(r)
             print(f"  {v}: {r['median_ms']:.1f} ms", flush=True)
         print(f"\n{model}, batch {batch}, {env['device']}:")
@@ -249,7 +268,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         results.extend(rows)
     extra = {}
     if a.max_batch and device == "cuda":
-        best = f"te-fp8-{info.default_recipe}" if info.fp8[0] else "te-bf16"
+        best = f"fp8vit-fp8-{info.default_recipe}" if info.fp8.ok else "fp8vit-bf16"
         for v in ("timm-bf16", best):
             extra[v] = max_batch(v, model=model, start=batches[0], device=device,
                                  optimizer=a.optimizer, img_size=a.img_size)

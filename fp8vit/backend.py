@@ -1,0 +1,115 @@
+"""What a ``TE_Block`` is built from: Transformer Engine's modules, or PyTorch reference stand-ins.
+
+=============  ============================================================================
+``"te"``       TE's fused modules on CUDA; FP8 inside ``fp8_context``
+``"reference"``  ``fp8vit.reference``: the same parameters and maths in plain PyTorch, no FP8;
+               runs anywhere (CPU tests, machines without TE)
+=============  ============================================================================
+
+The choice is made once per block (``resolve_backend``); a :class:`Backend` then answers the
+few questions whose answer differs (token-row alignment under FP8, checkpointing, turning FP8
+off for one block), so the block itself has no backend branches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import types
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+import torch.utils.checkpoint
+
+from . import _te, reference
+from ._warn import warn_once
+from .errors import TEUnavailableError
+from .recipes import row_multiple
+
+__all__ = ["BACKENDS", "Backend", "get_backend", "resolve_backend"]
+
+BACKENDS = ("te", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One backend's modules and behaviour.
+
+    Attributes:
+        name: ``"te"`` or ``"reference"``.
+        modules: ``LayerNormLinear``, ``Linear``, ``LayerNormMLP``, ``DotProductAttention`` and
+            ``packed_qkv`` (whether attention takes the packed ``[B, N, 3, H, D]`` buffer).
+        default_device: where parameters go when the caller names no device.
+    """
+
+    name: str
+    modules: types.SimpleNamespace
+    default_device: str
+
+    @property
+    def fp8(self) -> bool:
+        """Whether this backend's GEMMs can run in FP8."""
+        return self.name == "te"
+
+    def active_recipe(self) -> Optional[Any]:
+        """The FP8 recipe the enclosing ``fp8_context`` set, or None (always None for reference)."""
+        return _te.active_fp8_recipe() if self.fp8 else None
+
+    @staticmethod
+    def row_multiple(recipe: Optional[Any]) -> int:
+        """Token rows (batch x tokens) must be a multiple of this for ``recipe`` (1: no FP8)."""
+        return row_multiple(recipe)
+
+    def fp8_off(self) -> ContextManager:
+        """A nested TE autocast with FP8 disabled (this block runs bf16 inside fp8_context)."""
+        return _te.autocast(enabled=False, recipe=None) if self.fp8 else contextlib.nullcontext()
+
+    def checkpoint(self, fn: Callable, *args) -> torch.Tensor:
+        """Activation checkpointing; TE's version restores the FP8 state on recompute."""
+        if self.fp8:
+            return _te.checkpoint(fn, *args)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
+@functools.lru_cache(maxsize=None)
+def get_backend(name: str) -> Backend:
+    """The :class:`Backend` called ``name`` (``"te"`` loads TE and raises if it cannot)."""
+    if name == "te":
+        return Backend("te", _te.modules(), "cuda")
+    if name == "reference":
+        return Backend("reference", reference.modules(), "cpu")
+    raise ValueError(f"backend={name!r}; use one of {list(BACKENDS)} or None (automatic)")
+
+
+def resolve_backend(backend: Optional[str]) -> str:
+    """The backend name a block should use.
+
+    Args:
+        backend: ``"te"``, ``"reference"``, or None: TE where it is installed and a GPU is visible,
+            else the reference modules with one warning saying why.
+
+    Raises:
+        ValueError: an unknown name.
+        TEUnavailableError: ``"te"`` was asked for, or TE is installed on a GPU machine, and
+            TE does not import; the message has TE's import error and the fix. Pass
+            ``backend="reference"`` to run without TE deliberately.
+    """
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}; use one of {list(BACKENDS)} or None (automatic)")
+        if backend == "te":
+            _te.load_te()
+        return backend
+    gpu = torch.cuda.is_available()
+    status = _te.te_status()
+    if status.ok and gpu:
+        return "te"
+    if gpu and _te.installed():
+        # TE is there but broken: silently training without FP8 would hide it.
+        raise TEUnavailableError(f"Transformer Engine is installed but unusable: {status.reason}. "
+                                 "Fix the install, or pass backend='reference' to run without TE")
+    why = status.reason if not status.ok else "no CUDA GPU is visible"
+    warn_once(f"fp8vit: TE_Block uses PyTorch reference modules (same weights, no FP8): {why}",
+              RuntimeWarning, stacklevel=3)
+    return "reference"

@@ -1,0 +1,151 @@
+"""``fp8vit-profile``: where does a training step's GPU time go? Per kernel and per category.
+
+    fp8vit-profile --model huge --batch-size 128 --variant fp8vit-fp8-delayed --kernels k.txt
+
+Kernel times come from the torch profiler over ``--steps`` steps after ``--warmup``. Each kernel
+is also attributed to the framework op that launched it (``--kernels`` lists the op path, e.g.
+``FusedAttnFuncBackward > aten::zeros > aten::fill_``), which says where an unexpected kernel
+comes from. Categories are matched on kernel names (first match wins, in the order of
+``CATEGORIES``); ``other`` collects the rest. Wall time per step is measured separately, so
+GPU-busy vs wall says whether the step is GPU-bound or launch-bound. Bytes moved per kernel need
+hardware counters: ``--ncu-step`` brackets one step with ``cudaProfilerStart/Stop`` for
+``ncu --profile-from-start off`` (see docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import time
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+
+from .workload import SIZES, VARIANTS, build_workload, make_optimizer, synthetic_batch, train_step_fn
+
+__all__ = ["CATEGORIES", "categorize", "kernel_breakdown", "kernel_table", "main"]
+
+CATEGORIES: List[Tuple[str, str]] = [
+    ("attention", r"flash|fmha|attn|attention|sdpa|cudnn_generated|cudnn::fusion"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm90_|matmul|aten::(add|b)?mm$"),
+    ("activation (+fp8 cast)", r"gelu|relu|silu|unary_kernel"),
+    ("fp8 cast/transpose/amax", r"cast|transpose|amax|quantiz|fp8|scale|dbias"),
+    ("layernorm", r"layer_?norm|rms_?norm|\bln_|_ln_"),
+    ("optimizer", r"sgd|adam|multi_tensor|foreach|fused_.*optim"),
+    ("elementwise/copy", r"elementwise|vectorized|unrolled|fill|copy|memcpy|memset|reduce|cat_|index|triton_"),
+]
+_COMPILED = [(name, re.compile(pat, re.IGNORECASE)) for name, pat in CATEGORIES]
+
+
+def categorize(kernel_name: str) -> str:
+    """The category of one kernel name (``"other"`` if no pattern matches)."""
+    for name, pat in _COMPILED:
+        if pat.search(kernel_name):
+            return name
+    return "other"
+
+
+def kernel_breakdown(events: Iterable[Tuple[str, float]], steps: int) -> Dict[str, float]:
+    """``(kernel name, microseconds)`` pairs -> milliseconds per step per category, plus ``total``."""
+    out: Dict[str, float] = collections.defaultdict(float)
+    for name, us in events:
+        out[categorize(name)] += us / 1e3 / steps
+    out["total"] = sum(out.values())
+    return dict(out)
+
+
+def kernel_table(launches: Iterable[Tuple[str, str, float]], steps: int) -> List[Tuple[str, str, float, float]]:
+    """``(kernel, launching op path, microseconds)`` per launch -> rows
+    ``(kernel, op path, calls per step, ms per step)``, longest first."""
+    acc: Dict[Tuple[str, str], List[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for kernel, path, us in launches:
+        acc[(kernel, path)][0] += 1
+        acc[(kernel, path)][1] += us
+    rows = [(k, p, n / steps, us / 1e3 / steps) for (k, p), (n, us) in acc.items()]
+    return sorted(rows, key=lambda r: -r[3])
+
+
+def _op_path(evt, depth: int = 4) -> str:
+    """The chain of framework ops that launched a kernel, outermost of the last ``depth`` first."""
+    names = []
+    while evt is not None and len(names) < depth:
+        names.append(evt.name)
+        evt = evt.cpu_parent
+    return " > ".join(reversed(names))
+
+
+def _launches(prof) -> List[Tuple[str, str, float]]:
+    out = []
+    for evt in prof.events():
+        for k in getattr(evt, "kernels", []) or []:
+            out.append((k.name, _op_path(evt), k.duration))
+    return out
+
+
+def main(argv=None) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    p = argparse.ArgumentParser(prog="fp8vit-profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="huge", help=f"{sorted(SIZES)} or a timm model name")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--variant", default="fp8vit-fp8-delayed", choices=VARIANTS)
+    p.add_argument("--steps", type=int, default=5, help="profiled steps (after --warmup)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--kernels", default=None, help="write the per-kernel table (with op paths) here")
+    p.add_argument("--trace", default=None, help="write a Chrome trace here")
+    p.add_argument("--ncu-step", action="store_true",
+                   help="after warm-up, run one step between cudaProfilerStart/Stop (for ncu) and exit")
+    a = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    wl = build_workload(a.model, a.variant, batch_size=a.batch_size, device=device)
+    opt = make_optimizer(wl.model.parameters(), "sgd", lr=1e-3, device=device)
+    step = train_step_fn(wl, opt)
+    x, y = synthetic_batch(a.batch_size, wl, device=device)
+    for _ in range(a.warmup):
+        step(x, y)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    if a.ncu_step:
+        torch.cuda.profiler.start()
+        step(x, y)
+        sync()
+        torch.cuda.profiler.stop()
+        return 0
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        step(x, y)
+    sync()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / a.steps
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(a.steps):
+            step(x, y)
+        sync()
+    if a.trace:
+        prof.export_chrome_trace(a.trace)
+    if device == "cuda":  # GPU kernels, microseconds each
+        launches = _launches(prof)
+        what = "GPU kernel"
+    else:  # no kernels on CPU: aten ops' self time, so nothing is counted twice
+        launches = [(e.key, e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.key.startswith("aten::")]
+        what = "CPU op"
+    br = kernel_breakdown([(k, us) for k, _, us in launches], a.steps)
+    print(f"{a.model} batch {a.batch_size} {a.variant}: wall {wall_ms:.1f} ms/step (unprofiled), "
+          f"{what} time {br['total']:.1f} ms/step")
+    for cat in [c for c, _ in CATEGORIES] + ["other"]:
+        if cat in br:
+            print(f"  {cat:26s} {br[cat]:8.2f} ms  {100 * br[cat] / br['total']:5.1f}%")
+    table = kernel_table(launches, a.steps)
+    if a.kernels:
+        with open(a.kernels, "w") as f:
+            f.write(f"# {a.model} batch {a.batch_size} {a.variant}: {br['total']:.2f} ms {what} time/step, "
+                    f"wall {wall_ms:.1f} ms/step\n# ms/step  calls/step  category  kernel  <-  launching op path\n")
+            for kernel, path, calls, ms in table:
+                f.write(f"{ms:9.3f} {calls:7.1f}  {categorize(kernel):12.12s}  {kernel[:110]}  <-  {path}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

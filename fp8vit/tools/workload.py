@@ -1,0 +1,239 @@
+"""The training workload shared by ``fp8vit-bench``, ``fp8vit-profile`` and ``fp8vit-diagnose``.
+
+A timm ViT (any timm name, or the sizes below), random init, synthetic data, one variant.
+A variant's name says what runs the blocks, in which precision, and how:
+
+=================================  ===========================================================
+``timm-bf16``                      timm's blocks, bf16 autocast (the baseline)
+``timm-bf16-compile``              the same, ``torch.compile``d
+``torchao-fp8-compile``            torchao float8 (tensorwise) on the blocks' Linears, compiled
+``te-layer-fp8[-graphed]``         a plain ``te.TransformerLayer`` configured for a ViT (bshd, no
+                                   mask, eps 1e-6): the raw-TE speed reference, FP8 delayed
+``fp8vit-bf16[-graphed]``          fp8vit ``TE_Block``s, bf16 autocast, FP8 off
+``fp8vit-fp8-RECIPE[-graphed]``    fp8vit ``TE_Block``s in ``fp8_context(RECIPE)``
+=================================  ===========================================================
+
+``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from .. import _te
+from ..context import fp8_context
+from ..convert import convert_to_te
+from ..graphs import GraphedBlocks, make_graphed_blocks
+from ..recipes import RECIPE_NAMES
+
+__all__ = ["SIZES", "VARIANTS", "Variant", "Workload", "build_workload", "make_optimizer", "train_step_fn",
+           "synthetic_batch", "train_flops", "te_layer_block_fn"]
+
+# ViT sizes by short name: (embed_dim, depth, num_heads). Patch 16, 224 px.
+SIZES = {
+    "tiny": (192, 12, 3), "small": (384, 12, 6), "base": (768, 12, 12),
+    "large": (1024, 24, 16), "huge": (1280, 32, 16),
+    "micro": (64, 2, 4),  # CPU smoke tests
+}
+
+VARIANTS = (
+    "timm-bf16", "timm-bf16-compile", "torchao-fp8-compile", "te-layer-fp8", "te-layer-fp8-graphed",
+    "fp8vit-bf16", "fp8vit-bf16-graphed",
+    *(f"fp8vit-fp8-{r}" for r in RECIPE_NAMES), *(f"fp8vit-fp8-{r}-graphed" for r in RECIPE_NAMES),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A parsed variant name (see the module docstring).
+
+    Attributes:
+        name: as in :data:`VARIANTS`.
+        blocks: ``"timm"``, ``"te-layer"`` or ``"fp8vit"``.
+        fp8: the FP8 recipe name (``"torchao"`` for torchao float8), or None for bf16.
+        compile: ``torch.compile`` the model.
+        graphed: capture the blocks as CUDA graphs.
+    """
+
+    name: str
+    blocks: str
+    fp8: Optional[str]
+    compile: bool
+    graphed: bool
+
+    @classmethod
+    def parse(cls, name: str) -> "Variant":
+        if name not in VARIANTS:
+            raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
+        parts = name.split("-")
+        graphed = parts[-1] == "graphed"
+        compile_ = parts[-1] == "compile"
+        if name.startswith("torchao"):
+            return cls(name, "timm", "torchao", True, False)
+        if name.startswith("te-layer"):
+            return cls(name, "te-layer", "delayed", False, graphed)
+        fp8 = parts[2] if name.startswith("fp8vit-fp8") else None
+        return cls(name, parts[0], fp8, compile_, graphed)
+
+    @property
+    def te_fp8(self) -> bool:
+        """Runs TE's FP8 (inside ``fp8_context``)."""
+        return self.fp8 not in (None, "torchao")
+
+
+@dataclasses.dataclass
+class Workload:
+    """A built model and what its training step needs.
+
+    Attributes:
+        model: the model (its parameters are what the optimizer updates).
+        variant: what was built.
+        net: what the step calls: ``model`` or its compiled version.
+        img_size, num_classes: input resolution and classifier width.
+        graphs: the CUDA-graph handle of ``-graphed`` variants.
+    """
+
+    model: nn.Module
+    variant: Variant
+    net: Callable
+    img_size: int
+    num_classes: int
+    graphs: Optional[GraphedBlocks] = None
+
+
+def te_layer_block_fn() -> type:
+    """A ``block_fn`` for timm's ``VisionTransformer`` made of a plain ``te.TransformerLayer``,
+    configured for a ViT (bidirectional ``bshd`` attention, eps 1e-6, timm's dropouts): what a
+    careful user would write by hand with raw TE. A speed reference: it ignores the timm options
+    it has no equivalent for (LayerScale, qk_norm, separate biases)."""
+    layer = _te.transformer_layer_class()
+
+    class TELayerBlock(layer):
+        def __init__(self, dim, num_heads, mlp_ratio=4.0, qkv_bias=False, proj_drop=0.0, attn_drop=0.0, **_):
+            super().__init__(hidden_size=dim, ffn_hidden_size=int(dim * mlp_ratio), num_attention_heads=num_heads,
+                             hidden_dropout=proj_drop, attention_dropout=attn_drop, attn_input_format="bshd",
+                             self_attn_mask_type="no_mask", layernorm_epsilon=1e-6)
+
+    return TELayerBlock
+
+
+def _torchao_fp8(model: nn.Module) -> None:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    convert_to_float8_training(model, config=Float8LinearConfig(),
+                               module_filter_fn=lambda mod, fqn: fqn.startswith("blocks."))
+
+
+def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, batch_size: Optional[int] = None,
+                   img_size: int = 224, num_classes: int = 1000, device: str = "cuda",
+                   backend: Optional[str] = None) -> Workload:
+    """A randomly initialised timm ViT for one variant.
+
+    Args:
+        model: a key of :data:`SIZES` or any timm model name (``vit_base_patch16_224``, ...).
+        variant: one of :data:`VARIANTS`.
+        batch_size: images per step; needed by ``-graphed`` variants (the graphs' shape).
+        img_size: input resolution.
+        num_classes: classifier width.
+        device: where to build it.
+        backend: ``TE_Block`` backend (None: automatic).
+    """
+    import timm
+
+    v = Variant.parse(variant)
+    kw = {}
+    if v.blocks == "te-layer":
+        kw["block_fn"] = te_layer_block_fn()
+    if model in SIZES:
+        dim, depth, heads = SIZES[model]
+        net = VisionTransformer(img_size=img_size, patch_size=16, embed_dim=dim, depth=depth,
+                                num_heads=heads, num_classes=num_classes, **kw)
+    else:
+        net = timm.create_model(model, pretrained=False, img_size=img_size, num_classes=num_classes, **kw)
+    net = net.to(device)
+    if v.blocks == "fp8vit":
+        convert_to_te(net, backend=backend)
+    if v.fp8 == "torchao":
+        _torchao_fp8(net)
+    graphs = None
+    if v.graphed:
+        if batch_size is None:
+            raise ValueError(f"variant {variant!r} captures CUDA graphs: pass batch_size")
+        graphs = make_graphed_blocks(net.train(), batch_size, recipe=v.fp8 if v.te_fp8 else None, fp8=v.te_fp8)
+    return Workload(net, v, torch.compile(net) if v.compile else net, img_size, num_classes, graphs)
+
+
+def make_optimizer(params, name: str = "sgd", *, lr: float, device: str = "cuda") -> torch.optim.Optimizer:
+    """SGD with momentum 0.9 or AdamW, fused (one kernel per step) on CUDA.
+
+    Args:
+        params: the parameters to optimize.
+        name: ``"sgd"`` or ``"adamw"``.
+        lr: learning rate.
+        device: ``"cuda"`` enables the fused implementation.
+    """
+    fused = device == "cuda"
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, fused=fused)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, fused=fused)
+    raise ValueError(f"optimizer={name!r}; choose 'sgd' or 'adamw'")
+
+
+def synthetic_batch(batch: int, wl: Workload, device: str = "cuda", seed: int = 0):
+    """Images ``[B, 3, H, W]`` and labels ``[B]`` generated on ``device`` (no input pipeline)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(batch, 3, wl.img_size, wl.img_size, device=device, generator=g)
+    y = torch.randint(0, wl.num_classes, (batch,), device=device, generator=g)
+    return x, y
+
+
+def train_step_fn(wl: Workload, optimizer: torch.optim.Optimizer) -> Callable:
+    """``step(x, y) -> loss``: forward in the variant's precision, backward, optimizer step."""
+    recipe = wl.variant.fp8 if wl.variant.te_fp8 else None
+
+    def step(x, y):
+        with fp8_context(recipe, enabled=wl.variant.te_fp8):
+            loss = F.cross_entropy(wl.net(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _mlp_hidden(blk: nn.Module) -> int:
+    """fc1 width of a timm ``Block``, a ``TE_Block`` or a ``te.TransformerLayer``."""
+    if hasattr(blk, "cfg"):
+        return blk.cfg.mlp_hidden
+    if hasattr(blk, "layernorm_mlp"):
+        return blk.layernorm_mlp.fc1_weight.shape[0]
+    return blk.mlp.fc1.out_features
+
+
+def train_flops(model: nn.Module, batch: int, img_size: int) -> float:
+    """Model FLOPs of one training step (forward + backward = 3x forward), GEMMs and attention.
+
+    Per block and token: ``2 * (3C^2 + C^2 + 2 * C * hidden)`` for qkv, proj and the MLP, plus
+    ``4 * N * C`` for the two attention matmuls; the patch embedding and head are added.
+    """
+    pe = model.patch_embed
+    n_patches = (img_size // pe.patch_size[0]) * (img_size // pe.patch_size[1])
+    tokens = n_patches + getattr(model, "num_prefix_tokens", 1)
+    dim = model.embed_dim
+    per_token = 0.0
+    for blk in model.blocks:
+        per_token += 2 * (4 * dim * dim + 2 * dim * _mlp_hidden(blk)) + 4 * tokens * dim
+    fwd = batch * tokens * per_token
+    fwd += batch * n_patches * 2 * dim * 3 * pe.patch_size[0] * pe.patch_size[1]
+    head = getattr(model, "head", None)
+    if isinstance(head, nn.Linear):
+        fwd += batch * 2 * head.in_features * head.out_features
+    return 3 * fwd
