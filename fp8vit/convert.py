@@ -6,9 +6,10 @@ in place, returns the model, an optional filter decides per module.
 
 from __future__ import annotations
 
-import types
 from typing import Callable, List, Optional, Sequence
 
+import torch
+import torch.utils.checkpoint
 from timm.models.vision_transformer import Block
 from torch import nn
 
@@ -99,16 +100,23 @@ def convert_from_te(model: nn.Module) -> nn.Module:
     """Replace every ``TE_Block`` by the equivalent timm ``Block``, in place.
 
     The result's ``state_dict()`` loads into ``timm.create_model(name)``. FP8 scaling state has no
-    timm counterpart and is dropped.
+    timm counterpart and is dropped. Frozen parameters stay frozen; activation checkpointing, if
+    on, goes back to timm's own.
 
     Returns:
-        ``model``.
+        ``model`` (or the timm ``Block`` replacing it, if ``model`` is a ``TE_Block``).
     """
-    for fqn, mod in list(model.named_modules()):
-        if isinstance(mod, TE_Block):
-            _swap(model, fqn, mod.to_timm())
-    if "set_grad_checkpointing" in vars(model):
+    if isinstance(model, TE_Block):
+        return model.to_timm()
+    checkpointing = any(m.grad_checkpointing for m in model.modules() if isinstance(m, TE_Block))
+    set_grad_checkpointing(model, False)
+    new = {fqn: mod.to_timm() for fqn, mod in model.named_modules() if isinstance(mod, TE_Block)}
+    for fqn, block in new.items():
+        _swap(model, fqn, block)
+    if isinstance(vars(model).get("set_grad_checkpointing"), _SetGradCheckpointing):
         del model.set_grad_checkpointing  # back to the class's own method
+        if checkpointing:
+            model.set_grad_checkpointing(True)
     return model
 
 
@@ -133,35 +141,58 @@ def set_block_fp8(model: nn.Module, names: Sequence[str], enabled: bool) -> List
 
 
 def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> nn.Module:
-    """Activation checkpointing for every ``TE_Block`` of ``model``, through TE's checkpoint.
+    """Activation checkpointing for every block of a converted ``model``.
 
-    timm's ``checkpoint_seq`` recomputes blocks outside the FP8 autocast, and TE then saves a
-    different set of tensors ("a different number of tensors was saved"). ``TE_Block`` instead
-    checkpoints itself with ``te.distributed.checkpoint``, which restores the FP8 state on recompute.
+    ``TE_Block``s checkpoint themselves through TE's checkpoint, which restores the FP8 state on
+    recompute (timm's ``checkpoint_seq`` recomputes outside the FP8 autocast, and TE then saves a
+    different set of tensors: "a different number of tensors was saved"). timm ``Block``s kept by
+    ``module_filter_fn`` beside them checkpoint themselves with torch's checkpoint, since timm's
+    own ``checkpoint_seq`` must stay off for such a model.
     """
     for mod in model.modules():
         if isinstance(mod, TE_Block):
             mod.grad_checkpointing = enable
+        elif isinstance(mod, Block):
+            if enable:
+                mod.forward = _CheckpointedForward(mod)
+            elif isinstance(vars(mod).get("forward"), _CheckpointedForward):
+                del mod.forward
     return model
 
 
+class _CheckpointedForward:
+    """The ``forward`` of a timm ``Block`` kept beside ``TE_Block``s, with activation checkpointing.
+    An object, not a closure, so that the model still pickles."""
+
+    def __init__(self, block: nn.Module):
+        self.block = block
+
+    def __call__(self, *args, **kwargs):
+        forward = type(self.block).forward
+        if not torch.is_grad_enabled():
+            return forward(self.block, *args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, self.block, *args, use_reentrant=False, **kwargs)
+
+
+class _SetGradCheckpointing:
+    """``model.set_grad_checkpointing`` of a converted timm model: the class's own method for the
+    other parts (e.g. the patch embedding), with timm's ``checkpoint_seq`` kept off, then
+    :func:`set_grad_checkpointing` for the blocks. An object, not a closure, so the model pickles."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, enable: bool = True) -> None:
+        type(self.model).set_grad_checkpointing(self.model, enable)
+        self.model.grad_checkpointing = False
+        set_grad_checkpointing(self.model, enable)
+
+
 def _install_checkpointing(model: nn.Module) -> None:
-    """Route ``model.set_grad_checkpointing`` to TE_Block's own checkpointing.
-
-    timm's flag stays False for the blocks (so timm never wraps them in ``checkpoint_seq``);
-    the method of the class still runs for the other parts (e.g. the patch embedding).
-    """
-    original = getattr(type(model), "set_grad_checkpointing", None)  # may live in a base class
-    if original is None or "set_grad_checkpointing" in vars(model):
+    """Route ``model.set_grad_checkpointing`` to the blocks' own checkpointing (see above)."""
+    if getattr(type(model), "set_grad_checkpointing", None) is None or "set_grad_checkpointing" in vars(model):
         return
-
-    def _set(self, enable: bool = True):
-        original(self, enable)
-        if any(isinstance(m, TE_Block) for m in getattr(self, "blocks", self).modules()):
-            self.grad_checkpointing = False
-        set_grad_checkpointing(self, enable)
-
-    model.set_grad_checkpointing = types.MethodType(_set, model)
+    model.set_grad_checkpointing = _SetGradCheckpointing(model)
     # A model converted while checkpointing was on keeps it, now through TE.
     if getattr(model, "grad_checkpointing", False):
         model.set_grad_checkpointing(True)

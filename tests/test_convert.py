@@ -96,3 +96,82 @@ def test_grad_checkpointing_routes_through_te_block():
         torch.testing.assert_close(p.grad, ref[k], rtol=1e-5, atol=1e-6, msg=k)
     model.set_grad_checkpointing(False)
     assert not any(b.grad_checkpointing for b in model.blocks)
+
+
+def test_frozen_parameters_stay_frozen_both_ways():
+    model = _model("vit_tiny_patch16_224")
+    model.blocks[0].attn.qkv.weight.requires_grad_(False)
+    for p in model.blocks[1].parameters():
+        p.requires_grad_(False)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    fp8vit.convert_to_te(model, backend="reference")
+    assert not model.blocks[0].qkv.weight.requires_grad and model.blocks[0].proj.weight.requires_grad
+    assert not any(p.requires_grad for p in model.blocks[1].parameters())
+    fp8vit.convert_from_te(model)
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == frozen
+
+
+def test_whole_model_pickles_after_conversion(tmp_path):
+    model = _model("vit_tiny_patch16_224")
+    fp8vit.convert_to_te(model, backend="reference")
+    model.set_grad_checkpointing(True)
+    torch.save(model, tmp_path / "m.pt")
+    back = torch.load(tmp_path / "m.pt", weights_only=False)
+    x = torch.randn(2, 3, 64, 64)
+    torch.testing.assert_close(back(x), model(x))
+    assert all(b.grad_checkpointing for b in back.blocks)
+    back.set_grad_checkpointing(False)  # the restored hook still works
+    assert not any(b.grad_checkpointing for b in back.blocks)
+
+
+def test_mixed_model_checkpoints_the_kept_timm_blocks_too():
+    model = _model("vit_tiny_patch16_224").train()
+    fp8vit.convert_to_te(model, backend="reference", module_filter_fn=lambda m, fqn: fqn != "blocks.0")
+    x = torch.randn(2, 3, 64, 64)
+    model(x).sum().backward()
+    ref = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_grad_checkpointing(True)
+    calls = []
+    model.blocks[0].attn.register_forward_hook(lambda *a: calls.append(1))
+    model(x).sum().backward()
+    assert len(calls) == 2  # forward, then the recompute in backward: it was checkpointed
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[k], rtol=1e-5, atol=1e-6, msg=k)
+    fp8vit.convert_from_te(model)  # back to timm, checkpointing now timm's own
+    assert model.grad_checkpointing and "forward" not in vars(model.blocks[0])
+
+
+def test_conversion_is_atomic():
+    model = _model("vit_tiny_patch16_224")
+    model.blocks[2].attn.norm = torch.nn.LayerNorm(192)  # unconvertible, after two good blocks
+    with pytest.raises(fp8vit.ConversionError, match=r"blocks\.2"):
+        fp8vit.convert_to_te(model, backend="reference")
+    assert not any(isinstance(b, fp8vit.TE_Block) for b in model.blocks)
+    assert "set_grad_checkpointing" not in vars(model)
+
+
+def test_model_without_blocks_is_an_error():
+    with pytest.raises(fp8vit.ConversionError, match="Sequential holds no timm Block"):
+        fp8vit.convert_to_te(torch.nn.Sequential(torch.nn.Linear(4, 4)), backend="reference")
+
+
+def test_a_bare_block_is_returned_converted():
+    from timm.models.vision_transformer import Block
+    block = Block(64, 4).eval()
+    te = fp8vit.convert_to_te(block, backend="reference", exact_gelu=True)
+    assert isinstance(te, fp8vit.TE_Block) and not dict(te.named_children()).get("")
+    x = torch.randn(2, 5, 64)
+    torch.testing.assert_close(te(x), block(x), rtol=1e-5, atol=1e-5)
+    assert isinstance(fp8vit.convert_from_te(te), Block)
+
+
+@pytest.mark.parametrize("cls_name", ["ParallelScalingBlock", "DiffParallelScalingBlock", "ResPostBlock"])
+def test_every_other_vit_block_class_is_named(cls_name):
+    import timm.models.vision_transformer as vt
+    if not hasattr(vt, cls_name):
+        pytest.skip(f"this timm has no {cls_name}")
+    kw = {"dim": 64, "num_heads": 4}
+    block = getattr(vt, cls_name)(**kw)
+    with pytest.raises(fp8vit.ConversionError, match=cls_name):
+        fp8vit.convert_to_te(torch.nn.Sequential(block), backend="reference")

@@ -16,7 +16,7 @@ import torch
 
 import fp8vit
 from fp8vit.block import _aligned_rows
-from helpers import BLOCK_CASES, max_rel_err, rel_l2_err, timm_block
+from helpers import BLOCK_CASES, max_rel_err, rel_l2_err, snr_db, timm_block
 
 pytestmark = pytest.mark.gpu
 
@@ -71,9 +71,16 @@ def test_bf16_error_is_bf16_rounding_only(case):
     truth = block(x)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         timm_bf16, te_bf16 = block(x), te(x)
-    e_timm, e_te = max_rel_err(truth, timm_bf16), max_rel_err(truth, te_bf16)
-    print(f"{case}: bf16 rel err timm {e_timm:.2e} TE {e_te:.2e}")
-    assert e_te <= 2 * e_timm + 1e-3
+        te.fp32_residual = True  # timm's own choice: the residual stream stays fp32
+        te_fp32_res = te(x)
+    e_timm, e_te, e_fp32_res = (max_rel_err(truth, t) for t in (timm_bf16, te_bf16, te_fp32_res))
+    print(f"{case}: bf16 rel err timm {e_timm:.2e} TE {e_fp32_res:.2e} (fp32 residual), "
+          f"{e_te:.2e} (bf16 residual)")
+    assert te_bf16.dtype == torch.bfloat16 and te_fp32_res.dtype == torch.float32
+    assert e_fp32_res <= 2 * e_timm + 1e-3
+    # A bf16 residual stream adds three roundings to bf16 (the input and the two sums), each at
+    # most 2^-9 of the largest element.
+    assert e_te <= 2 * e_timm + 3 * 2.0 ** -9
 
 
 def test_masks_match_timm():
@@ -95,15 +102,23 @@ def test_convert_whole_vit_keeps_logits(name):
         truth = model(x)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             timm_bf16 = model(x).float()
-        fp8vit.convert_to_te(model, exact_gelu=True)
+        fp8vit.convert_to_te(model, exact_gelu=True, fp32_residual=True)
         assert all(b.backend == "te" for b in model.blocks)
         te_fp32 = model(x)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             te_bf16 = model(x).float()
+            for b in model.blocks:
+                b.fp32_residual = False  # the default: residual stream in bf16, as te.TransformerLayer
+            te_bf16_res = model(x).float()
     print(f"{name}: logits rel err TE fp32 {max_rel_err(truth, te_fp32):.2e}, "
-          f"bf16 timm {max_rel_err(truth, timm_bf16):.2e} TE {max_rel_err(truth, te_bf16):.2e}")
+          f"bf16 timm {max_rel_err(truth, timm_bf16):.2e} TE {max_rel_err(truth, te_bf16):.2e}; "
+          f"SNR vs fp32: timm bf16 {snr_db(truth, timm_bf16):.1f} dB, TE bf16 residual "
+          f"{snr_db(truth, te_bf16_res):.1f} dB")
     assert max_rel_err(truth, te_fp32) < 5e-3
     assert max_rel_err(truth, te_bf16) <= 2 * max_rel_err(truth, timm_bf16) + 1e-3
+    # bf16 rounding of the residual stream: noise at bf16 level (~2^-9, i.e. ~50 dB per rounding,
+    # less after a dozen blocks), far above what a wrong residual would give (~0 dB).
+    assert snr_db(truth, te_bf16_res) >= snr_db(truth, timm_bf16) - 10
 
 
 def test_row_padding_with_te_kernels():

@@ -1,0 +1,143 @@
+"""make_graphed_blocks on the GPU: graphed training equals eager training, FP8 state keeps
+updating, mismatched calls fall back to eager with a warning, DDP and accumulation work."""
+
+import copy
+import io
+import os
+import warnings
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+
+import fp8vit
+from helpers import snr_db
+
+pytestmark = pytest.mark.gpu
+
+B = 16  # 16 x 197 token rows: aligned for FP8
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    from fp8vit import _warn
+    _warn._seen.clear()  # each test sees its own fallback warning
+
+
+def _vit(depth=3):
+    torch.manual_seed(0)
+    model = timm.create_model("vit_base_patch16_224", pretrained=False, depth=depth, num_classes=10)
+    return fp8vit.convert_to_te(model.cuda()).train()
+
+
+def _data(n=4, batch=B):
+    g = torch.Generator("cuda").manual_seed(1)
+    return [(torch.randn(batch, 3, 224, 224, device="cuda", generator=g),
+             torch.randint(0, 10, (batch,), device="cuda", generator=g)) for _ in range(n)]
+
+
+def _train(model, data, recipe="delayed", accumulate=1):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    losses = []
+    for i, (x, y) in enumerate(data):
+        with fp8vit.fp8_context(recipe):
+            loss = F.cross_entropy(model(x), y) / accumulate
+        loss.backward()
+        losses.append(float(loss))
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return losses
+
+
+def _fp8_scales(model):
+    return [m.fp8_meta["scaling_fwd"].scale.clone() for m in model.modules()
+            if isinstance(getattr(m, "fp8_meta", None), dict) and "scaling_fwd" in m.fp8_meta]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_graphed_training_matches_eager(recipe):
+    data = _data()
+    eager, graphed = _vit(), _vit()
+    handle = fp8vit.make_graphed_blocks(graphed, B, recipe=recipe)
+    le, lg = _train(eager, data, recipe), _train(graphed, data, recipe)
+    print(f"{recipe}: eager losses {le}, graphed {lg}")
+    assert handle.replays == len(data) and handle.eager_calls == 0
+    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
+        assert snr_db(a, b) > 40, n  # same kernels, same FP8 state: the same training
+    if recipe == "delayed":  # the scales moved, identically, while replaying
+        se, sg = _fp8_scales(eager), _fp8_scales(graphed)
+        assert len(se) == len(sg) > 0 and all(torch.equal(a, b) for a, b in zip(se, sg))
+        assert not all(torch.all(s == 1) for s in sg)
+
+
+def test_gradient_accumulation_over_replays():
+    data = _data(4)
+    eager, graphed = _vit(), _vit()
+    fp8vit.make_graphed_blocks(graphed, B)
+    _train(eager, data, accumulate=2), _train(graphed, data, accumulate=2)
+    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
+        assert snr_db(a, b) > 40, n  # each replay's gradients were added, not overwritten
+
+
+def test_other_batch_shape_falls_back_to_eager_with_a_warning():
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model, B)
+    ref = copy.deepcopy(_vit())  # an ungraphed twin with the same weights
+    x = torch.randn(5, 3, 224, 224, device="cuda")  # the last, smaller batch of an epoch
+    with pytest.warns(RuntimeWarning, match=r"runs eagerly.*\[5, 197, 768\].*\[16, 197, 768\]"):
+        with fp8vit.fp8_context("current"):
+            out = model(x)
+    with fp8vit.fp8_context("current"):
+        expected = ref(x)
+    assert handle.eager_calls == 1 and handle.replays == 0
+    assert snr_db(expected, out) > 40
+
+
+def test_outside_fp8_context_runs_eagerly_and_eval_is_silent():
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model, B)
+    x = _data(1)[0][0]
+    with pytest.warns(RuntimeWarning, match="captured with FP8 recipe 'delayed'"):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(x)
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad(), fp8vit.fp8_context("delayed"):
+            model(x)
+    assert handle.eager_calls == 2 and handle.replays == 0
+
+
+def test_refusals_name_the_problem():
+    model = _vit()
+    model.set_grad_checkpointing(True)
+    with pytest.raises(ValueError, match="checkpointing"):
+        fp8vit.make_graphed_blocks(model, B)
+    model.set_grad_checkpointing(False)
+    handle = fp8vit.make_graphed_blocks(model, B)
+    with pytest.raises(ValueError, match="already graphed"):
+        fp8vit.make_graphed_blocks(model, B)
+    with pytest.raises(TypeError, match="state_dict"):
+        torch.save(model, io.BytesIO())
+    torch.save(model.state_dict(), io.BytesIO())  # the weights save as usual
+    handle.release()
+    torch.save(model, io.BytesIO())  # eager again: the whole model pickles
+
+
+def test_ddp_after_capture(tmp_path):
+    import torch.distributed as dist
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        data = _data(3)
+        plain, graphed = _vit(), _vit()
+        fp8vit.make_graphed_blocks(graphed, B)
+        ddp = torch.nn.parallel.DistributedDataParallel(graphed, device_ids=[torch.cuda.current_device()])
+        _train(plain, data), _train(ddp, data)
+        for (n, a), b in zip(plain.named_parameters(), graphed.parameters()):
+            assert snr_db(a, b) > 40, n
+    finally:
+        dist.destroy_process_group()
