@@ -17,9 +17,9 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import inspect
 import os
 import types
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -29,7 +29,7 @@ from .errors import Check, TEUnavailableError
 
 __all__ = [
     "te_status", "installed", "load_te", "preload", "clear_cache", "te_check", "has_recipe",
-    "recipe_module", "autocast", "checkpoint", "active_fp8_recipe", "modules", "MODULE_NAMES",
+    "recipe_module", "autocast", "checkpoint", "active_fp8_recipe", "packed_attention", "modules", "MODULE_NAMES",
     "is_te_module", "scaling_state", "repair_amax_histories", "make_graphed_callables",
     "transformer_layer_class", "EXTRA_STATE_FORMAT",
 ]
@@ -159,6 +159,20 @@ def active_fp8_recipe() -> Optional[Any]:
     return mgr.get_fp8_recipe() if mgr.is_fp8_enabled() else None
 
 
+def packed_attention(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``DotProductAttention`` on q, k, v that are views of one packed buffer (layout ``bs3hd``).
+
+    TE finds the packed layout from the views' pointers and strides and warns that this is
+    deprecated in favour of ``qkv_layer=``. But ``qkv_layer=`` slices the buffer inside TE with
+    ``select``, whose autograd backward zero-fills and copies the whole packed gradient once per
+    view (docs/performance.md); fp8vit splits the buffer itself so that the gradient comes back
+    packed. Should a later TE drop the detection, q, k, v are still valid separate inputs.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Relying on pointer-based detection", category=DeprecationWarning)
+        return attn(query_layer=q, key_layer=k, value_layer=v, **kwargs)
+
+
 def is_te_module(module: nn.Module) -> bool:
     """Whether ``module`` is a TE module (has FP8 state), as opposed to a reference stand-in."""
     return hasattr(module, "fp8_meta")
@@ -259,8 +273,7 @@ MODULE_NAMES = ("LayerNormLinear", "Linear", "LayerNormMLP", "DotProductAttentio
 
 @functools.lru_cache(maxsize=None)
 def modules() -> types.SimpleNamespace:
-    """TE's block modules with :class:`_SafeExtraState` mixed in, plus ``packed_qkv``: whether
-    ``DotProductAttention.forward`` takes the packed ``qkv_layer`` argument (TE >= 2.20)."""
+    """TE's block modules with :class:`_SafeExtraState` mixed in."""
     te = load_te()
 
     def safe(name: str) -> type:
@@ -268,7 +281,6 @@ def modules() -> types.SimpleNamespace:
         return type(name, (_SafeExtraState, getattr(te, name)), {"__module__": __name__, "__qualname__": name})
 
     return types.SimpleNamespace(
-        packed_qkv="qkv_layer" in inspect.signature(te.DotProductAttention.forward).parameters,
         **{name: safe(name) for name in MODULE_NAMES},
     )
 

@@ -38,8 +38,7 @@ class Backend:
 
     Attributes:
         name: ``"te"`` or ``"reference"``.
-        modules: ``LayerNormLinear``, ``Linear``, ``LayerNormMLP``, ``DotProductAttention`` and
-            ``packed_qkv`` (whether attention takes the packed ``[B, N, 3, H, D]`` buffer).
+        modules: ``LayerNormLinear``, ``Linear``, ``LayerNormMLP``, ``DotProductAttention``.
         default_device: where parameters go when the caller names no device.
     """
 
@@ -64,6 +63,12 @@ class Backend:
     def fp8_off(self) -> ContextManager:
         """A nested TE autocast with FP8 disabled (this block runs bf16 inside fp8_context)."""
         return _te.autocast(enabled=False, recipe=None) if self.fp8 else contextlib.nullcontext()
+
+    def attention(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+        """``attn(q, k, v)`` for q, k, v that are views of one packed ``[B, N, 3, H, D]`` buffer."""
+        if self.fp8:
+            return _te.packed_attention(attn, q, k, v, **kwargs)
+        return attn(query_layer=q, key_layer=k, value_layer=v, **kwargs)
 
     def checkpoint(self, fn: Callable, *args) -> torch.Tensor:
         """Activation checkpointing; TE's version restores the FP8 state on recompute."""

@@ -47,6 +47,34 @@ def _aligned_rows(module: nn.Module, x: torch.Tensor, multiple: int) -> torch.Te
     return y[: B * N].view(B, N, -1)
 
 
+class _SplitQKV(torch.autograd.Function):
+    """``[B, N, 3, H, D] -> q, k, v`` views ``[B, N, H, D]``, whose gradients come back packed.
+
+    Autograd's own ``unbind``/``select`` backward builds the packed gradient from a zero-filled
+    ``[B, N, 3, H, D]`` buffer per view plus strided copies and adds: at ViT-H batch 128 that is
+    about 13 ms of a 178 ms FP8 step (docs/performance.md). TE's fused attention already writes
+    dq, dk and dv as views of one packed buffer, which is returned here as is; gradients laid out
+    any other way (the reference backend's) are stacked, one copy.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv):
+        ctx.packed_stride = qkv.stride()
+        return qkv.unbind(2)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):  # never None: autograd materializes unused gradients as zeros
+        B, N, H, D = dq.shape
+        step = ctx.packed_stride[2]
+        if (dq.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()
+                and dk.storage_offset() == dq.storage_offset() + step
+                and dv.storage_offset() == dq.storage_offset() + 2 * step
+                and dq.stride() == dk.stride() == dv.stride()
+                and dq.stride() == ctx.packed_stride[:2] + ctx.packed_stride[3:]):
+            return dq.as_strided((B, N, 3, H, D), ctx.packed_stride, dq.storage_offset())
+        return torch.stack((dq, dk, dv), dim=2)
+
+
 class _UnfusedMLP(nn.Module):
     """MLP for activations TE has no kernel for (or exact GELU) and for dropout, in timm's ``Mlp``
     order: TE LayerNorm+fc1 -> torch activation -> dropout -> TE fc2 -> dropout."""
@@ -234,24 +262,21 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
     def _forward(self, x, attn_mask, is_causal, mult: int):
         if not self.fp32_residual and torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        x = x + self.drop_path1(self.ls1(self._attention(x, attn_mask, is_causal, mult)))
-        x = x + self.drop_path2(self.ls2(_aligned_rows(self.mlp, x, mult)))
+        x = x + self._residual(self.drop_path1(self.ls1(self._attention(x, attn_mask, is_causal, mult))), x)
+        x = x + self._residual(self.drop_path2(self.ls2(_aligned_rows(self.mlp, x, mult))), x)
         return x
+
+    def _residual(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # LayerScale's fp32 gamma promotes the branch to fp32; keep the stream in x's dtype.
+        return y if self.fp32_residual or y.dtype == x.dtype else y.to(x.dtype)
 
     def _attention(self, x, attn_mask, is_causal, mult: int):
         B, N, _ = x.shape
-        qkv = _aligned_rows(self.qkv, x, mult).view(B, N, 3, self.cfg.num_heads, self.cfg.head_dim)
+        qkv = _aligned_rows(self.qkv, x, mult).view(B, N, 3, self.cfg.num_heads, self.cfg.head_dim)  # timm's order
+        q, k, v = _SplitQKV.apply(qkv)  # each [B, N, H, D] (TE's "bshd"), views of qkv
         if self.cfg.qk_norm:
-            q, k, v = qkv.unbind(2)  # each [B, N, H, D]: TE's "bshd"
             # The norm runs in fp32 under autocast; TE's attention wants one dtype (SDPA casts too).
-            qkv_kw = {"query_layer": self.q_norm(q).to(v.dtype), "key_layer": self.k_norm(k).to(v.dtype),
-                      "value_layer": v}
-        elif self._impl.modules.packed_qkv:
-            # TE >= 2.20 takes the packed buffer explicitly (pointer detection is deprecated).
-            qkv_kw = {"qkv_layer": qkv, "qkv_interleave_dim": -3}  # the "3" of [B, N, 3, H, D]
-        else:
-            q, k, v = qkv.unbind(2)
-            qkv_kw = {"query_layer": q, "key_layer": k, "value_layer": v}
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         mask_kw = {}
         if attn_mask is not None:
             mask = attn_mask
@@ -261,7 +286,7 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
             mask_kw = {"attention_mask": ~mask, "attn_mask_type": "arbitrary"}
         elif is_causal:
             mask_kw = {"attn_mask_type": "causal"}
-        o = self.attn(**qkv_kw, **mask_kw)  # [B, N, H*D]
+        o = self._impl.attention(self.attn, q, k, v, **mask_kw)  # [B, N, H*D]
         return self.proj_drop(_aligned_rows(self.proj, o, mult))
 
     def extra_repr(self) -> str:

@@ -151,5 +151,5 @@ class DotProductAttention(nn.Module):
 
 def modules() -> types.SimpleNamespace:
     """The stand-ins, in the shape of ``_te.modules()``."""
-    return types.SimpleNamespace(packed_qkv=True, LayerNormLinear=LayerNormLinear, Linear=Linear,
+    return types.SimpleNamespace(LayerNormLinear=LayerNormLinear, Linear=Linear,
                                  LayerNormMLP=LayerNormMLP, DotProductAttention=DotProductAttention)

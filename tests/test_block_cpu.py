@@ -130,3 +130,20 @@ def test_te_backend_on_cpu_is_refused():
             fp8vit.TE_Block(64, 4, backend="te")
     with pytest.raises(ValueError, match="backend='cuda'"):
         fp8vit.TE_Block(64, 4, backend="cuda")
+
+
+def test_split_qkv_hands_back_a_packed_gradient_without_copying():
+    from fp8vit.block import _SplitQKV
+    qkv = torch.randn(2, 5, 3, 4, 8, requires_grad=True)
+    q, k, v = _SplitQKV.apply(qkv)
+    assert q.data_ptr() == qkv.data_ptr() and torch.equal(v, qkv[:, :, 2])  # views, timm's order
+    # Gradients laid out as TE's fused attention writes them: views of one packed buffer.
+    packed = torch.randn(2, 5, 3, 4, 8)
+    got = _SplitQKV.backward(type("Ctx", (), {"packed_stride": qkv.stride()})(), *packed.unbind(2))
+    assert got.data_ptr() == packed.data_ptr() and torch.equal(got, packed)
+    # Separate gradients (the reference backend's): stacked, and equal to autograd's own unbind.
+    g = [torch.randn(2, 5, 4, 8) for _ in range(3)]
+    sum((t * gi).sum() for t, gi in zip(_SplitQKV.apply(qkv), g)).backward()
+    ref = qkv.detach().clone().requires_grad_()
+    sum((t * gi).sum() for t, gi in zip(ref.unbind(2), g)).backward()
+    assert torch.equal(qkv.grad, ref.grad)

@@ -12,6 +12,8 @@ Variants (all under DelayedScaling HYBRID, TE's default history, except timm-bf1
   te-layer           a plain te.TransformerLayer configured for a ViT (bshd, no mask, eps 1e-6)
   fp8vit             fp8vit.convert_to_te as shipped in this tree
   fp8vit-res-fp32    fp8vit with the residual stream kept in fp32 (timm's behaviour under autocast)
+  fp8vit-qkvlayer    fp8vit with the attention inputs passed as TE's qkv_layer= (TE slices them with
+                     select; autograd's select backward zero-fills the packed gradient per view)
   *-foreach          the same with foreach SGD instead of fused SGD
 """
 
@@ -56,7 +58,20 @@ def build(variant, size):
         if "res-fp32" in variant:
             for b in model.blocks:
                 b.fp32_residual = True
+        if "qkvlayer" in variant:
+            import types
+            for b in model.blocks:
+                b._attention = types.MethodType(_attention_qkv_layer, b)
     return model
+
+
+def _attention_qkv_layer(self, x, attn_mask, is_causal, mult):
+    """TE_Block._attention before lever 2: the packed buffer handed to TE as qkv_layer."""
+    from fp8vit.block import _aligned_rows
+    B, N, _ = x.shape
+    qkv = _aligned_rows(self.qkv, x, mult).view(B, N, 3, self.cfg.num_heads, self.cfg.head_dim)
+    o = self.attn(qkv_layer=qkv, qkv_interleave_dim=-3)
+    return self.proj_drop(_aligned_rows(self.proj, o, mult))
 
 
 def make_step(variant, model):

@@ -86,7 +86,7 @@ def test_other_batch_shape_falls_back_to_eager_with_a_warning():
     handle = fp8vit.make_graphed_blocks(model, B)
     ref = copy.deepcopy(_vit())  # an ungraphed twin with the same weights
     x = torch.randn(5, 3, 224, 224, device="cuda")  # the last, smaller batch of an epoch
-    with pytest.warns(RuntimeWarning, match=r"runs eagerly.*\[5, 197, 768\].*\[16, 197, 768\]"):
+    with pytest.warns(RuntimeWarning, match=r"run eagerly.*\[5, 197, 768\].*\[16, 197, 768\]"):
         with fp8vit.fp8_context("current"):
             out = model(x)
     with fp8vit.fp8_context("current"):
@@ -120,10 +120,10 @@ def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="already graphed"):
         fp8vit.make_graphed_blocks(model, B)
     with pytest.raises(TypeError, match="state_dict"):
-        torch.save(model, io.BytesIO())
+        copy.deepcopy(model)  # (torch.save(model) fails earlier still: TE's modules hold closures)
     torch.save(model.state_dict(), io.BytesIO())  # the weights save as usual
     handle.release()
-    torch.save(model, io.BytesIO())  # eager again: the whole model pickles
+    copy.deepcopy(model)  # eager again: the model copies (e.g. for an EMA)
 
 
 def test_ddp_after_capture(tmp_path):
