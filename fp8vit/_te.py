@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import types
@@ -28,7 +29,7 @@ from torch import nn
 from .errors import Check, TEUnavailableError
 
 __all__ = [
-    "te_status", "installed", "load_te", "preload", "clear_cache", "te_check", "has_recipe",
+    "te_status", "te_version", "installed", "load_te", "preload", "clear_cache", "te_check", "has_recipe",
     "recipe_module", "autocast", "checkpoint", "active_fp8_recipe", "packed_attention", "modules", "MODULE_NAMES",
     "is_te_module", "scaling_state", "repair_amax_histories", "make_graphed_callables",
     "transformer_layer_class", "EXTRA_STATE_FORMAT",
@@ -89,6 +90,16 @@ def te_status() -> Check:
     """
     te, reason = _import()
     return Check(te is not None, reason)
+
+
+def te_version() -> Optional[str]:
+    """The installed Transformer Engine's version (from its distribution metadata), or None."""
+    for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def installed() -> bool:

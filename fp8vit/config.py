@@ -29,7 +29,7 @@ GELU_TANH_NOTE = (
 )
 
 
-def _build(layer: Callable, *args):
+def _instantiate(layer: Callable, *args):
     """Instantiate a timm layer constructor on the meta device, to read its settings."""
     try:
         return layer(*args, device="meta")
@@ -48,7 +48,7 @@ def resolve_norm(norm_layer: Callable, dim: int) -> Tuple[str, float]:
     Raises:
         ValueError: any other norm, or one without a learnable affine (TE always has one).
     """
-    norm = _build(norm_layer, dim)
+    norm = _instantiate(norm_layer, dim)
     name = type(norm).__name__
     kind = name.lower().replace("fp32", "")  # the Fp32 variants compute in fp32, as TE's kernels do
     weight = getattr(norm, "weight", None)

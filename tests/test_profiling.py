@@ -10,13 +10,15 @@ from fp8vit.tools.profiling import categorize, kernel_breakdown, kernel_table
     ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN", "gemm"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
     ("void transformer_engine::cast_transpose_kernel<...>", "fp8 cast/transpose/amax"),
-    ("void transformer_engine::normalization::ln_fwd_tuned_kernel<...>", "layernorm"),
+    ("void transformer_engine::normalization::ln_fwd_tuned_kernel<...__nv_fp8_e4m3>", "layernorm (+fp8 cast)"),
     ("void transformer_engine::unary_kernel<16, true, float, Empty, &gelu<float, float>, __nv_fp8_e4m3>",
      "activation (+fp8 cast)"),
     ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*)", "attention"),
     ("void at::native::(anonymous namespace)::fused_sgd_kernel", "optimizer"),
     ("void at::native::vectorized_elementwise_kernel<4, ...>", "elementwise/copy"),
     ("aten::addmm", "gemm"),
+    ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
+     "direct_copy_kernel_cuda(at::TensorIteratorBase&)>", "elementwise/copy"),
     ("some_new_kernel", "other"),
 ])
 def test_categorize(name, cat):

@@ -192,16 +192,7 @@ def _environment(device: str) -> Dict:
 
     env = {"torch": torch.__version__, "timm": timm.__version__, "python": sys.version.split()[0]}
     te = _te.te_status()
-    if te.ok:
-        import importlib.metadata as md
-        for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
-            try:
-                env["transformer_engine"] = md.version(dist)
-                break
-            except md.PackageNotFoundError:
-                continue
-    else:
-        env["transformer_engine"] = f"unavailable: {te.reason}"
+    env["transformer_engine"] = _te.te_version() if te.ok else f"unavailable: {te.reason}"
     info = gpu_info()
     env["device"] = info.name if device == "cuda" else "cpu"
     env["capability"] = info.capability

@@ -29,9 +29,11 @@ __all__ = ["CATEGORIES", "categorize", "kernel_breakdown", "kernel_table", "main
 CATEGORIES: List[Tuple[str, str]] = [
     ("attention", r"flash|fmha|attn|attention|sdpa|cudnn_generated|cudnn::fusion"),
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm90_|matmul|aten::(add|b)?mm$"),
+    # TE fuses the FP8 cast of a GEMM input into the norm or activation before it.
     ("activation (+fp8 cast)", r"gelu|relu|silu|unary_kernel"),
-    ("fp8 cast/transpose/amax", r"cast|transpose|amax|quantiz|fp8|scale|dbias"),
-    ("layernorm", r"layer_?norm|rms_?norm|\bln_|_ln_"),
+    ("layernorm (+fp8 cast)", r"layer_?norm|rms_?norm|\bln_|_ln_"),
+    # (?<!no): torch's strided copy kernels are called "gpu_kernel_impl_nocast<direct_copy...>".
+    ("fp8 cast/transpose/amax", r"(?<!no)cast|transpose|amax|quantiz|fp8|scale|dbias"),
     ("optimizer", r"sgd|adam|multi_tensor|foreach|fused_.*optim"),
     ("elementwise/copy", r"elementwise|vectorized|unrolled|fill|copy|memcpy|memset|reduce|cat_|index|triton_"),
 ]
