@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import math
+import sys
 from typing import Optional
 
 import torch
@@ -26,7 +28,7 @@ from torch import nn
 
 from .backend import Backend, get_backend, resolve_backend
 from .config import BlockConfig, config_from_timm_block
-from .weights import te_to_timm, timm_to_te
+from .weights import name_pairs, te_to_timm, timm_to_te
 
 __all__ = ["TE_Block"]
 
@@ -169,6 +171,7 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
             self.mlp = _UnfusedMLP(cfg, m, dd)
         self.ls2 = LayerScale(cfg.dim, init_values=cfg.init_values, **tdd) if cfg.init_values else nn.Identity()
         self.drop_path2 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
+        self._timm_aliases()
 
     @property
     def _impl(self) -> Backend:
@@ -217,20 +220,30 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         _copy_requires_grad(self, block, te_to_timm)
         return block.train(self.training)
 
-    def init_weights(self) -> None:
-        """timm's default ViT init (called by ``VisionTransformer.init_weights``): truncated normal
-        std 0.02 for GEMM weights, zero biases, unit norms, LayerScale at ``init_values``."""
+    def init_weights(self, mode: Optional[str] = None) -> None:
+        """Initialise like timm initialises a ``Block`` in ``VisionTransformer(weight_init=mode)``.
+
+        Args:
+            mode: ``""`` (timm's default: truncated normal std 0.02, zero biases), ``"jax"`` /
+                ``"jax_nlhb"`` (Xavier uniform, MLP biases normal 1e-6) or ``"moco"`` (Xavier,
+                q/k/v each as its own matrix). None: the mode of the timm init function calling
+                this (timm calls ``init_weights()`` without arguments from
+                ``init_weights_vit_{timm,jax,moco}``), else the default. Norms get ones and zeros,
+                LayerScale ``init_values``, in every mode.
+        """
+        if mode is None:
+            mode = _TIMM_INIT_MODES.get(sys._getframe(1).f_code.co_name, "")
+        timm_names = {te: tm for tm, te in name_pairs(self.cfg)}
         with torch.no_grad():
             for name, p in self.named_parameters():
-                leaf = name.rsplit(".", 1)[-1]
-                if leaf in ("weight", "fc1_weight", "fc2_weight") and p.dim() == 2:
-                    trunc_normal_(p, std=0.02)
-                elif leaf in ("bias", "fc1_bias", "fc2_bias", "layer_norm_bias"):
-                    nn.init.zeros_(p)
-                elif leaf in ("layer_norm_weight",) or (leaf == "weight" and p.dim() == 1):
-                    nn.init.ones_(p)
-                elif leaf == "gamma":
-                    nn.init.constant_(p, self.cfg.init_values)
+                _init_like_timm(p, timm_names[name], mode, self.cfg.init_values)
+
+    def _timm_aliases(self) -> None:
+        """timm's ``fix_init_weight`` rescales ``attn.proj.weight`` and ``mlp.fc2.weight``: give it
+        those names. Plain attributes, not submodules: no second copy in ``state_dict()``."""
+        object.__setattr__(self.attn, "proj", self.proj)
+        if self.cfg.fused_mlp:
+            object.__setattr__(self.mlp, "fc2", _WeightAlias(self.mlp, "fc2_weight"))
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
@@ -294,6 +307,44 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         return (f"dim={c.dim}, heads={c.num_heads}, mlp={c.mlp_hidden} ({c.te_activation or 'unfused'}), "
                 f"norm={c.norm}(eps={c.norm_eps}), backend={self.backend}"
                 + (", fp32_residual=True" if self.fp32_residual else ""))
+
+
+# timm's per-module init functions, by name -> the weight_init mode they implement.
+_TIMM_INIT_MODES = {"init_weights_vit_timm": "", "init_weights_vit_jax": "jax", "init_weights_vit_moco": "moco"}
+
+
+def _init_like_timm(p: torch.Tensor, timm_name: str, mode: str, init_values: Optional[float]) -> None:
+    """Initialise one ``TE_Block`` parameter as timm's init ``mode`` does its timm counterpart."""
+    module, leaf = timm_name.rsplit(".", 1)
+    if leaf == "gamma":
+        nn.init.constant_(p, init_values)
+    elif module.startswith("norm") or module.endswith("_norm"):
+        (nn.init.ones_ if leaf == "weight" else nn.init.zeros_)(p)
+    elif leaf == "weight":  # a GEMM, [out, in]
+        if mode.startswith("jax"):
+            nn.init.xavier_uniform_(p)
+        elif mode == "moco" and module == "attn.qkv":  # q, k and v each as its own [C, C] matrix
+            bound = math.sqrt(6.0 / float(p.shape[0] // 3 + p.shape[1]))
+            nn.init.uniform_(p, -bound, bound)
+        elif mode == "moco":
+            nn.init.xavier_uniform_(p)
+        else:
+            trunc_normal_(p, std=0.02)
+    elif mode.startswith("jax") and module.startswith("mlp"):
+        nn.init.normal_(p, std=1e-6)
+    else:
+        nn.init.zeros_(p)
+
+
+class _WeightAlias:
+    """``obj.<name>`` as ``.weight`` (a fused TE MLP's ``fc2_weight`` as timm's ``mlp.fc2.weight``)."""
+
+    def __init__(self, obj: nn.Module, name: str):
+        self.obj, self.name = obj, name
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return getattr(self.obj, self.name)
 
 
 def _installed_block_kwargs(kwargs: dict) -> dict:

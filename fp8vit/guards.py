@@ -67,6 +67,10 @@ def _default_blocks(model: nn.Module) -> Dict[str, nn.Module]:
 class NonFiniteGuard:
     """Steps ``optimizer`` only when the loss and every gradient are finite.
 
+    With gradient accumulation, call ``step`` once per optimizer step (after the last
+    micro-batch's ``backward``, with that micro-batch's loss): the block flags cover every
+    forward since the previous ``step``.
+
     Args:
         model: the model being trained.
         optimizer: its optimizer.
@@ -94,8 +98,12 @@ class NonFiniteGuard:
     def _record(self, name: str):
         def hook(module, args, out):
             if torch.is_grad_enabled():  # training forward; a flag on the device, read only on a skip
-                self._order.append(name)
-                self._finite[name] = torch.isfinite(out.detach()).all()
+                finite = torch.isfinite(out.detach()).all()
+                if name in self._finite:  # another micro-batch of the same step: any bad one counts
+                    self._finite[name] = self._finite[name] & finite
+                else:
+                    self._order.append(name)
+                    self._finite[name] = finite
         return hook
 
     def remove(self) -> None:

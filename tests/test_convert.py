@@ -1,5 +1,7 @@
 """convert_to_te / convert_from_te on real timm models (reference backend on CPU)."""
 
+import functools
+
 import pytest
 import timm
 import torch
@@ -175,3 +177,25 @@ def test_every_other_vit_block_class_is_named(cls_name):
     block = getattr(vt, cls_name)(**kw)
     with pytest.raises(fp8vit.ConversionError, match=cls_name):
         fp8vit.convert_to_te(torch.nn.Sequential(block), backend="reference")
+
+
+@pytest.mark.parametrize("mode", ["", "jax", "moco"])
+@pytest.mark.parametrize("fix_init", [False, True])
+def test_block_fn_follows_timm_init_modes(mode, fix_init):
+    # The same seed through timm's Block and through TE_Block must give the same statistics per
+    # tensor (the draws differ: the modules are created in another order).
+    kw = dict(img_size=32, patch_size=16, embed_dim=96, depth=3, num_heads=4, num_classes=5, qkv_bias=True,
+              init_values=1e-3, weight_init=mode, fix_init=fix_init)
+    torch.manual_seed(0)
+    ref = VisionTransformer(**kw)
+    torch.manual_seed(0)
+    te = VisionTransformer(block_fn=functools.partial(fp8vit.TE_Block, backend="reference"), **kw)
+    for i, (a, b) in enumerate(zip(ref.blocks, te.blocks)):
+        got, names = b.state_dict(), dict(fp8vit.weights.name_pairs(b.cfg))
+        for timm_name, t in a.state_dict().items():
+            g = got[names[timm_name]]
+            if t.dim() == 1 and float(t.std()) == 0:  # constants: norms, zero biases, gamma
+                torch.testing.assert_close(g, t, msg=f"blocks.{i}.{timm_name} ({mode})")
+            else:  # random draws: same distribution (std within 10%, tiny biases within a factor)
+                sa, sb = float(t.std()), float(g.std())
+                assert abs(sb / sa - 1) < (0.1 if t.dim() == 2 else 0.5), (i, timm_name, mode, sa, sb)

@@ -110,3 +110,18 @@ def test_repair_clears_non_finite_amax_history():
     model.extra = fake
     assert fp8vit._te.repair_amax_histories(model) == 1
     assert torch.equal(hist, torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
+
+
+def test_gradient_accumulation_keeps_the_bad_micro_batch():
+    model, opt = _setup()
+    when = {"now": False}
+    _poison(model.blocks[1], when)
+    guard = fp8vit.NonFiniteGuard(model, opt)
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 5, (2,))
+    for micro, bad in enumerate((True, False)):  # the first micro-batch overflows, the last is clean
+        when["now"] = bad
+        loss = F.cross_entropy(model(x), y) / 2
+        loss.backward()
+    with pytest.warns(RuntimeWarning, match="first non-finite activation in blocks.1"):
+        assert not guard.step(loss)
+    assert guard.events[0].first_bad_activation == "blocks.1"
