@@ -4,8 +4,7 @@ Everything TE-specific that the rest of fp8vit needs goes through here:
 
 * import with an explanation of *why* it failed (not installed, no CUDA, the cuDNN clash),
   cached as a :class:`Check`;
-* shims for APIs that moved between TE releases (``te.autocast`` vs the deprecated
-  ``te.fp8_autocast``; ``FP8GlobalStateManager`` living in ``quantization`` or ``fp8``);
+* the oldest TE it accepts (:data:`MIN_TE_VERSION`, checked with ``packaging`` before importing);
 * the TE modules fp8vit builds blocks from, subclassed so that their FP8 scaling state is
   checkpointed as plain tensors instead of a pickle (see ``_SafeExtraState``);
 * readers and writers of TE's delayed-scaling state (``fp8_meta``) for diagnostics and guards;
@@ -24,6 +23,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from packaging.version import Version
 from torch import nn
 
 from .errors import Check, TEUnavailableError
@@ -32,10 +32,14 @@ __all__ = [
     "te_status", "te_version", "installed", "load_te", "preload", "clear_cache", "te_check", "has_recipe",
     "recipe_module", "autocast", "checkpoint", "active_fp8_recipe", "packed_attention", "modules", "MODULE_NAMES",
     "is_te_module", "scaling_state", "repair_amax_histories", "make_graphed_callables",
-    "transformer_layer_class", "EXTRA_STATE_FORMAT",
+    "transformer_layer_class", "EXTRA_STATE_FORMAT", "MIN_TE_VERSION",
 ]
 
-INSTALL_HINT = "install it with: pip install 'fp8vit[te]'  (that is transformer-engine[pytorch])"
+# The oldest TE fp8vit runs on: the version it is measured with, and the first that refuses to
+# unpickle a checkpoint's FP8 state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 is set.
+MIN_TE_VERSION = "2.20"
+
+INSTALL_HINT = f"install it with: pip install 'fp8vit[te]'  (that is transformer-engine[pytorch]>={MIN_TE_VERSION})"
 
 # Format tag of the plain-tensor FP8 scaling state written by fp8vit (see _SafeExtraState).
 EXTRA_STATE_FORMAT = "fp8vit.delayed_scaling.v1"
@@ -75,6 +79,11 @@ def _torch_cudnn_dir() -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 def _import() -> Tuple[Optional[types.ModuleType], str]:
+    ver = te_version()
+    if ver is not None and Version(ver) < Version(MIN_TE_VERSION):
+        return None, (f"Transformer Engine {ver} is older than {MIN_TE_VERSION}, the oldest fp8vit supports "
+                      "(older TE runs the pickle stored in a checkpoint's FP8 state when loading it); "
+                      f"upgrade: pip install -U 'transformer-engine[pytorch]>={MIN_TE_VERSION}'")
     try:
         te = importlib.import_module("transformer_engine.pytorch")
     except Exception as err:  # noqa: BLE001 - every failure becomes a reason
@@ -135,11 +144,8 @@ def preload() -> None:
 
 
 def autocast(enabled: bool, recipe: Any):
-    """TE's FP8 autocast: ``te.autocast`` where it exists (TE >= 2.9), else ``te.fp8_autocast``."""
-    te = load_te()
-    if hasattr(te, "autocast"):
-        return te.autocast(enabled=enabled, recipe=recipe)
-    return te.fp8_autocast(enabled=enabled, fp8_recipe=recipe)
+    """TE's FP8 autocast (``te.autocast``; ``te.fp8_autocast`` is its deprecated name)."""
+    return load_te().autocast(enabled=enabled, recipe=recipe)
 
 
 def checkpoint(function, *args, **kwargs):
@@ -155,11 +161,8 @@ def recipe_module() -> types.ModuleType:
 
 @functools.lru_cache(maxsize=None)
 def _state_manager():
-    try:
-        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-    except ImportError:  # TE < 2.9
-        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-    return FP8GlobalStateManager
+    load_te()
+    return importlib.import_module("transformer_engine.pytorch.quantization").FP8GlobalStateManager
 
 
 def active_fp8_recipe() -> Optional[Any]:

@@ -43,3 +43,29 @@ def test_load_te_raises_with_reason(monkeypatch):
         assert "because reasons" in str(err)
     else:
         raise AssertionError("load_te did not raise")
+
+
+def test_too_old_te_is_refused_with_the_versions(monkeypatch):
+    # Older TE unpickles a checkpoint's FP8 state on load: fp8vit does not run on it.
+    monkeypatch.setattr(_te, "te_version", lambda: "2.8.0")
+    _te.clear_cache()
+    try:
+        check = _te.te_status()
+        assert not check.ok and "2.8.0" in check.reason and _te.MIN_TE_VERSION in check.reason
+        assert "pip install -U" in check.reason
+    finally:
+        monkeypatch.undo()
+        _te.clear_cache()
+
+
+def test_resolve_backend_raises_for_a_broken_te_on_a_gpu_machine(monkeypatch):
+    # TE installed but failing to import, CUDA present: no silent fallback to the reference modules.
+    import pytest
+    import torch
+    from fp8vit import backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_te, "installed", lambda: True)
+    monkeypatch.setattr(_te, "te_status", lambda: _te.Check(False, "undefined symbol: foo"))
+    with pytest.raises(_te.TEUnavailableError, match="installed but unusable: undefined symbol: foo.*'reference'"):
+        backend.resolve_backend(None)
+    assert backend.resolve_backend("reference") == "reference"  # asked for: fine
