@@ -26,6 +26,11 @@ from timm.layers import DropPath, LayerScale, trunc_normal_
 from timm.models.vision_transformer import Block
 from torch import nn
 
+try:
+    from timm.layers import register_notrace_module
+except ImportError:  # timm < 1.0 keeps it with the FX helpers
+    from timm.models._features_fx import register_notrace_module
+
 from .backend import Backend, get_backend, resolve_backend
 from .config import BlockConfig, config_from_timm_block
 from .weights import name_pairs, te_to_timm, timm_to_te
@@ -345,6 +350,12 @@ class _WeightAlias:
     @property
     def weight(self) -> torch.Tensor:
         return getattr(self.obj, self.name)
+
+
+# timm's FX feature extraction (features_only, AttentionExtract, get_graph_node_names) traces
+# models symbolically; TE's modules cannot be traced, so a TE_Block is one leaf node, as timm does
+# for its own untraceable layers.
+register_notrace_module(TE_Block)
 
 
 def _installed_block_kwargs(kwargs: dict) -> dict:

@@ -199,3 +199,16 @@ def test_block_fn_follows_timm_init_modes(mode, fix_init):
             else:  # random draws: same distribution (std within 10%, tiny biases within a factor)
                 sa, sb = float(t.std()), float(g.std())
                 assert abs(sb / sa - 1) < (0.1 if t.dim() == 2 else 0.5), (i, timm_name, mode, sa, sb)
+
+
+def test_fx_feature_extraction_treats_te_block_as_a_leaf():
+    from timm.models._features_fx import create_feature_extractor, get_graph_node_names
+    model = _model("vit_tiny_patch16_224")
+    fp8vit.convert_to_te(model, backend="reference", exact_gelu=True)
+    train_nodes, _ = get_graph_node_names(model)
+    assert "blocks.1" in train_nodes and not any(n.startswith("blocks.1.") for n in train_nodes)
+    x = torch.randn(2, 3, 64, 64)
+    feats = create_feature_extractor(model, return_nodes={"blocks.1": "b1"})(x)
+    ref = model.patch_embed(x)
+    ref = model.blocks[:2](model.norm_pre(model.patch_drop(model._pos_embed(ref))))
+    torch.testing.assert_close(feats["b1"], ref)
