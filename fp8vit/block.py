@@ -278,8 +278,9 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
             return self._forward(x, attn_mask, is_causal, mult)
 
     def _forward(self, x, attn_mask, is_causal, mult: int):
-        if not self.fp32_residual and torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        dev = x.device.type
+        if not self.fp32_residual and dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):  # not 'meta'
+            x = x.to(torch.get_autocast_dtype(dev))
         x = x + self._residual(self.drop_path1(self.ls1(self._attention(x, attn_mask, is_causal, mult))), x)
         x = x + self._residual(self.drop_path2(self.ls2(_aligned_rows(self.mlp, x, mult))), x)
         return x
