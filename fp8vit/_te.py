@@ -29,9 +29,9 @@ from torch import nn
 from .errors import Check, TEUnavailableError
 
 __all__ = [
-    "te_status", "te_version", "installed", "load_te", "preload", "clear_cache", "te_check", "has_recipe",
+    "te_status", "te_version", "installed", "load_te", "preload", "clear_cache", "te_check",
     "recipe_module", "autocast", "checkpoint", "active_fp8_recipe", "packed_attention", "modules", "MODULE_NAMES",
-    "is_te_module", "scaling_state", "repair_amax_histories", "make_graphed_callables",
+    "scaling_state", "repair_amax_histories", "make_graphed_callables",
     "transformer_layer_class", "EXTRA_STATE_FORMAT", "MIN_TE_VERSION",
 ]
 
@@ -187,10 +187,6 @@ def packed_attention(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch
         return attn(query_layer=q, key_layer=k, value_layer=v, **kwargs)
 
 
-def is_te_module(module: nn.Module) -> bool:
-    """Whether ``module`` is a TE module (has FP8 state), as opposed to a reference stand-in."""
-    return hasattr(module, "fp8_meta")
-
 
 @functools.lru_cache(maxsize=None)
 def te_check(fn_name: str) -> Check:
@@ -205,10 +201,6 @@ def te_check(fn_name: str) -> Check:
     ok, reason = fn(return_reason=True)
     return Check(bool(ok), reason or "")
 
-
-def has_recipe(cls_name: str) -> bool:
-    """Whether TE's recipe module defines ``cls_name`` (e.g. ``"Float8CurrentScaling"``)."""
-    return hasattr(recipe_module(), cls_name)
 
 
 # --------------------------------------------------------------------------- checkpoint state

@@ -25,7 +25,6 @@ import torch.utils.checkpoint
 from . import _te, reference
 from ._warn import warn_once
 from .errors import TEUnavailableError
-from .recipes import row_multiple
 
 __all__ = ["BACKENDS", "Backend", "get_backend", "resolve_backend"]
 
@@ -54,11 +53,6 @@ class Backend:
     def active_recipe(self) -> Optional[Any]:
         """The FP8 recipe the enclosing ``fp8_context`` set, or None (always None for reference)."""
         return _te.active_fp8_recipe() if self.fp8 else None
-
-    @staticmethod
-    def row_multiple(recipe: Optional[Any]) -> int:
-        """Token rows (batch x tokens) must be a multiple of this for ``recipe`` (1: no FP8)."""
-        return row_multiple(recipe)
 
     def fp8_off(self) -> ContextManager:
         """A nested TE autocast with FP8 disabled (this block runs bf16 inside fp8_context)."""

@@ -33,6 +33,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
 
 from .backend import Backend, get_backend, resolve_backend
 from .config import BlockConfig, config_from_timm_block
+from .recipes import row_multiple
 from .weights import name_pairs, te_to_timm, timm_to_te
 
 __all__ = ["TE_Block"]
@@ -272,7 +273,7 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         impl = self._impl
         recipe = impl.active_recipe()  # looked up once per forward: it is on the hot path
         with impl.fp8_off() if recipe is not None and not self.fp8_enabled else contextlib.nullcontext():
-            mult = impl.row_multiple(recipe if self.fp8_enabled else None)
+            mult = row_multiple(recipe if self.fp8_enabled else None)
             if self.grad_checkpointing and torch.is_grad_enabled():
                 return impl.checkpoint(self._forward, x, attn_mask, is_causal, mult)
             return self._forward(x, attn_mask, is_causal, mult)

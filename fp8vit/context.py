@@ -11,7 +11,6 @@ import torch
 from . import _te
 from ._warn import warn_once
 from .detect import gpu_info
-from .errors import FP8UnavailableError
 from .recipes import check_recipe_name, recipe_name, resolve_recipe
 
 __all__ = ["fp8_context", "FP8State", "AUTOCAST_DTYPES"]
@@ -80,11 +79,9 @@ def fp8_context(
     info = gpu_info()
     use_fp8, te_recipe, reason = False, None, ""
     if enabled:
-        if info.fp8.ok:
+        if info.fp8.ok or recipe is not None or strict:
+            # Raises FP8UnavailableError with the reason where the asked-for FP8 cannot run.
             te_recipe, use_fp8 = resolve_recipe(recipe, info.recipes), True
-        elif recipe is not None or strict:
-            what = f"recipe {recipe!r}" if recipe is not None else "strict=True"
-            raise FP8UnavailableError(f"FP8 was required ({what}) but cannot run here: {info.fp8.reason}")
         else:
             reason = info.fp8.reason
             warn_once(f"fp8vit: FP8 is off, running in bf16/autocast only: {reason}",

@@ -121,8 +121,6 @@ def recipe_support(capability: Optional[Tuple[int, int]], device_name: str, arch
     for r in RECIPE_NAMES:
         if r not in out:
             out[r] = _te.te_check(_TE_CHECK[r]) if te.ok else te
-    if out["current"].ok and not _te.has_recipe("Float8CurrentScaling"):
-        out["current"] = Check(False, "this Transformer Engine has no Float8CurrentScaling (needs TE >= 2.2)")
     return out
 
 
@@ -139,18 +137,13 @@ def resolve_recipe(recipe: Union[None, str, Any], support: Dict[str, Check]) -> 
 
     Args:
         recipe: None picks :func:`default_recipe_name`; a name must be supported; a TE recipe
-            object is returned as is (TE validates it on first use).
+            object is returned as is where any FP8 runs (TE validates it on first use).
         support: ``{name: Check}`` for this device (``detect.gpu_info().recipes``).
 
     Raises:
         ValueError: an unknown name.
         FP8UnavailableError: a named recipe this device cannot run, or no recipe at all.
     """
-    if recipe is None:
-        name = default_recipe_name(support)
-        if name is None:
-            raise FP8UnavailableError(f"no FP8 recipe runs here: {support['delayed'].reason}")
-        return make_recipe(name)
     if isinstance(recipe, str):
         check = support[check_recipe_name(recipe)]
         if not check.ok:
@@ -158,7 +151,10 @@ def resolve_recipe(recipe: Union[None, str, Any], support: Dict[str, Check]) -> 
             raise FP8UnavailableError(f"FP8 recipe {recipe!r} cannot run here: {check.reason}. "
                                       f"Recipes this GPU supports: {usable}")
         return make_recipe(recipe)
-    return recipe
+    name = default_recipe_name(support)
+    if name is None:  # also for a recipe object: no FP8 at all here
+        raise FP8UnavailableError(f"FP8 cannot run here: {support['delayed'].reason}")
+    return make_recipe(name) if recipe is None else recipe
 
 
 def row_multiple(recipe: Any) -> int:

@@ -128,3 +128,10 @@ def _recording_autocast(seen):
         seen.append((device_type, dtype))
         yield
     return autocast
+
+
+def test_recipe_object_raises_where_fp8_cannot_run(monkeypatch):
+    monkeypatch.setattr(context, "gpu_info", lambda: _info(False))
+    with pytest.raises(fp8vit.FP8UnavailableError, match="FP8 cannot run here: no FP8 here"):
+        with fp8vit.fp8_context(object()):
+            pass

@@ -22,7 +22,6 @@ def fake_device(monkeypatch):
                  "is_fp8_block_scaling_available": answers.get("block", (True, "")),
                  "is_mxfp8_available": answers.get("mxfp8", (True, ""))}
         monkeypatch.setattr(_te, "te_check", lambda fn: fp8vit.Check(*by_fn[fn]))
-        monkeypatch.setattr(_te, "has_recipe", lambda name: True)
         detect.gpu_info.cache_clear()  # TE's own caches are patched out above
         return calls
 

@@ -48,8 +48,9 @@ def unavailable(variant: str, device: str) -> str:
         return "needs a CUDA GPU"
     if v.te_fp8 and not gpu_info().recipes[v.fp8].ok:
         return gpu_info().recipes[v.fp8].reason
-    if v.blocks == "te-layer" and not _te.te_status().ok:
-        return _te.te_status().reason
+    te = _te.te_status()
+    if v.blocks == "te-layer" and not te.ok:
+        return te.reason
     if v.fp8 == "torchao":
         try:
             import torchao.float8  # noqa: F401
