@@ -274,6 +274,44 @@ class _SafeExtraState:
         return None
 
 
+    # ----------------------------------------------------------------- whole-module pickling
+    # TE keeps each parameter's init function (a closure, which pickle refuses) in
+    # param_init_meta, only for reset_parameters(). A pickled module keeps its fp8_meta_index and
+    # an init function that says it is gone.
+    def __getstate__(self):
+        state = super().__getstate__()
+        inits = state.get("param_init_meta")
+        if isinstance(inits, dict):
+            state = dict(state, param_init_meta={n: m.fp8_meta_index for n, m in inits.items()})
+        return state
+
+    def __setstate__(self, state):
+        inits = state.get("param_init_meta")
+        if isinstance(inits, dict) and all(v is None or isinstance(v, int) for v in inits.values()):
+            meta_cls = _common_module()._ParameterInitMeta
+            state = dict(state, param_init_meta={
+                n: meta_cls(init_fn=_UnpickledInit(type(self).__name__, n), fp8_meta_index=i)
+                for n, i in inits.items()})
+        super().__setstate__(state)
+
+
+class _UnpickledInit:
+    """Init function of a TE parameter after whole-module unpickling (TE's was a closure)."""
+
+    def __init__(self, module: str, param: str):
+        self.module, self.param = module, param
+
+    def __call__(self, tensor):
+        raise ValueError(f"{self.module}.{self.param}: this module was unpickled, and TE's parameter "
+                         "init function does not survive pickling; re-initialise with "
+                         "TE_Block.init_weights() or build a new module")
+
+
+def _common_module():
+    load_te()
+    return importlib.import_module("transformer_engine.pytorch.module._common")
+
+
 MODULE_NAMES = ("LayerNormLinear", "Linear", "LayerNormMLP", "DotProductAttention")
 
 

@@ -114,6 +114,7 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
             drop_path, act_layer, norm_layer, mlp_layer, attn_layer, depth``), see
             :meth:`BlockConfig.from_timm_kwargs`.
         device: where parameters live; None means CUDA for the TE backend, CPU for reference.
+            A TE block built on the CPU must be moved to the GPU (``.cuda()``) before it runs.
         dtype: parameter dtype (None: torch's default dtype).
         exact_gelu: keep timm's erf GELU (unfused MLP) instead of TE's tanh GELU kernel.
         backend: ``"te"``, ``"reference"`` (PyTorch modules, no FP8) or None (automatic).
@@ -153,9 +154,9 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         self.fp32_residual = fp32_residual
         m = self._impl.modules
         device = self._impl.default_device if device is None else device
-        if self._impl.fp8 and torch.device(device).type not in ("cuda", "meta"):
-            raise ValueError(f"TE_Block on device {device!r}: Transformer Engine modules run on CUDA "
-                             "only; move the model to the GPU first, or pass backend='reference'")
+        if self._impl.fp8 and torch.device(device).type not in ("cuda", "cpu", "meta"):
+            raise ValueError(f"TE_Block on device {device!r}: Transformer Engine modules are built on "
+                             "'cuda', 'cpu' (then moved with .cuda()) or 'meta'; or pass backend='reference'")
         dd = {"device": device, "params_dtype": dtype}  # TE's keyword names
         tdd = {"device": device, "dtype": dtype}  # torch's
 
@@ -270,6 +271,12 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
                              f"{attn_mask.dtype}: TE has no additive-mask attention kernel")
         if attn_mask is not None and is_causal:
             raise ValueError("pass either attn_mask or is_causal=True to TE_Block, not both")
+        if self._impl.fp8 and x.device.type not in ("cuda", "meta"):
+            # TE modules may be built on the CPU (timm.create_model -> convert_to_te -> .cuda()),
+            # but their kernels are CUDA-only: say so instead of failing deep inside TE.
+            raise ValueError(f"TE_Block got x on {x.device}: Transformer Engine runs on CUDA only; "
+                             "move the model and the input to the GPU (model.cuda()), or convert "
+                             "with backend='reference'")
         impl = self._impl
         recipe = impl.active_recipe()  # looked up once per forward: it is on the hot path
         with impl.fp8_off() if recipe is not None and not self.fp8_enabled else contextlib.nullcontext():

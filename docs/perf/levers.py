@@ -14,7 +14,12 @@ Variants (all under DelayedScaling HYBRID, TE's default history, except timm-bf1
   fp8vit-res-fp32    fp8vit with the residual stream kept in fp32 (timm's behaviour under autocast)
   fp8vit-qkvlayer    fp8vit with the attention inputs passed as TE's qkv_layer= (TE slices them with
                      select; autograd's select backward zero-fills the packed gradient per view)
+  fp8vit-mlp-recompute  fp8vit with TE's selective MLP recompute (LayerNormMLP(checkpoint=True)):
+                     the MLP's activations are recomputed in backward instead of saved
   *-foreach          the same with foreach SGD instead of fused SGD
+
+``--max-batch`` also finds, per variant, the largest batch (multiple of 8) for which training
+steps fit in memory.
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ def build(variant, size):
         if "res-fp32" in variant:
             for b in model.blocks:
                 b.fp32_residual = True
+        if "mlp-recompute" in variant:
+            for b in model.blocks:
+                b.mlp.checkpoint = True  # TE's selective recompute of fc1 + activation in backward
         if "qkvlayer" in variant:
             import types
             for b in model.blocks:
@@ -152,6 +160,7 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--max-batch", action="store_true")
     a = p.parse_args()
     names = (["timm-bf16", "te-layer", "te-layer-foreach", "fp8vit", "fp8vit-foreach", "fp8vit-res-fp32"]
              if a.variants == "all" else a.variants.split(","))
@@ -163,6 +172,12 @@ def main():
         print(f"{a.model} b{a.batch} {v:22s} {r['median_ms']:8.1f} ms  (p10 {r['p10_ms']:.1f}, p90 {r['p90_ms']:.1f})"
               f"  peak {r['peak_gib']:.1f} GiB" + (f"  kernels {r['kernel_ms']:.1f} ms" if "kernel_ms" in r else ""),
               flush=True)
+    if a.max_batch:
+        from fp8vit.tools.bench import fits_in_memory, largest_fitting
+        for r in rows:
+            r["max_batch"] = largest_fitting(
+                lambda b: fits_in_memory(lambda: time_variant(r["variant"], a.model, b, 1, 1, False)), a.batch)
+            print(f"{a.model} {r['variant']:22s} max batch {r['max_batch']}", flush=True)
     base = next((r["median_ms"] for r in rows if r["variant"] == "te-layer"), None)
     if base:
         for r in rows:

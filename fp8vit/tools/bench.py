@@ -130,17 +130,22 @@ def largest_fitting(fits, start: int, limit: int = 4096, granularity: int = 8) -
 def max_batch(variant: str, *, model: str, start: int, device: str, optimizer: str, img_size: int,
               limit: int = 4096, granularity: int = 8) -> int:
     """Largest batch (multiple of ``granularity``) for which two training steps fit in memory."""
-    def fits(b):
-        try:
-            run_variant(variant, model=model, batch=b, steps=1, warmup=1, device=device,
-                        optimizer=optimizer, img_size=img_size)
-            return True
-        except torch.OutOfMemoryError:
-            gc.collect()
-            torch.cuda.empty_cache()
-            return False
+    return largest_fitting(lambda b: fits_in_memory(lambda: run_variant(
+        variant, model=model, batch=b, steps=1, warmup=1, device=device, optimizer=optimizer,
+        img_size=img_size)), start, limit, granularity)
 
-    return largest_fitting(fits, start, limit, granularity)
+
+def fits_in_memory(run) -> bool:
+    """Whether ``run()`` completes without a CUDA out-of-memory error; memory is freed either way."""
+    try:
+        run()
+        ok = True
+    except torch.OutOfMemoryError:
+        ok = False
+    # Outside the except block: the traceback (and the failed run's tensors in its frames) is gone.
+    gc.collect()
+    torch.cuda.empty_cache()
+    return ok
 
 
 def _table(rows: List[Dict], peak: Optional[float], price: Optional[float]) -> str:
