@@ -1,19 +1,43 @@
-"""Does FP8 converge like bf16? Train one small ViT from one seed in bf16 and in FP8 on real images.
+"""Does FP8 train like bf16? Several seeds, paired differences, and a verdict.
 
-    python examples/convergence.py --plot convergence.png --json convergence.json
+    python examples/convergence.py --json digits.json --plot digits.png          # small ViT, 5 seeds
+    python examples/convergence.py --setup vit-b --json vitb.json --plot vitb.png  # ViT-B geometry
+    python examples/convergence.py --outlier-block 2 --json outlier.json         # diagnose demo
 
 Data: scikit-learn's bundled handwritten digits (1797 8x8 grey images, 10 classes; no download),
-upsampled to 32x32 and split 80/20 with a fixed seed. Model: timm VisionTransformer, patch 4 (65
-tokens, so batch x tokens is rarely a multiple of 16: the FP8 row padding is exercised), dim 192,
-depth 6, 3 heads. AdamW with cosine decay. Every variant starts from the same weights and sees
-the same batches in the same order. bf16 runs timm's blocks; each FP8 recipe this GPU supports runs
-fp8vit's TE_Blocks in ``fp8_context(recipe)``. Without FP8 (CPU), only bf16 runs, with the reason.
+split 80/20 with a fixed seed and upsampled per batch to the setup's image size.
+
+Setups:
+  digits  ViT dim 192, depth 6, 3 heads, 32 px, patch 4 (65 tokens), batch 64, 690 steps (30 epochs)
+  vit-b   ViT-B/16 geometry: dim 768, depth 12, 12 heads, 224 px, patch 16 (197 tokens), batch 64,
+          1000 steps
+Both: AdamW (lr 5e-4 digits, 3e-4 vit-b; weight decay 0.05), linear warm-up over 10% of the steps
+then cosine decay to 0, gradient clipping at norm 1. At lr 2e-3 without warm-up the digits run
+diverged in bf16 as often as in FP8 (docs/numerics.md), so it could not measure FP8.
+
+Variants (each seed: the same initial weights and the same batch order for every variant):
+  timm-bf16       timm's blocks under bf16 autocast: the baseline
+  fp8vit-bf16     fp8vit's TE_Blocks with FP8 off: TE's kernels and tanh GELU, no FP8
+  fp8-<recipe>    fp8vit's TE_Blocks in fp8_context(recipe), for every recipe this GPU runs
+With ``--outlier-block K`` every variant's block K gets constructed activation outliers (below), and
+``fp8-<recipe>-diagnosed`` adds the variant that runs ``fp8vit.diagnose`` on the first batch and
+applies its recommendation (recommended blocks in bf16) before training.
+
+Reported: mean and std over seeds of final test accuracy, test loss and train loss; per seed, the
+paired difference from timm-bf16; a 95% t-interval of the mean paired difference; and a verdict on
+whether the default recipe is within 1 accuracy point of bf16. "Tracking": the mean absolute gap
+between a variant's and timm-bf16's seed-mean training-loss curves, against timm-bf16's own
+seed-to-seed standard deviation at the same steps.
+
+Runs are independent processes (``--workers``), so a GPU runs several small jobs at once.
 """
 
 import argparse
-import copy
+import dataclasses
 import json
 import math
+import os
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -21,80 +45,263 @@ import torch.nn.functional as F
 import fp8vit  # first: imports Transformer Engine before any cuDNN kernel runs
 
 
-def load_digits(device, img_size=32, seed=0):
-    """(x_train, y_train, x_test, y_test): images [N, 3, img_size, img_size], standardized."""
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    img: int
+    patch: int
+    dim: int
+    depth: int
+    heads: int
+    batch: int
+    steps: int
+    lr: float
+    seeds: int
+    evals: int  # test-set evaluations over the run
+
+    @property
+    def warmup(self) -> int:
+        return self.steps // 10
+
+
+SETUPS = {
+    "digits": Setup(img=32, patch=4, dim=192, depth=6, heads=3, batch=64, steps=690, lr=5e-4, seeds=5, evals=30),
+    "vit-b": Setup(img=224, patch=16, dim=768, depth=12, heads=12, batch=64, steps=1000, lr=3e-4, seeds=2, evals=10),
+}
+
+
+# ----------------------------------------------------------------------------------- data, model
+def load_digits(device, seed=0):
+    """(x_train, y_train, x_test, y_test): images [N, 1, 8, 8] standardized, labels [N]."""
     from sklearn.datasets import load_digits as sk_digits
     d = sk_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0     # [N, 1, 8, 8] in [0, 1]
-    x = F.interpolate(x, size=(img_size, img_size), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0  # [N, 1, 8, 8] in [0, 1]
     x = (x - x.mean()) / x.std()
     y = torch.tensor(d.target, dtype=torch.long)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    n_train = int(0.8 * len(y))
-    tr, te = perm[:n_train], perm[n_train:]
+    tr, te = perm[:int(0.8 * len(y))], perm[int(0.8 * len(y)):]
     return x[tr].to(device), y[tr].to(device), x[te].to(device), y[te].to(device)
 
 
-def make_model(device, img_size):
+def images(x, size):
+    """[B, 1, 8, 8] -> [B, 3, size, size] (bilinear), done per batch to keep memory small."""
+    return F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False).expand(-1, 3, -1, -1)
+
+
+def make_model(s: Setup, seed: int, device):
     from timm.models.vision_transformer import VisionTransformer
-    torch.manual_seed(0)
-    return VisionTransformer(img_size=img_size, patch_size=4, embed_dim=192, depth=6, num_heads=3,
-                             num_classes=10, qkv_bias=True).to(device)
+    torch.manual_seed(seed)
+    return VisionTransformer(img_size=s.img, patch_size=s.patch, embed_dim=s.dim, depth=s.depth,
+                             num_heads=s.heads, num_classes=10, qkv_bias=True).to(device)
+
+
+def add_outliers(model, block: int, factor: float = 1e5, channels=(0, 1)):
+    """Give block ``block``'s MLP input a few channels ``factor`` times larger than the rest.
+
+    LayerNorm's gain on ``channels`` is multiplied by ``factor`` and fc1's matching input columns
+    divided by it: the same function in exact arithmetic, but per-tensor FP8 scaling of fc1's input
+    now pushes every other channel towards E4M3's subnormals. Both tensors are frozen so that the
+    outliers persist during training, as outlier features in trained models do.
+    """
+    blk = model.blocks[block]
+    with torch.no_grad():
+        for c in channels:
+            blk.norm2.weight[c] *= factor
+            blk.norm2.bias[c] *= factor
+            blk.mlp.fc1.weight[:, c] /= factor
+    for p in (blk.norm2.weight, blk.norm2.bias, blk.mlp.fc1.weight):
+        p.requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------- training
+def parse_variant(variant):
+    """-> (convert to TE, FP8 recipe or None, apply diagnose's recommendation)."""
+    if variant == "timm-bf16":
+        return False, None, False
+    if variant == "fp8vit-bf16":
+        return True, None, False
+    if variant.startswith("fp8-"):
+        recipe = variant[4:].removesuffix("-diagnosed")
+        return True, recipe, variant.endswith("-diagnosed")
+    raise ValueError(f"unknown variant {variant!r}: timm-bf16, fp8vit-bf16, fp8-<recipe>[-diagnosed]")
 
 
 @torch.no_grad()
-def accuracy(model, x, y, recipe, fp8):
+def evaluate(model, s, x, y, recipe):
     model.eval()
-    correct = 0
+    correct, loss = 0, 0.0
     for i in range(0, len(y), 256):
-        with fp8vit.fp8_context(recipe, enabled=fp8):
-            correct += int((model(x[i:i + 256]).argmax(-1) == y[i:i + 256]).sum())
+        with fp8vit.fp8_context(recipe, enabled=recipe is not None):
+            out = model(images(x[i:i + 256], s.img)).float()
+        correct += int((out.argmax(-1) == y[i:i + 256]).sum())
+        loss += float(F.cross_entropy(out, y[i:i + 256], reduction="sum"))
     model.train()
-    return correct / len(y)
+    return correct / len(y), loss / len(y)
 
 
-def train(base, data, *, recipe, fp8, epochs, batch, lr, seed=0):
-    """Train a copy of ``base``; returns {"loss": [per step], "acc": [per epoch]}."""
-    model = copy.deepcopy(base)
-    if fp8:
+def run_job(job):
+    """Train one (setup, variant, seed); returns its history. Runs in a worker process."""
+    setup_name, s, variant, seed, outlier_block = job
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    convert, recipe, diagnosed = parse_variant(variant)
+    x, y, xt, yt = load_digits(device)
+    model = make_model(s, seed, device)
+    if outlier_block is not None:
+        add_outliers(model, outlier_block)
+    info = {}
+    if convert:
         fp8vit.convert_to_te(model)
-    x, y, xt, yt = data
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
-    steps = epochs * math.ceil(len(y) / batch)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
-    g = torch.Generator(device="cpu").manual_seed(seed)  # same batch order for every variant
-    hist = {"loss": [], "acc": []}
-    for _ in range(epochs):
-        perm = torch.randperm(len(y), generator=g).to(y.device)
-        for i in range(0, len(y), batch):
-            idx = perm[i:i + batch]
-            with fp8vit.fp8_context(recipe, enabled=fp8):
-                loss = F.cross_entropy(model(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched.step()
-            hist["loss"].append(float(loss.detach()))
-        hist["acc"].append(accuracy(model, xt, yt, recipe, fp8))
+    if diagnosed:
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.randperm(len(y), generator=g)[:s.batch].to(device)
+        report = fp8vit.diagnose(model, images(x[idx], s.img), target=y[idx], recipe=recipe)
+        info["recommend_bf16"] = report.apply(model)
+        info["output_snr_db_before"] = report.output_snr_db
+        info["output_snr_db_after"] = fp8vit.diagnose(model, images(x[idx], s.img), target=y[idx],
+                                                      recipe=recipe).output_snr_db
+        print(report.table(), flush=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.05)
+    def lr_factor(t):  # linear warm-up, then cosine decay to 0
+        if t < s.warmup:
+            return (t + 1) / s.warmup
+        return 0.5 * (1 + math.cos(math.pi * (t - s.warmup) / max(1, s.steps - s.warmup)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    g = torch.Generator().manual_seed(seed)  # batch order: the same for every variant of a seed
+    hist = {"setup": setup_name, "variant": variant, "seed": seed, "loss": [], "eval_step": [],
+            "test_acc": [], "test_loss": [], **info}
+    eval_every = max(1, s.steps // s.evals)
+    perm, pos = torch.randperm(len(y), generator=g), 0
+    for step in range(1, s.steps + 1):
+        if pos + s.batch > len(y):  # a new epoch; the last partial batch is dropped
+            perm, pos = torch.randperm(len(y), generator=g), 0
+        idx = perm[pos:pos + s.batch].to(device)
+        pos += s.batch
+        with fp8vit.fp8_context(recipe, enabled=recipe is not None):
+            loss = F.cross_entropy(model(images(x[idx], s.img)).float(), y[idx])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        hist["loss"].append(float(loss.detach()))
+        if step % eval_every == 0 or step == s.steps:
+            acc, tl = evaluate(model, s, xt, yt, recipe)
+            hist["eval_step"].append(step)
+            hist["test_acc"].append(acc)
+            hist["test_loss"].append(tl)
+    print(f"{setup_name} {variant:24s} seed {seed}: test acc {100 * hist['test_acc'][-1]:.2f}%, "
+          f"test loss {hist['test_loss'][-1]:.4f}", flush=True)
     return hist
 
 
-def plot(results, path, title):
+# ----------------------------------------------------------------------------------- statistics
+def smooth(v, k):
+    """Trailing mean over ``k`` values."""
+    out, acc = [], 0.0
+    for i, a in enumerate(v):
+        acc += a - (v[i - k] if i >= k else 0.0)
+        out.append(acc / min(i + 1, k))
+    return out
+
+
+def t95(n):
+    """Two-sided 95% Student-t quantile for ``n`` paired differences (``n - 1`` dof)."""
+    from scipy.stats import t  # scipy comes with scikit-learn
+    return float(t.ppf(0.975, n - 1)) if n > 1 else float("inf")
+
+
+def summarize(runs, s: Setup, default_recipe):
+    """Per-variant statistics, paired differences vs timm-bf16 and the verdict."""
+    by = {}
+    for h in runs:
+        by.setdefault(h["variant"], {})[h["seed"]] = h
+    base = by["timm-bf16"]
+    k = max(1, s.steps // 20)  # smoothing window for the loss curves
+    curves = {v: {seed: smooth(h["loss"], k) for seed, h in hs.items()} for v, hs in by.items()}
+    start = s.warmup  # compare curves after warm-up
+    base_sd = [statistics.stdev(c[i] for c in curves["timm-bf16"].values()) if len(base) > 1 else 0.0
+               for i in range(start, s.steps)]
+    base_mean = [statistics.fmean(c[i] for c in curves["timm-bf16"].values()) for i in range(start, s.steps)]
+    out = {}
+    for v, hs in by.items():
+        finals = {
+            "test_acc": [100 * h["test_acc"][-1] for h in hs.values()],
+            "test_loss": [h["test_loss"][-1] for h in hs.values()],
+            "train_loss": [statistics.fmean(h["loss"][-k:]) for h in hs.values()],
+        }
+        row = {m: {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+                   "per_seed": vals} for m, vals in finals.items()}
+        seeds = sorted(set(hs) & set(base))
+        diff = [100 * (hs[i]["test_acc"][-1] - base[i]["test_acc"][-1]) for i in seeds]
+        dloss = [hs[i]["test_loss"][-1] - base[i]["test_loss"][-1] for i in seeds]
+        if v != "timm-bf16" and diff:
+            m = statistics.fmean(diff)
+            half = t95(len(diff)) * (statistics.stdev(diff) / math.sqrt(len(diff)) if len(diff) > 1 else float("inf"))
+            row["paired_acc_diff"] = {"per_seed": diff, "mean": m, "ci95": [m - half, m + half]}
+            row["paired_test_loss_diff"] = {"per_seed": dloss, "mean": statistics.fmean(dloss)}
+            mean = [statistics.fmean(c[i] for c in curves[v].values()) for i in range(start, s.steps)]
+            row["tracking"] = {"mean_abs_gap": statistics.fmean(abs(a - b) for a, b in zip(mean, base_mean)),
+                               "timm_bf16_seed_sd": statistics.fmean(base_sd)}
+        for h in hs.values():
+            if "recommend_bf16" in h:
+                row.setdefault("diagnose", []).append({k2: h[k2] for k2 in (
+                    "recommend_bf16", "output_snr_db_before", "output_snr_db_after")})
+        out[v] = row
+    verdict = None
+    d = out.get(f"fp8-{default_recipe}", {}).get("paired_acc_diff")
+    if d:
+        lo, hi = d["ci95"]
+        n = len(d["per_seed"])
+        answer = ("yes" if -1 <= lo and hi <= 1 else "no" if hi < -1 or lo > 1
+                  else f"inconclusive with {n} seeds (the interval is wider than +-1 point)")
+        verdict = (f"default recipe fp8-{default_recipe} within 1 point of timm bf16: {answer}; mean paired "
+                   f"accuracy difference {d['mean']:+.2f} points, 95% CI [{lo:+.2f}, {hi:+.2f}], {n} seeds")
+    return out, verdict
+
+
+def print_summary(out, verdict, s):
+    print(f"\n{'variant':26s} {'test acc % (mean+-std)':>23s} {'test loss':>16s} {'train loss':>16s} "
+          f"{'paired acc diff (95% CI)':>30s} {'loss-curve gap / bf16 seed sd':>30s}")
+    for v, r in out.items():
+        acc, tl, trl = r["test_acc"], r["test_loss"], r["train_loss"]
+        line = (f"{v:26s} {acc['mean']:13.2f} +- {acc['std']:5.2f} {tl['mean']:8.4f}+-{tl['std']:.4f} "
+                f"{trl['mean']:8.4f}+-{trl['std']:.4f}")
+        if "paired_acc_diff" in r:
+            d, t = r["paired_acc_diff"], r["tracking"]
+            line += (f" {d['mean']:+8.2f} [{d['ci95'][0]:+6.2f}, {d['ci95'][1]:+6.2f}]"
+                     f" {t['mean_abs_gap']:12.4f} / {t['timm_bf16_seed_sd']:.4f}")
+        print(line)
+        for seed_diag in r.get("diagnose", [])[:1]:
+            print(f"{'':26s} diagnose: bf16 for {seed_diag['recommend_bf16']}; model-output SNR "
+                  f"{seed_diag['output_snr_db_before']:.1f} dB -> {seed_diag['output_snr_db_after']:.1f} dB")
+    for v, r in out.items():
+        if "paired_acc_diff" in r:
+            print(f"  {v:24s} per-seed accuracy difference vs timm-bf16: "
+                  + ", ".join(f"{x:+.2f}" for x in r["paired_acc_diff"]["per_seed"]))
+    if verdict:
+        print("VERDICT:", verdict)
+
+
+def plot(runs, s: Setup, path, title):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, h in results.items():
-        k = 10
-        sm = [sum(h["loss"][max(0, i - k + 1):i + 1]) / len(h["loss"][max(0, i - k + 1):i + 1])
-              for i in range(len(h["loss"]))]
-        a.plot(sm, label=name)
-        b.plot(range(1, len(h["acc"]) + 1), [100 * v for v in h["acc"]], marker=".", label=name)
-    a.set(xlabel="step", ylabel="training loss (10-step mean)", yscale="log", title="loss")
-    b.set(xlabel="epoch", ylabel="test accuracy, %", title="accuracy")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    k = max(1, s.steps // 20)
+    for v in dict.fromkeys(h["variant"] for h in runs):
+        hs = [h for h in runs if h["variant"] == v]
+        for ax, xs, series in ((a, range(1, s.steps + 1), [smooth(h["loss"], k) for h in hs]),
+                               (b, hs[0]["eval_step"], [[100 * q for q in h["test_acc"]] for h in hs])):
+            cols = list(zip(*series))
+            mean = [statistics.fmean(c) for c in cols]
+            line, = ax.plot(list(xs), mean, label=f"{v} ({len(hs)} seeds)")
+            ax.fill_between(list(xs), [min(c) for c in cols], [max(c) for c in cols], alpha=0.2,
+                            color=line.get_color())
+    a.set(xlabel="step", ylabel=f"training loss ({k}-step mean)", yscale="log", title="loss: seed mean, min-max band")
+    b.set(xlabel="step", ylabel="test accuracy, %", title="accuracy: seed mean, min-max band")
     for ax in (a, b):
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -102,38 +309,59 @@ def plot(results, path, title):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--recipes", nargs="*", default=None, help="FP8 recipes (default: all this GPU supports)")
+    p.add_argument("--setup", default="digits", choices=sorted(SETUPS))
+    p.add_argument("--seeds", type=int, default=None, help="seeds (default: the setup's)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the setup's)")
+    p.add_argument("--variants", nargs="*", default=None,
+                   help="default: timm-bf16, fp8vit-bf16 and fp8-<recipe> for each recipe this GPU runs")
+    p.add_argument("--outlier-block", type=int, default=None,
+                   help="construct activation outliers in this block and add fp8-<default>-diagnosed")
+    p.add_argument("--workers", type=int, default=None, help="parallel processes (default: 8 on a GPU, 1 on CPU)")
     p.add_argument("--plot", default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    s = SETUPS[a.setup]
+    s = dataclasses.replace(s, seeds=a.seeds or s.seeds, steps=a.steps or s.steps)
     info = fp8vit.gpu_info()
     print(info.summary())
-    data = load_digits(device)
-    base = make_model(device, 32)
-    results = {"bf16": train(base, data, recipe=None, fp8=False, epochs=a.epochs, batch=a.batch_size, lr=a.lr)}
-    for r in a.recipes if a.recipes is not None else fp8vit.RECIPE_NAMES:
-        ok, why = info.recipes[r]
-        if not ok:
-            print(f"fp8-{r}: not run: {why}")
-            continue
-        results[f"fp8-{r}"] = train(base, data, recipe=r, fp8=True, epochs=a.epochs, batch=a.batch_size, lr=a.lr)
-    ref = results["bf16"]
-    summary = {}
-    print(f"\n{'variant':14s} {'final loss':>10s} {'test acc':>9s} {'gap vs bf16':>12s}")
-    for name, h in results.items():
-        final_loss = sum(h["loss"][-10:]) / len(h["loss"][-10:])
-        gap = 100 * (h["acc"][-1] - ref["acc"][-1])
-        summary[name] = {"final_loss": final_loss, "test_accuracy": h["acc"][-1], "gap_pct_points": gap}
-        print(f"{name:14s} {final_loss:10.4f} {100 * h['acc'][-1]:8.2f}% {gap:+11.2f}")
+    if a.outlier_block is not None and not 0 <= a.outlier_block < s.depth:
+        p.error(f"--outlier-block {a.outlier_block}: the model has blocks 0..{s.depth - 1}")
+    variants = a.variants
+    if variants is None:
+        variants = ["timm-bf16", "fp8vit-bf16"]
+        for r in fp8vit.RECIPE_NAMES:
+            ok, why = info.recipes[r]
+            if ok:
+                variants.append(f"fp8-{r}")
+            else:
+                print(f"fp8-{r}: not run: {why}")
+        if a.outlier_block is not None and info.default_recipe:
+            variants.append(f"fp8-{info.default_recipe}-diagnosed")
+    for v in variants:
+        try:
+            parse_variant(v)  # fail before any training
+        except ValueError as err:
+            p.error(str(err))
+    if "timm-bf16" not in variants:
+        p.error("--variants must include timm-bf16: every comparison is paired against it")
+    jobs = [(a.setup, s, v, seed, a.outlier_block) for seed in range(s.seeds) for v in variants]
+    workers = a.workers or (min(8, len(jobs)) if torch.cuda.is_available() else 1)
+    if workers > 1:
+        import torch.multiprocessing as mp
+        with mp.get_context("spawn").Pool(workers) as pool:
+            runs = pool.map(run_job, jobs, chunksize=1)
+    else:
+        runs = [run_job(j) for j in jobs]
+    out, verdict = summarize(runs, s, info.default_recipe)
+    print_summary(out, verdict, s)
+    title = (f"{a.setup}: ViT dim {s.dim}, depth {s.depth}, {(s.img // s.patch) ** 2 + 1} tokens, {s.steps} steps"
+             + (f", outliers in block {a.outlier_block}" if a.outlier_block is not None else "") + f"; {info.name}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": info.name, "epochs": a.epochs, "summary": summary, "history": results}, f)
+            json.dump({"device": info.name, "setup": dataclasses.asdict(s), "setup_name": a.setup,
+                       "outlier_block": a.outlier_block, "summary": out, "verdict": verdict, "runs": runs}, f)
     if a.plot:
-        plot(results, a.plot, f"digits 32x32, ViT dim 192 depth 6, {a.epochs} epochs, {info.name}")
+        plot(runs, s, a.plot, title)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from . import _te
 from .block import TE_Block
 from .config import BlockConfig
 from .context import FP8State, fp8_context
-from .convert import convert_from_te, convert_to_te, set_block_fp8, set_grad_checkpointing
+from .convert import convert_from_te, convert_to_te, set_block_fp8, set_grad_checkpointing, set_mlp_recompute
 from .detect import GPUInfo, fp8_support, gpu_info
 from .diagnostics import BlockStats, DiagnosisReport, diagnose
 from .errors import Check, ConversionError, FP8UnavailableError, TEUnavailableError
@@ -40,6 +40,7 @@ __all__ = [
     "convert_to_te",
     "convert_from_te",
     "set_grad_checkpointing",
+    "set_mlp_recompute",
     "set_block_fp8",
     # FP8 execution
     "fp8_context",

@@ -150,6 +150,7 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         self.cfg = cfg = config
         self.backend = resolve_backend(backend)
         self.grad_checkpointing = False
+        self.recompute_mlp = False  # set_mlp_recompute: MLP activations recomputed in backward
         self.fp8_enabled = True  # False: GEMMs in bf16 even inside fp8_context (set_block_fp8)
         self.fp32_residual = fp32_residual
         m = self._impl.modules
@@ -290,8 +291,21 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         if not self.fp32_residual and dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):  # not 'meta'
             x = x.to(torch.get_autocast_dtype(dev))
         x = x + self._residual(self.drop_path1(self.ls1(self._attention(x, attn_mask, is_causal, mult))), x)
-        x = x + self._residual(self.drop_path2(self.ls2(_aligned_rows(self.mlp, x, mult))), x)
+        x = x + self._residual(self.drop_path2(self.ls2(self._mlp(x, mult))), x)
         return x
+
+    def _mlp(self, x, mult: int):
+        # Selective recompute (set_mlp_recompute): the MLP holds most of a block's saved activations
+        # (fc1's output and the activation's, 4C per token each). Inside a checkpointed block the
+        # whole block is recomputed anyway.
+        recompute = self.recompute_mlp and not self.grad_checkpointing
+        if self._impl.fp8 and self.cfg.fused_mlp:
+            # TE's LayerNormMLP does it natively: it saves its input and reruns LayerNorm, fc1 and
+            # the activation in backward (not fc2), with the forward's FP8 scales.
+            self.mlp.checkpoint = recompute
+        elif recompute and torch.is_grad_enabled():
+            return self._impl.checkpoint(_aligned_rows, self.mlp, x, mult)
+        return _aligned_rows(self.mlp, x, mult)
 
     def _residual(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # LayerScale's fp32 gamma promotes the branch to fp32; keep the stream in x's dtype.

@@ -89,13 +89,14 @@ class GraphedBlocks:
             return (f"the graphs were captured with FP8 recipe {self.recipe_name!r}, the call runs with "
                     f"{now!r} (outside fp8_context, or another recipe)")
         if _switches(self._blocks) != self._switches:
-            return ("a block's fp8_enabled or grad_checkpointing switch changed after capture; "
+            return ("a block's fp8_enabled, grad_checkpointing or recompute_mlp switch changed after capture; "
                     "call make_graphed_blocks again")
         return None
 
 
 def _switches(blocks: nn.Module) -> tuple:
-    return tuple((m.fp8_enabled, m.grad_checkpointing) for m in blocks.modules() if isinstance(m, TE_Block))
+    return tuple((m.fp8_enabled, m.grad_checkpointing, m.recompute_mlp)
+                 for m in blocks.modules() if isinstance(m, TE_Block))
 
 
 class _Dispatch:
@@ -170,6 +171,10 @@ def make_graphed_blocks(
         raise ValueError("make_graphed_blocks: activation checkpointing is on; a CUDA graph keeps all "
                          "activations of its capture, so turn checkpointing off "
                          "(model.set_grad_checkpointing(False)) or do not graph this model")
+    if any(getattr(m, "recompute_mlp", False) for m in blocks.modules()):
+        raise ValueError("make_graphed_blocks: MLP recompute is on, and recompute inside a captured graph "
+                         "is not supported here; fp8vit.set_mlp_recompute(model, False) first, or do "
+                         "not graph this model")
     if "forward" in vars(blocks):
         raise ValueError("make_graphed_blocks: model.blocks is already graphed (or its forward is "
                          "patched); call release() on the earlier result first")

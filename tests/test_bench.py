@@ -1,6 +1,7 @@
 """Benchmark and workload logic on CPU: FLOP count, table, JSON, the example's smoke run."""
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -132,10 +133,30 @@ def test_convergence_example_runs_on_cpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CPU smoke test")
     out = tmp_path / "c.json"
-    res = subprocess.run([sys.executable, "examples/convergence.py", "--epochs", "1", "--json", str(out),
+    res = subprocess.run([sys.executable, "examples/convergence.py", "--steps", "6", "--seeds", "2",
+                          "--variants", "timm-bf16", "fp8vit-bf16", "--json", str(out),
                           "--plot", str(tmp_path / "c.png")], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "fp8-delayed: not run: no CUDA GPU" in res.stdout
-    summary = json.loads(out.read_text())["summary"]
-    assert set(summary) == {"bf16"} and 0.0 <= summary["bf16"]["test_accuracy"] <= 1.0
+    data = json.loads(out.read_text())
+    summary = data["summary"]
+    assert set(summary) == {"timm-bf16", "fp8vit-bf16"} and len(data["runs"]) == 4
+    acc = summary["timm-bf16"]["test_acc"]
+    assert len(acc["per_seed"]) == 2 and 0.0 <= acc["mean"] <= 100.0
+    # paired against timm-bf16, seed by seed; the per-seed differences recomputed from the runs
+    runs = {(r["variant"], r["seed"]): r for r in data["runs"]}
+    diff = summary["fp8vit-bf16"]["paired_acc_diff"]["per_seed"]
+    assert diff == pytest.approx([100 * (runs["fp8vit-bf16", s]["test_acc"][-1] - runs["timm-bf16", s]["test_acc"][-1])
+                                  for s in (0, 1)])
+    lo, hi = summary["fp8vit-bf16"]["paired_acc_diff"]["ci95"]
+    assert lo <= statistics.fmean(diff) <= hi
+    assert data["verdict"] is None  # no FP8 on CPU: nothing to judge
     assert (tmp_path / "c.png").stat().st_size > 10_000
+
+
+def test_convergence_example_rejects_bad_input():
+    for args, msg in ((["--variants", "fp8vit-bf16"], "must include timm-bf16"),
+                      (["--variants", "timm-bf16", "fp9-x"], "unknown variant 'fp9-x'"),
+                      (["--outlier-block", "6"], "--outlier-block 6: the model has blocks 0..5")):
+        res = subprocess.run([sys.executable, "examples/convergence.py", "--steps", "1", *args],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode != 0 and msg in res.stderr, res.stderr[-1500:]

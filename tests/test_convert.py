@@ -212,3 +212,27 @@ def test_fx_feature_extraction_treats_te_block_as_a_leaf():
     ref = model.patch_embed(x)
     ref = model.blocks[:2](model.norm_pre(model.patch_drop(model._pos_embed(ref))))
     torch.testing.assert_close(feats["b1"], ref)
+
+
+def test_mlp_recompute_reruns_the_mlp_and_keeps_gradients():
+    x = torch.randn(2, 3, 64, 64)
+    plain, recomputed = _model("vit_tiny_patch16_224"), _model("vit_tiny_patch16_224")
+    for m in (plain, recomputed):
+        fp8vit.convert_to_te(m, backend="reference").train()
+    assert fp8vit.set_mlp_recompute(recomputed) is recomputed
+    assert all(b.recompute_mlp for b in recomputed.blocks)
+    calls = []
+    # a pre-hook: torch's checkpoint stops a recompute once it has the saved tensors it needs,
+    # before a forward hook would fire
+    recomputed.blocks[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+    plain(x).square().mean().backward()
+    recomputed(x).square().mean().backward()
+    assert len(calls) == 2  # forward, then the recompute in backward
+    for (n, a), b in zip(plain.named_parameters(), recomputed.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=n)
+    fp8vit.set_mlp_recompute(recomputed, False)
+    with torch.no_grad():
+        recomputed(x)
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="has no TE_Block.*convert_to_te"):
+        fp8vit.set_mlp_recompute(_model("vit_tiny_patch16_224"))

@@ -132,3 +132,35 @@ def test_state_dict_round_trip_resumes_training(recipe):
                     assert torch.equal(a.fp8_meta[key].amax_history, b.fp8_meta[key].amax_history), n
     a, b = _step(model, x, recipe), _step(resumed, x, recipe)
     assert torch.equal(a[0], b[0]), f"resumed logits differ: SNR {snr_db(a[0], b[0]):.1f} dB"
+
+
+@pytest.mark.parametrize("exact_gelu", [False, True], ids=["te-fused-mlp", "unfused-mlp"])
+def test_mlp_recompute_same_step_less_memory(exact_gelu):
+    # Recompute reruns the same kernels with the forward's FP8 scales: the step must not change.
+    _need("delayed")
+    x = torch.randn(32, 3, 224, 224, device="cuda")
+
+    def model():
+        torch.manual_seed(0)
+        m = timm.create_model("vit_base_patch16_224", pretrained=False, depth=3, num_classes=100)
+        return fp8vit.convert_to_te(m.cuda(), exact_gelu=exact_gelu).train()
+
+    plain, recomputed = model(), model()
+    for m in (plain, recomputed):  # same warm-up: same FP8 scaling state
+        _step(m, x, "delayed")
+    fp8vit.set_mlp_recompute(recomputed)
+    peaks, results = [], []
+    for m in (plain, recomputed):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        results.append(_step(m, x, "delayed"))
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    snrs = _snrs(*results)
+    worst = min(snrs, key=snrs.get)
+    print(f"MLP recompute ({'unfused' if exact_gelu else 'TE fused'}): worst {worst} {snrs[worst]:.1f} dB, "
+          f"step peak {peaks[0] / 2**20:.0f} -> {peaks[1] / 2**20:.0f} MiB")
+    assert snrs[worst] >= 40
+    assert peaks[1] < 0.85 * peaks[0]
+    with pytest.raises(ValueError, match="MLP recompute is on"):
+        fp8vit.make_graphed_blocks(recomputed, batch_size=32)
