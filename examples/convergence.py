@@ -140,13 +140,13 @@ def evaluate(model, s, x, y, recipe):
 
 def run_job(job):
     """Train one (setup, variant, seed); returns its history. Runs in a worker process."""
-    setup_name, s, variant, seed, outlier_block = job
+    setup_name, s, variant, seed, outlier_block, outlier_factor = job
     device = "cuda" if torch.cuda.is_available() else "cpu"
     convert, recipe, diagnosed = parse_variant(variant)
     x, y, xt, yt = load_digits(device)
     model = make_model(s, seed, device)
     if outlier_block is not None:
-        add_outliers(model, outlier_block)
+        add_outliers(model, outlier_block, outlier_factor)
     info = {}
     if convert:
         fp8vit.convert_to_te(model)
@@ -316,6 +316,8 @@ def main():
                    help="default: timm-bf16, fp8vit-bf16 and fp8-<recipe> for each recipe this GPU runs")
     p.add_argument("--outlier-block", type=int, default=None,
                    help="construct activation outliers in this block and add fp8-<default>-diagnosed")
+    p.add_argument("--outlier-factor", type=float, default=1e5,
+                   help="how much larger the outlier channels are (1e5: the rest reach E4M3's subnormals)")
     p.add_argument("--workers", type=int, default=None, help="parallel processes (default: 8 on a GPU, 1 on CPU)")
     p.add_argument("--plot", default=None)
     p.add_argument("--json", default=None)
@@ -344,7 +346,7 @@ def main():
             p.error(str(err))
     if "timm-bf16" not in variants:
         p.error("--variants must include timm-bf16: every comparison is paired against it")
-    jobs = [(a.setup, s, v, seed, a.outlier_block) for seed in range(s.seeds) for v in variants]
+    jobs = [(a.setup, s, v, seed, a.outlier_block, a.outlier_factor) for seed in range(s.seeds) for v in variants]
     workers = a.workers or (min(8, len(jobs)) if torch.cuda.is_available() else 1)
     if workers > 1:
         import torch.multiprocessing as mp
@@ -355,11 +357,11 @@ def main():
     out, verdict = summarize(runs, s, info.default_recipe)
     print_summary(out, verdict, s)
     title = (f"{a.setup}: ViT dim {s.dim}, depth {s.depth}, {(s.img // s.patch) ** 2 + 1} tokens, {s.steps} steps"
-             + (f", outliers in block {a.outlier_block}" if a.outlier_block is not None else "") + f"; {info.name}")
+             + (f", outliers x{a.outlier_factor:g} in block {a.outlier_block}" if a.outlier_block is not None else "") + f"; {info.name}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": info.name, "setup": dataclasses.asdict(s), "setup_name": a.setup,
-                       "outlier_block": a.outlier_block, "summary": out, "verdict": verdict, "runs": runs}, f)
+                       "outlier_block": a.outlier_block, "outlier_factor": a.outlier_factor, "summary": out, "verdict": verdict, "runs": runs}, f)
     if a.plot:
         plot(runs, s, a.plot, title)
 

@@ -205,7 +205,8 @@ def te_check(fn_name: str) -> Check:
 
 # --------------------------------------------------------------------------- checkpoint state
 class _SafeExtraState:
-    """Mixin for TE modules: FP8 delayed-scaling state as plain tensors, never a pickle.
+    """Mixin for TE modules: FP8 delayed-scaling state as plain tensors, never a pickle; and
+    modules that pickle whole (``torch.save(model)``).
 
     TE stores the delayed-scaling scales and amax histories in ``_extra_state`` as a pickled
     byte tensor, and since 2.20 refuses to load it without ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``
@@ -275,9 +276,19 @@ class _SafeExtraState:
 
 
     # ----------------------------------------------------------------- whole-module pickling
-    # TE keeps each parameter's init function (a closure, which pickle refuses) in
-    # param_init_meta, only for reset_parameters(). A pickled module keeps its fp8_meta_index and
-    # an init function that says it is gone.
+    # Pickle refuses closures. TE's attention modules register one as a load_state_dict post-hook
+    # (it drops old TE versions' "core_attention._extra_state" from the missing keys): replaced by
+    # the same function at module level. TE keeps each parameter's init function (a closure) in
+    # param_init_meta, only for reset_parameters(): a pickled module keeps its fp8_meta_index and an
+    # init function that says it is gone.
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for mod in self.modules():
+            hooks = mod._load_state_dict_post_hooks
+            for key, hook in list(hooks.items()):
+                if getattr(hook, "__qualname__", "").endswith("<locals>.remove_extra_states_check"):
+                    hooks[key] = _drop_old_attention_extra_state
+
     def __getstate__(self):
         state = super().__getstate__()
         inits = state.get("param_init_meta")
@@ -293,6 +304,14 @@ class _SafeExtraState:
                 n: meta_cls(init_fn=_UnpickledInit(type(self).__name__, n), fp8_meta_index=i)
                 for n, i in inits.items()})
         super().__setstate__(state)
+
+
+def _drop_old_attention_extra_state(module, incompatible_keys) -> None:
+    """TE's ``remove_extra_states_check`` load hook, picklable: TE < 1.8 checkpoints have no
+    ``core_attention._extra_state``, which is not an error."""
+    for key in list(incompatible_keys.missing_keys):
+        if "core_attention._extra_state" in key:
+            incompatible_keys.missing_keys.remove(key)
 
 
 class _UnpickledInit:
