@@ -281,13 +281,17 @@ class _SafeExtraState:
     # the same function at module level. TE keeps each parameter's init function (a closure) in
     # param_init_meta, only for reset_parameters(): a pickled module keeps its fp8_meta_index and an
     # init function that says it is gone.
+    # UnfusedDotProductAttention keeps its mask function as a closure too: same treatment.
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         for mod in self.modules():
             hooks = mod._load_state_dict_post_hooks
             for key, hook in list(hooks.items()):
-                if getattr(hook, "__qualname__", "").endswith("<locals>.remove_extra_states_check"):
+                if _is_local(hook, "remove_extra_states_check"):
                     hooks[key] = _drop_old_attention_extra_state
+            for owner in (mod, getattr(mod, "scale_mask_softmax", None)):
+                if _is_local(getattr(owner, "mask_func", None), "mask_func"):
+                    owner.mask_func = _attention_mask_func
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -304,6 +308,16 @@ class _SafeExtraState:
                 n: meta_cls(init_fn=_UnpickledInit(type(self).__name__, n), fp8_meta_index=i)
                 for n, i in inits.items()})
         super().__setstate__(state)
+
+
+def _is_local(fn, name: str) -> bool:
+    return getattr(fn, "__qualname__", "").endswith(f"<locals>.{name}")
+
+
+def _attention_mask_func(x, y):
+    """TE's ``UnfusedDotProductAttention.mask_func``, picklable (same names, same module)."""
+    b = importlib.import_module("transformer_engine.pytorch.attention.dot_product_attention.backends")
+    return b.export.onnx_attention_mask_func(x, y) if b.is_in_onnx_export_mode() else b.attention_mask_func(x, y)
 
 
 def _drop_old_attention_extra_state(module, incompatible_keys) -> None:
