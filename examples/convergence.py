@@ -361,7 +361,7 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": info.name, "setup": dataclasses.asdict(s), "setup_name": a.setup,
-                       "outlier_block": a.outlier_block, "outlier_factor": a.outlier_factor, "summary": out, "verdict": verdict, "runs": runs}, f)
+                       "outlier_block": a.outlier_block, "outlier_factor": a.outlier_factor if a.outlier_block is not None else None, "summary": out, "verdict": verdict, "runs": runs}, f)
     if a.plot:
         plot(runs, s, a.plot, title)
 

@@ -30,7 +30,7 @@ from .recipes import recipe_name
 
 __all__ = ["diagnose", "DiagnosisReport", "BlockStats", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: local_weight_grad_snr_db, which the recommendation uses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +45,13 @@ class BlockStats:
             recommendation uses.
         activation_snr_db: SNR of the block's output, FP8 run against bf16 run: its own error
             plus everything upstream.
-        weight_grad_snr_db: SNR of all the block's weight gradients together, FP8 against bf16
-            (gradients carry the error of every block downstream too).
+        weight_grad_snr_db: SNR of all the block's weight gradients together, FP8 run against
+            bf16 run (they carry the error of every other block too: downstream through the
+            output gradient, upstream through the input).
+        local_weight_grad_snr_db: SNR of the block's own weight-gradient error: its FP8 weight
+            gradients against the same block's bf16 backward on the same (FP8-run) input and
+            output gradient. This is what the recommendation uses, so that one bad block does not
+            flag every other block through the gradients it passes on.
         input_amax: max |block input| in the FP8 run.
         input_underflow: fraction of the block input that E4M3 per-tensor scaling flushes to zero.
         grad_underflow: fraction of the gradient at the block output that E5M2 flushes to zero.
@@ -59,6 +64,7 @@ class BlockStats:
     local_snr_db: float
     activation_snr_db: float
     weight_grad_snr_db: float
+    local_weight_grad_snr_db: float
     input_amax: float
     input_underflow: float
     grad_underflow: float
@@ -66,10 +72,10 @@ class BlockStats:
     te_scaling: Dict[str, List[float]] = dataclasses.field(default_factory=dict)
 
     def ok(self, threshold_db: float, grad_threshold_db: float) -> bool:
-        """FP8 is acceptable here: finite, local SNR >= ``threshold_db`` and weight-gradient SNR
-        >= ``grad_threshold_db`` (NaN never passes)."""
+        """FP8 is acceptable here: finite, local SNR >= ``threshold_db`` and local weight-gradient
+        SNR >= ``grad_threshold_db`` (NaN never passes)."""
         return (self.nonfinite == 0 and self.local_snr_db >= threshold_db
-                and self.weight_grad_snr_db >= grad_threshold_db)
+                and self.local_weight_grad_snr_db >= grad_threshold_db)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,15 +124,15 @@ class DiagnosisReport:
                    _from_json_num(d["output_snr_db"]), blocks)
 
     def table(self) -> str:
-        head = (f"{'block':14s} {'local dB':>8s} {'act dB':>7s} {'wgrad dB':>8s} {'in amax':>9s} "
+        head = (f"{'block':14s} {'local dB':>8s} {'act dB':>7s} {'local wgrad':>11s} {'wgrad dB':>8s} {'in amax':>9s} "
                 f"{'in uflow':>9s} {'grad uflow':>10s} {'nonfinite':>9s}  verdict")
         lines = [f"FP8 recipe {self.recipe}; keep bf16 below {self.threshold_db:g} dB local SNR or "
-                 f"{self.grad_threshold_db:g} dB weight-gradient SNR; model output SNR "
+                 f"{self.grad_threshold_db:g} dB local weight-gradient SNR; model output SNR "
                  f"{self.output_snr_db:.1f} dB", head, "-" * len(head)]
         for b in self.blocks:
             verdict = "fp8" if b.ok(self.threshold_db, self.grad_threshold_db) else "keep bf16"
             lines.append(f"{b.name:14s} {b.local_snr_db:8.1f} {b.activation_snr_db:7.1f} "
-                         f"{b.weight_grad_snr_db:8.1f} {b.input_amax:9.3g} {b.input_underflow:9.2%} "
+                         f"{b.local_weight_grad_snr_db:11.1f} {b.weight_grad_snr_db:8.1f} {b.input_amax:9.3g} {b.input_underflow:9.2%} "
                          f"{b.grad_underflow:10.2%} {b.nonfinite:9d}  {verdict}")
         rec = self.recommend_bf16
         lines.append(f"recommend bf16 for: {', '.join(rec) if rec else 'none'}")
@@ -175,10 +181,26 @@ def _one_pass(model, blocks, x, target, loss_fn, recipe, fp8: bool):
         for h in hooks:
             h.remove()
     for name, blk in blocks.items():
-        caught[name]["wgrad"] = torch.cat([p.grad.detach().float().flatten() for p in blk.parameters()
-                                           if p.grad is not None])
+        caught[name]["wgrad"] = _flat_grads(blk, [p.grad for p in blk.parameters() if p.requires_grad])
     model.zero_grad(set_to_none=True)
     return out.detach().float(), caught
+
+
+def _flat_grads(blk: nn.Module, grads) -> torch.Tensor:
+    """The gradients of ``blk``'s trainable parameters as one fp32 vector (None: zeros)."""
+    params = [p for p in blk.parameters() if p.requires_grad]
+    return torch.cat([(torch.zeros_like(p) if g is None else g).detach().float().flatten()
+                      for p, g in zip(params, grads)])
+
+
+def _local_weight_grads(blk: TE_Block, x: torch.Tensor, grad_out: torch.Tensor, recipe) -> torch.Tensor:
+    """``blk``'s weight gradients with FP8 off, on the FP8 run's block input ``x`` and output
+    gradient ``grad_out``: the reference for the block's own weight-gradient error."""
+    params = [p for p in blk.parameters() if p.requires_grad]
+    with fp8_context(recipe, enabled=False, strict=False):
+        out = blk(x.detach())
+    grads = torch.autograd.grad(out, params, grad_out.to(out.dtype), allow_unused=True)
+    return _flat_grads(blk, grads)
 
 
 def _default_loss(out, target):
@@ -232,11 +254,14 @@ def diagnose(
     for name, blk in blocks.items():
         r, g = ref[name], got[name]
         nonfinite = int((~torch.isfinite(g["output"])).sum() + (~torch.isfinite(g["wgrad"])).sum())
+        local_wgrad = (_local_weight_grads(blk, g["input"], g["grad_out"], recipe)
+                       if "grad_out" in g else torch.full_like(g["wgrad"], math.nan))
         stats.append(BlockStats(
             name=name,
             local_snr_db=snr_db(g["local_ref"] - g["input"], g["output"] - g["input"]),
             activation_snr_db=snr_db(r["output"], g["output"]),
             weight_grad_snr_db=snr_db(r["wgrad"], g["wgrad"]),
+            local_weight_grad_snr_db=snr_db(local_wgrad, g["wgrad"]),
             input_amax=float(g["input"].abs().max()),
             input_underflow=underflow_fraction(g["input"], E4M3_MAX, E4M3_TINY),
             grad_underflow=underflow_fraction(g.get("grad_out", torch.zeros(1)), E5M2_MAX, E5M2_TINY),

@@ -31,7 +31,9 @@ def test_underflow_fraction_known_values():
 
 
 def _stats(name, local=30.0, act=25.0, grad=18.0, nonfinite=0):
-    return dg.BlockStats(name=name, local_snr_db=local, activation_snr_db=act, weight_grad_snr_db=grad,
+    # end-to-end weight-gradient SNR 5 dB everywhere: the recommendation must not use it
+    return dg.BlockStats(name=name, local_snr_db=local, activation_snr_db=act, weight_grad_snr_db=5.0,
+                         local_weight_grad_snr_db=grad,
                          input_amax=3.0, input_underflow=0.01, grad_underflow=0.02, nonfinite=nonfinite,
                          te_scaling={"qkv": [2.5, 100.0]})
 
@@ -57,6 +59,7 @@ def test_json_schema_round_trip():
     assert set(d) == {"schema_version", "recipe", "threshold_db", "grad_threshold_db", "output_snr_db",
                       "recommend_bf16", "blocks"}
     assert set(d["blocks"][0]) == {"name", "local_snr_db", "activation_snr_db", "weight_grad_snr_db",
+                                   "local_weight_grad_snr_db",
                                    "input_amax", "input_underflow", "grad_underflow", "nonfinite", "te_scaling"}
     assert d["blocks"][4]["local_snr_db"] == "nan" and d["blocks"][5]["local_snr_db"] == "inf"
     back = dg.DiagnosisReport.from_dict(d)
@@ -107,16 +110,19 @@ def test_diagnose_finds_the_noisy_block_and_apply_fixes_it(monkeypatch):
     monkeypatch.setattr(dg, "fp8_context", lambda recipe, enabled, strict: _emulated(recipe, enabled))
     model = _model_with_noisy_block()
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 5, (4,))
-    rep = fp8vit.diagnose(model, x, target=y, grad_threshold_db=-math.inf)
+    rep = fp8vit.diagnose(model, x, target=y)
     local = {b.name: b.local_snr_db for b in rep.blocks}
     assert local["blocks.2"] < 20 and all(local[f"blocks.{i}"] == math.inf for i in (0, 1, 3))
     # error propagates downstream in the end-to-end SNR, and upstream in the weight gradients
     act = {b.name: b.activation_snr_db for b in rep.blocks}
     assert act["blocks.3"] < math.inf and act["blocks.0"] == math.inf
     assert rep.blocks[0].weight_grad_snr_db < math.inf
+    # ... but each block's own weight-gradient error is its own: only the noisy block has any
+    local_wgrad = {b.name: b.local_weight_grad_snr_db for b in rep.blocks}
+    assert all(local_wgrad[f"blocks.{i}"] == math.inf for i in (0, 1, 3)) and local_wgrad["blocks.2"] < math.inf
     assert rep.recommend_bf16 == ["blocks.2"]
     assert rep.apply(model) == ["blocks.2"] and not model.blocks[2].fp8_enabled
-    after = fp8vit.diagnose(model, x, target=y, grad_threshold_db=-math.inf)
+    after = fp8vit.diagnose(model, x, target=y)
     assert after.recommend_bf16 == [] and after.output_snr_db > rep.output_snr_db
     assert all(p.grad is None for p in model.parameters())  # diagnose leaves no gradients behind
 
