@@ -302,7 +302,8 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         if self._impl.fp8 and self.cfg.fused_mlp:
             # TE's LayerNormMLP does it natively: it saves its input and reruns LayerNorm, fc1 and
             # the activation in backward (not fc2), with the forward's FP8 scales.
-            self.mlp.checkpoint = recompute
+            if self.mlp.checkpoint != recompute:  # a plain read on the hot path; set on change only
+                self.mlp.checkpoint = recompute
         elif recompute and torch.is_grad_enabled():
             return self._impl.checkpoint(_aligned_rows, self.mlp, x, mult)
         return _aligned_rows(self.mlp, x, mult)

@@ -181,14 +181,18 @@ def _one_pass(model, blocks, x, target, loss_fn, recipe, fp8: bool):
         for h in hooks:
             h.remove()
     for name, blk in blocks.items():
-        caught[name]["wgrad"] = _flat_grads(blk, [p.grad for p in blk.parameters() if p.requires_grad])
+        params = _trainable(blk)
+        caught[name]["wgrad"] = _flat(params, [p.grad for p in params])
     model.zero_grad(set_to_none=True)
     return out.detach().float(), caught
 
 
-def _flat_grads(blk: nn.Module, grads) -> torch.Tensor:
-    """The gradients of ``blk``'s trainable parameters as one fp32 vector (None: zeros)."""
-    params = [p for p in blk.parameters() if p.requires_grad]
+def _trainable(blk: nn.Module) -> List[nn.Parameter]:
+    return [p for p in blk.parameters() if p.requires_grad]
+
+
+def _flat(params, grads) -> torch.Tensor:
+    """``grads`` of ``params`` as one fp32 vector (a None gradient counts as zeros)."""
     return torch.cat([(torch.zeros_like(p) if g is None else g).detach().float().flatten()
                       for p, g in zip(params, grads)])
 
@@ -196,11 +200,10 @@ def _flat_grads(blk: nn.Module, grads) -> torch.Tensor:
 def _local_weight_grads(blk: TE_Block, x: torch.Tensor, grad_out: torch.Tensor, recipe) -> torch.Tensor:
     """``blk``'s weight gradients with FP8 off, on the FP8 run's block input ``x`` and output
     gradient ``grad_out``: the reference for the block's own weight-gradient error."""
-    params = [p for p in blk.parameters() if p.requires_grad]
+    params = _trainable(blk)
     with fp8_context(recipe, enabled=False, strict=False):
         out = blk(x.detach())
-    grads = torch.autograd.grad(out, params, grad_out.to(out.dtype), allow_unused=True)
-    return _flat_grads(blk, grads)
+    return _flat(params, torch.autograd.grad(out, params, grad_out.to(out.dtype), allow_unused=True))
 
 
 def _default_loss(out, target):
