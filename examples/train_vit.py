@@ -30,6 +30,8 @@ def parse_args():
     p.add_argument("--no-fp8", action="store_true", help="the timm bf16 baseline: no conversion, no FP8")
     p.add_argument("--cuda-graphs", action="store_true", help="capture the blocks as CUDA graphs (fp8vit."
                    "make_graphed_blocks): much faster below ViT-H, where an eager step is launch-bound")
+    p.add_argument("--mlp-recompute", action="store_true", help="recompute the MLP activations in "
+                   "backward (fp8vit.set_mlp_recompute): about 2x the batch fits, the step is ~14%% slower")
     p.add_argument("--batch-size", type=int, default=None, help="per GPU (default 128; 8 on CPU)")
     p.add_argument("--img-size", type=int, default=None, help="default: the model's (32 on CPU)")
     p.add_argument("--num-classes", type=int, default=1000)
@@ -86,6 +88,10 @@ def main():
     use_fp8 = not args.no_fp8
     if use_fp8:
         fp8vit.convert_to_te(model)  # fp8vit: timm Blocks -> TE_Blocks, same weights
+    if args.mlp_recompute:
+        if not use_fp8:
+            raise SystemExit("--mlp-recompute needs fp8vit's blocks: drop --no-fp8")
+        fp8vit.set_mlp_recompute(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=not cpu)
 
     step = epoch0 = 0

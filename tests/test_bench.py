@@ -66,6 +66,17 @@ def test_train_example_runs_on_cpu_and_says_why_fp8_is_off():
     assert "step      2  loss" in res.stdout
 
 
+def test_train_example_mlp_recompute():
+    if torch.cuda.is_available():
+        pytest.skip("CPU smoke test")
+    base = [sys.executable, "examples/train_vit.py", "--steps", "2", "--log-every", "1", "--mlp-recompute"]
+    res = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "step      2  loss" in res.stdout
+    res = subprocess.run(base + ["--no-fp8"], capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "--mlp-recompute needs fp8vit's blocks: drop --no-fp8" in res.stderr
+
+
 def test_train_example_saves_and_resumes(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CPU smoke test")
