@@ -272,13 +272,13 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
                              f"{attn_mask.dtype}: TE has no additive-mask attention kernel")
         if attn_mask is not None and is_causal:
             raise ValueError("pass either attn_mask or is_causal=True to TE_Block, not both")
-        if self._impl.fp8 and x.device.type not in ("cuda", "meta"):
+        impl = self._impl  # one backend lookup per forward: it is on the hot path
+        if impl.fp8 and x.device.type not in ("cuda", "meta"):
             # TE modules may be built on the CPU (timm.create_model -> convert_to_te -> .cuda()),
             # but their kernels are CUDA-only: say so instead of failing deep inside TE.
             raise ValueError(f"TE_Block got x on {x.device}: Transformer Engine runs on CUDA only; "
                              "move the model and the input to the GPU (model.cuda()), or convert "
                              "with backend='reference'")
-        impl = self._impl
         recipe = impl.active_recipe()  # looked up once per forward: it is on the hot path
         with impl.fp8_off() if recipe is not None and not self.fp8_enabled else contextlib.nullcontext():
             mult = row_multiple(recipe if self.fp8_enabled else None)
@@ -335,7 +335,8 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         c = self.cfg
         return (f"dim={c.dim}, heads={c.num_heads}, mlp={c.mlp_hidden} ({c.te_activation or 'unfused'}), "
                 f"norm={c.norm}(eps={c.norm_eps}), backend={self.backend}"
-                + (", fp32_residual=True" if self.fp32_residual else ""))
+                + (", fp32_residual=True" if self.fp32_residual else "")
+                + (", recompute_mlp=True" if self.recompute_mlp else ""))
 
 
 # timm's per-module init functions, by name -> the weight_init mode they implement.

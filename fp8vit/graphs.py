@@ -19,10 +19,11 @@ What stays right: FP8 scales live in device memory and TE updates them outside t
 buffers (so accumulation over micro-batches and DDP's gradient hooks work); the optimizer updates
 parameters in place, which the graphs read. What falls back to eager, with one warning saying
 why: another input shape (e.g. the last, smaller batch of an epoch), a call outside
-``fp8_context`` or with another recipe or autocast dtype, a change to a block's FP8 or
-checkpointing switch after capture. Eval mode always runs eagerly, silently (that is TE's rule).
+``fp8_context`` or with another recipe or autocast dtype, a change to a block's FP8,
+checkpointing or MLP-recompute switch after capture. Eval mode always runs eagerly, silently (that is TE's rule).
 
-Not supported: activation checkpointing (a graph keeps every activation anyway; it raises),
+Not supported: activation checkpointing (a graph keeps every activation anyway; it raises), MLP
+recompute (``set_mlp_recompute``; it raises),
 ``torch.save(model)`` / ``copy.deepcopy(model)`` of the graphed model (save ``state_dict()``, or
 ``release()`` first).
 """
@@ -153,7 +154,8 @@ def make_graphed_blocks(
 
     Raises:
         ValueError: ``model`` has no ``nn.Sequential`` ``blocks``, is not on a GPU, uses
-            activation checkpointing, or ``dtype`` is not an autocast dtype; each names the value.
+            activation checkpointing or MLP recompute, or ``dtype`` is not an autocast dtype; each
+            names the value.
         FP8UnavailableError: ``fp8`` is asked for and cannot run here.
     """
     blocks = getattr(model, "blocks", None)
