@@ -3,6 +3,7 @@
     python examples/convergence.py --json digits.json --plot digits.png          # small ViT, 5 seeds
     python examples/convergence.py --setup vit-b --json vitb.json --plot vitb.png  # ViT-B geometry
     python examples/convergence.py --outlier-block 2 --json outlier.json         # diagnose demo
+    python examples/convergence.py --outlier-block 0 1 2 3 4 5 --outlier-factor 1e7  # every block
 
 Data: scikit-learn's bundled handwritten digits (1797 8x8 grey images, 10 classes; no download),
 split 80/20 with a fixed seed and upsampled per batch to the setup's image size.
@@ -19,7 +20,7 @@ Variants (each seed: the same initial weights and the same batch order for every
   timm-bf16       timm's blocks under bf16 autocast: the baseline
   fp8vit-bf16     fp8vit's TE_Blocks with FP8 off: TE's kernels and tanh GELU, no FP8
   fp8-<recipe>    fp8vit's TE_Blocks in fp8_context(recipe), for every recipe this GPU runs
-With ``--outlier-block K`` every variant's block K gets constructed activation outliers (below), and
+With ``--outlier-block K [K ...]`` every variant's blocks K get constructed activation outliers (below), and
 ``fp8-<recipe>-diagnosed`` adds the variant that runs ``fp8vit.diagnose`` on the first batch and
 applies its recommendation (recommended blocks in bf16) before training.
 
@@ -140,13 +141,13 @@ def evaluate(model, s, x, y, recipe):
 
 def run_job(job):
     """Train one (setup, variant, seed); returns its history. Runs in a worker process."""
-    setup_name, s, variant, seed, outlier_block, outlier_factor = job
+    setup_name, s, variant, seed, outlier_blocks, outlier_factor = job
     device = "cuda" if torch.cuda.is_available() else "cpu"
     convert, recipe, diagnosed = parse_variant(variant)
     x, y, xt, yt = load_digits(device)
     model = make_model(s, seed, device)
-    if outlier_block is not None:
-        add_outliers(model, outlier_block, outlier_factor)
+    for b in outlier_blocks:
+        add_outliers(model, b, outlier_factor)
     info = {}
     if convert:
         fp8vit.convert_to_te(model)
@@ -314,8 +315,8 @@ def main():
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the setup's)")
     p.add_argument("--variants", nargs="*", default=None,
                    help="default: timm-bf16, fp8vit-bf16 and fp8-<recipe> for each recipe this GPU runs")
-    p.add_argument("--outlier-block", type=int, default=None,
-                   help="construct activation outliers in this block and add fp8-<default>-diagnosed")
+    p.add_argument("--outlier-block", type=int, nargs="+", default=[],
+                   help="construct activation outliers in these blocks and add fp8-<default>-diagnosed")
     p.add_argument("--outlier-factor", type=float, default=1e5,
                    help="how much larger the outlier channels are (1e5: the rest reach E4M3's subnormals)")
     p.add_argument("--workers", type=int, default=None, help="parallel processes (default: 8 on a GPU, 1 on CPU)")
@@ -326,8 +327,9 @@ def main():
     s = dataclasses.replace(s, seeds=a.seeds or s.seeds, steps=a.steps or s.steps)
     info = fp8vit.gpu_info()
     print(info.summary())
-    if a.outlier_block is not None and not 0 <= a.outlier_block < s.depth:
-        p.error(f"--outlier-block {a.outlier_block}: the model has blocks 0..{s.depth - 1}")
+    for b in a.outlier_block:
+        if not 0 <= b < s.depth:
+            p.error(f"--outlier-block {b}: the model has blocks 0..{s.depth - 1}")
     variants = a.variants
     if variants is None:
         variants = ["timm-bf16", "fp8vit-bf16"]
@@ -337,7 +339,7 @@ def main():
                 variants.append(f"fp8-{r}")
             else:
                 print(f"fp8-{r}: not run: {why}")
-        if a.outlier_block is not None and info.default_recipe:
+        if a.outlier_block and info.default_recipe:
             variants.append(f"fp8-{info.default_recipe}-diagnosed")
     for v in variants:
         try:
@@ -346,7 +348,7 @@ def main():
             p.error(str(err))
     if "timm-bf16" not in variants:
         p.error("--variants must include timm-bf16: every comparison is paired against it")
-    jobs = [(a.setup, s, v, seed, a.outlier_block, a.outlier_factor) for seed in range(s.seeds) for v in variants]
+    jobs = [(a.setup, s, v, seed, tuple(a.outlier_block), a.outlier_factor) for seed in range(s.seeds) for v in variants]
     workers = a.workers or (min(8, len(jobs)) if torch.cuda.is_available() else 1)
     if workers > 1:
         import torch.multiprocessing as mp
@@ -357,11 +359,11 @@ def main():
     out, verdict = summarize(runs, s, info.default_recipe)
     print_summary(out, verdict, s)
     title = (f"{a.setup}: ViT dim {s.dim}, depth {s.depth}, {(s.img // s.patch) ** 2 + 1} tokens, {s.steps} steps"
-             + (f", outliers x{a.outlier_factor:g} in block {a.outlier_block}" if a.outlier_block is not None else "") + f"; {info.name}")
+             + (f", outliers x{a.outlier_factor:g} in block {', '.join(map(str, a.outlier_block))}" if a.outlier_block else "") + f"; {info.name}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": info.name, "setup": dataclasses.asdict(s), "setup_name": a.setup,
-                       "outlier_block": a.outlier_block, "outlier_factor": a.outlier_factor if a.outlier_block is not None else None, "summary": out, "verdict": verdict, "runs": runs}, f)
+                       "outlier_blocks": a.outlier_block, "outlier_factor": a.outlier_factor if a.outlier_block else None, "summary": out, "verdict": verdict, "runs": runs}, f)
     if a.plot:
         plot(runs, s, a.plot, title)
 

@@ -16,6 +16,7 @@ The command-line tools (``fp8vit-bench``, ``fp8vit-profile``, ``fp8vit-diagnose`
 from importlib.metadata import PackageNotFoundError, version
 
 from . import _te
+from .backend import set_cudnn_layernorm
 from .block import TE_Block
 from .config import BlockConfig
 from .context import FP8State, fp8_context
@@ -50,6 +51,7 @@ __all__ = [
     "make_recipe",
     "make_graphed_blocks",
     "GraphedBlocks",
+    "set_cudnn_layernorm",
     # FP8 safety
     "diagnose",
     "DiagnosisReport",

@@ -13,6 +13,7 @@ Everything TE-specific that the rest of fp8vit needs goes through here:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
@@ -30,7 +31,7 @@ from .errors import Check, TEUnavailableError
 
 __all__ = [
     "te_status", "te_version", "installed", "load_te", "preload", "clear_cache", "te_check",
-    "recipe_module", "autocast", "checkpoint", "active_fp8_recipe", "packed_attention", "modules", "MODULE_NAMES",
+    "recipe_module", "autocast", "set_cudnn_norm", "cudnn_norm", "cudnn_norm_enabled", "checkpoint", "active_fp8_recipe", "packed_attention", "modules", "MODULE_NAMES",
     "scaling_state", "repair_amax_histories", "make_graphed_callables",
     "transformer_layer_class", "EXTRA_STATE_FORMAT", "MIN_TE_VERSION",
 ]
@@ -367,6 +368,48 @@ def __getattr__(name: str):
     if name in MODULE_NAMES:
         return getattr(modules(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --------------------------------------------------------------------------- kernel choice
+
+# TE's core library reads NVTE_NORM_{FWD,BWD}_USE_CUDNN once and nvte_enable_cudnn_norm_* changes
+# it afterwards; TE's torch extension reads the variable on every call to pick the current-scaling
+# path (TE's fused norm + amax kernel, which cuDNN cannot replace). Both must agree, and TE has no
+# getter, so the setting is kept here.
+_CUDNN_NORM_VARS = ("NVTE_NORM_FWD_USE_CUDNN", "NVTE_NORM_BWD_USE_CUDNN")
+_cudnn_norm = {"on": all(os.environ.get(v, "0") == "1" for v in _CUDNN_NORM_VARS)}
+
+
+def cudnn_norm_enabled() -> bool:
+    """Whether TE's LayerNorm runs on cuDNN's kernels (see :func:`set_cudnn_norm`)."""
+    return _cudnn_norm["on"]
+
+
+def set_cudnn_norm(enabled: bool) -> bool:
+    """Run TE's LayerNorm forward and backward on cuDNN's kernels (process-wide). Returns the old setting."""
+    load_te()
+    lib = getattr(importlib.import_module("transformer_engine.common"), "_TE_LIB_CTYPES", None)
+    try:
+        switches = (lib.nvte_enable_cudnn_norm_fwd, lib.nvte_enable_cudnn_norm_bwd)
+    except AttributeError:
+        raise TEUnavailableError(
+            f"Transformer Engine {te_version()} does not expose nvte_enable_cudnn_norm_fwd/bwd in its "
+            "core library; upgrade TE, or leave fp8vit.set_cudnn_layernorm off") from None
+    for switch, var in zip(switches, _CUDNN_NORM_VARS):
+        switch(bool(enabled))
+        os.environ[var] = "1" if enabled else "0"
+    old, _cudnn_norm["on"] = _cudnn_norm["on"], bool(enabled)
+    return old
+
+
+@contextlib.contextmanager
+def cudnn_norm(enabled: bool):
+    """:func:`set_cudnn_norm` for the duration of the block, then the previous setting again."""
+    old = set_cudnn_norm(enabled)
+    try:
+        yield
+    finally:
+        set_cudnn_norm(old)
 
 
 # --------------------------------------------------------------------------- FP8 scaling state

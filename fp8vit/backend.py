@@ -26,7 +26,7 @@ from . import _te, reference
 from ._warn import warn_once
 from .errors import TEUnavailableError
 
-__all__ = ["BACKENDS", "Backend", "get_backend", "resolve_backend"]
+__all__ = ["BACKENDS", "Backend", "get_backend", "resolve_backend", "set_cudnn_layernorm"]
 
 BACKENDS = ("te", "reference")
 
@@ -112,3 +112,31 @@ def resolve_backend(backend: Optional[str]) -> str:
     warn_once(f"fp8vit: TE_Block uses PyTorch reference modules (same weights, no FP8): {why}",
               RuntimeWarning, stacklevel=3)
     return "reference"
+
+
+def set_cudnn_layernorm(enabled: bool = True) -> bool:
+    """Run TE's LayerNorm kernels, forward and backward, on cuDNN instead of TE's own.
+
+    TE 2.20 ships tuned LayerNorm kernels only for widths of 1536 and more; ViT-B, L and H
+    (768, 1024, 1280) run its general kernels. At ViT-H/16 on an H200 (batch 128, blocks
+    CUDA-graphed) cuDNN's kernels cut LayerNorm time from 15.4 to 5.6 ms per step and the step
+    from 160.2 to 154.2 ms; at ViT-B and ViT-L the graphed step did not change
+    (docs/performance.md, lever 8). The switch is TE's and process-wide: it applies to every TE LayerNorm in this
+    process, including models fp8vit did not build, until it is set back. Without CUDA graphs
+    cuDNN's kernels cost more host time per call, which an eager ViT-H step (close to
+    host-bound) can lose again; ``make_graphed_blocks(..., cudnn_layernorm=True)`` uses them in
+    the captured graphs only.
+
+    Args:
+        enabled: True for cuDNN's kernels, False for TE's own (TE's default).
+
+    Returns:
+        The previous setting.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+        TEUnavailableError: TE does not import, or its core library lacks the switch.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_cudnn_layernorm(enabled={enabled!r}): pass True or False")
+    return _te.set_cudnn_norm(enabled)

@@ -18,7 +18,7 @@ Variants (all under DelayedScaling HYBRID, TE's default history, except timm-bf1
                      the MLP's activations are recomputed in backward instead of saved
   *-foreach          the same with foreach SGD instead of fused SGD
   *-cudnn-norm       the same with TE's LayerNorm running on cuDNN's kernels instead of TE's own
-                     (nvte_enable_cudnn_norm_fwd/bwd: TE has no tuned kernel for C = 768, 1024, 1280)
+                     (fp8vit.set_cudnn_layernorm: TE has no tuned kernel for C = 768, 1024, 1280)
   *-fp8dpa           the same with FP8 attention (DelayedScaling(fp8_dpa=True)): changes numerics
 
 ``--max-batch`` also finds, per variant, the largest batch (multiple of 8) for which training
@@ -85,20 +85,6 @@ def _attention_qkv_layer(self, x, attn_mask, is_causal, mult):
     return self.proj_drop(_aligned_rows(self.proj, o, mult))
 
 
-@contextlib.contextmanager
-def cudnn_norm(enabled):
-    """Route TE's LayerNorm forward and backward to cuDNN for the duration (a process-wide TE switch)."""
-    if not enabled:
-        yield
-        return
-    from transformer_engine.common import _TE_LIB_CTYPES as lib
-    lib.nvte_enable_cudnn_norm_fwd(True); lib.nvte_enable_cudnn_norm_bwd(True)
-    try:
-        yield
-    finally:
-        lib.nvte_enable_cudnn_norm_fwd(False); lib.nvte_enable_cudnn_norm_bwd(False)
-
-
 def make_step(variant, model):
     from fp8vit import _te
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused="foreach" not in variant,
@@ -132,7 +118,8 @@ def graph_blocks(model, batch, dim):
 
 
 def time_variant(variant, size, batch, steps, warmup, profile):
-    with cudnn_norm("cudnn-norm" in variant):
+    from fp8vit import _te
+    with _te.cudnn_norm(True) if "cudnn-norm" in variant else contextlib.nullcontext():
         return _time_variant(variant, size, batch, steps, warmup, profile)
 
 

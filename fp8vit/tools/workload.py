@@ -11,9 +11,12 @@ A variant's name says what runs the blocks, in which precision, and how:
                                    mask, eps 1e-6): the raw-TE speed reference, FP8 delayed
 ``fp8vit-bf16[-graphed]``          fp8vit ``TE_Block``s, bf16 autocast, FP8 off
 ``fp8vit-fp8-RECIPE[-graphed]``    fp8vit ``TE_Block``s in ``fp8_context(RECIPE)``
+``fp8vit-fp8-RECIPE-cudnn-norm[-graphed]``  the same with :func:`fp8vit.set_cudnn_layernorm` on
 =================================  ===========================================================
 
-``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks`.
+``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` (``-cudnn-norm-graphed``:
+with ``cudnn_layernorm=True``). Building a workload sets the process-wide LayerNorm kernel choice
+for what it runs eagerly: cuDNN for an eager ``-cudnn-norm`` variant, else TE's own.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from .. import _te
+from ..backend import set_cudnn_layernorm
 from ..context import fp8_context
 from ..convert import convert_to_te
 from ..graphs import GraphedBlocks, make_graphed_blocks
@@ -46,6 +50,7 @@ VARIANTS = (
     "timm-bf16", "timm-bf16-compile", "torchao-fp8-compile", "te-layer-fp8", "te-layer-fp8-graphed",
     "fp8vit-bf16", "fp8vit-bf16-graphed",
     *(f"fp8vit-fp8-{r}" for r in RECIPE_NAMES), *(f"fp8vit-fp8-{r}-graphed" for r in RECIPE_NAMES),
+    *(f"fp8vit-fp8-{r}-cudnn-norm{g}" for g in ("", "-graphed") for r in RECIPE_NAMES),
 )
 
 
@@ -59,6 +64,7 @@ class Variant:
         fp8: the FP8 recipe name (``"torchao"`` for torchao float8), or None for bf16.
         compile: ``torch.compile`` the model.
         graphed: capture the blocks as CUDA graphs.
+        cudnn_norm: TE's LayerNorm on cuDNN's kernels (:func:`fp8vit.set_cudnn_layernorm`).
     """
 
     name: str
@@ -66,12 +72,14 @@ class Variant:
     fp8: Optional[str]
     compile: bool
     graphed: bool
+    cudnn_norm: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
         if name not in VARIANTS:
             raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
-        parts = name.split("-")
+        cudnn_norm = "-cudnn-norm" in name
+        parts = name.replace("-cudnn-norm", "").split("-")
         graphed = parts[-1] == "graphed"
         compile_ = parts[-1] == "compile"
         if name.startswith("torchao"):
@@ -79,7 +87,7 @@ class Variant:
         if name.startswith("te-layer"):
             return cls(name, "te-layer", "delayed", False, graphed)
         fp8 = parts[2] if name.startswith("fp8vit-fp8") else None
-        return cls(name, parts[0], fp8, compile_, graphed)
+        return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm)
 
     @property
     def te_fp8(self) -> bool:
@@ -157,6 +165,9 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     else:
         net = timm.create_model(model, pretrained=False, img_size=img_size, num_classes=num_classes, **kw)
     net = net.to(device)
+    eager_cudnn_norm = v.cudnn_norm and not v.graphed  # graphed: only the captured graphs use it
+    if eager_cudnn_norm or _te.cudnn_norm_enabled():  # a variant without the switch runs TE's kernels
+        set_cudnn_layernorm(eager_cudnn_norm)
     if v.blocks == "fp8vit":
         convert_to_te(net, backend=backend)
     if v.fp8 == "torchao":
@@ -165,7 +176,8 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if v.graphed:
         if batch_size is None:
             raise ValueError(f"variant {variant!r} captures CUDA graphs: pass batch_size")
-        graphs = make_graphed_blocks(net.train(), batch_size, recipe=v.fp8 if v.te_fp8 else None, fp8=v.te_fp8)
+        graphs = make_graphed_blocks(net.train(), batch_size, recipe=v.fp8 if v.te_fp8 else None, fp8=v.te_fp8,
+                                     cudnn_layernorm=v.cudnn_norm)
     return Workload(net, v, torch.compile(net) if v.compile else net, img_size, num_classes, graphs)
 
 

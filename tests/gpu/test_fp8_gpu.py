@@ -164,3 +164,47 @@ def test_mlp_recompute_same_step_less_memory(exact_gelu):
     assert peaks[1] < 0.85 * peaks[0]
     with pytest.raises(ValueError, match="MLP recompute is on"):
         fp8vit.make_graphed_blocks(recomputed, batch_size=32)
+
+
+def _kernel_names(fn):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, {e.name for e in prof.events() if str(e.device_type).endswith("CUDA")}
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_cudnn_layernorm_runs_cudnn_kernels_as_accurately(recipe):
+    # ViT-H width (1280): TE has no tuned LayerNorm kernel for it, which is where cuDNN's pays.
+    # Two FP8 runs whose amax differs in the last bit re-round every element (delayed scales are
+    # not powers of two), so both are judged against bf16, not against each other.
+    _need(recipe)
+    x = torch.randn(32, 3, 224, 224, device="cuda")
+    plain, cudnn = (_vit(embed_dim=1280, num_heads=16).train() for _ in range(2))
+    ref = _step(plain, x, recipe, enabled=False)
+    for _ in range(2):  # delayed scaling: fill the amax history first
+        _step(plain, x, recipe)
+    te_run, te_kernels = _kernel_names(lambda: _step(plain, x, recipe))
+    old = fp8vit.set_cudnn_layernorm(True)
+    try:
+        for _ in range(2):
+            _step(cudnn, x, recipe)
+        cudnn_run, cudnn_kernels = _kernel_names(lambda: _step(cudnn, x, recipe))
+    finally:
+        assert fp8vit.set_cudnn_layernorm(old) is True
+    te_norm = {k for k in te_kernels if "normalization::ln_" in k}
+    print(f"TE's LayerNorm kernels: {len(te_norm)}; with the switch: "
+          f"{sorted(k[:40] for k in cudnn_kernels if 'layer_norm' in k or 'ln_' in k)}")
+    assert te_norm and not any("normalization::ln_" in k for k in cudnn_kernels), "kernels unchanged"
+    a, b = _snrs(ref, te_run), _snrs(ref, cudnn_run)
+    worst_a, worst_b = min(a, key=a.get), min(b, key=b.get)
+    print(f"{recipe} vs bf16: TE LayerNorm worst {worst_a} {a[worst_a]:.1f} dB, "
+          f"cuDNN LayerNorm worst {worst_b} {b[worst_b]:.1f} dB")
+    assert b["logits"] >= LOGITS_DB and b[worst_b] >= GRAD_DB
+    assert b[worst_b] >= a[worst_a] - 1.0  # no worse than TE's own kernels
+    if recipe == "delayed":  # cuDNN's kernel must feed the FP8 amax the way TE's does
+        sa, sb = fp8vit._te.scaling_state(plain), fp8vit._te.scaling_state(cudnn)
+        assert sa.keys() == sb.keys() and sa
+        for name in sa:
+            assert abs(sb[name][0] - sa[name][0]) <= 0.05 * sa[name][0], (name, sa[name], sb[name])

@@ -72,6 +72,25 @@ def test_graphed_training_matches_eager(recipe):
         assert not all(torch.all(s == 1) for s in sg)
 
 
+def test_cudnn_layernorm_in_the_graphs_only():
+    data = _data()
+    eager, graphed = _vit(), _vit()
+    handle = fp8vit.make_graphed_blocks(graphed, B, cudnn_layernorm=True)
+    assert not fp8vit._te.cudnn_norm_enabled()  # restored after capture
+    old = fp8vit.set_cudnn_layernorm(True)  # eager with the same kernels as the graphs
+    try:
+        _train(eager, data)
+    finally:
+        fp8vit.set_cudnn_layernorm(old)
+    _train(graphed, data)
+    assert handle.replays == len(data) and handle.eager_calls == 0
+    # Captured with TE's own kernels instead, the amax (and so every FP8 rounding) would differ.
+    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
+        assert snr_db(a, b) > 40, n
+    se, sg = _fp8_scales(eager), _fp8_scales(graphed)
+    assert len(se) == len(sg) > 0 and all(torch.equal(a, b) for a, b in zip(se, sg))
+
+
 def test_gradient_accumulation_over_replays():
     data = _data(4)
     eager, graphed = _vit(), _vit()
