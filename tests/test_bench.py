@@ -107,6 +107,16 @@ def test_variant_names_parse(name, blocks, fp8, compile_, graphed):
     assert v.te_fp8 == (fp8 not in (None, "torchao"))
 
 
+@pytest.mark.parametrize("name, fp8, graphed", [
+    ("fp8vit-fp8-delayed-cudnn-norm", "delayed", False),
+    ("fp8vit-fp8-current-cudnn-norm-graphed", "current", True),
+])
+def test_cudnn_norm_variants_parse(name, fp8, graphed):
+    v = Variant.parse(name)
+    assert (v.blocks, v.fp8, v.graphed, v.cudnn_norm) == ("fp8vit", fp8, graphed, True)
+    assert not Variant.parse(name.replace("-cudnn-norm", "")).cudnn_norm
+
+
 def test_unknown_variant_lists_the_known_ones():
     with pytest.raises(ValueError, match="'fp8vit-fp9'.*timm-bf16"):
         Variant.parse("fp8vit-fp9")

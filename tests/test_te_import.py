@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from fp8vit import _te
 
 
@@ -69,3 +71,18 @@ def test_resolve_backend_raises_for_a_broken_te_on_a_gpu_machine(monkeypatch):
     with pytest.raises(_te.TEUnavailableError, match="installed but unusable: undefined symbol: foo.*'reference'"):
         backend.resolve_backend(None)
     assert backend.resolve_backend("reference") == "reference"  # asked for: fine
+
+
+def test_cudnn_layernorm_switch_names_bad_input_and_missing_support(monkeypatch):
+    import types
+
+    import fp8vit
+    with pytest.raises(TypeError, match=r"enabled=1\): pass True or False"):
+        fp8vit.set_cudnn_layernorm(1)
+    # A TE whose core library lacks the switch: the error names the TE version and what to do.
+    monkeypatch.setattr(_te, "load_te", lambda: None)
+    monkeypatch.setattr(_te, "te_version", lambda: "9.9")
+    monkeypatch.setitem(sys.modules, "transformer_engine.common", types.SimpleNamespace(_TE_LIB_CTYPES=object()))
+    with pytest.raises(_te.TEUnavailableError, match="Transformer Engine 9.9 does not expose nvte_enable_cudnn_norm"):
+        fp8vit.set_cudnn_layernorm(True)
+    assert not _te.cudnn_norm_enabled()  # a refused switch changes nothing
