@@ -161,27 +161,41 @@ def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> nn.Module:
     return model
 
 
-def set_mlp_recompute(model: nn.Module, enable: bool = True) -> nn.Module:
-    """Recompute the MLP activations of every ``TE_Block`` in backward instead of saving them.
+def set_mlp_recompute(model: nn.Module, enable: bool = True, *,
+                      module_filter_fn: Optional[ModuleFilter] = None) -> nn.Module:
+    """Recompute the MLP activations of ``TE_Block``s in backward instead of saving them.
 
     Selective activation checkpointing: the MLP's saved activations (fc1's output and the
     activation's, ``[B, N, 4C]`` each) are most of a block's. With TE's fused ``LayerNormMLP`` this is
     TE's own ``checkpoint=True`` (LayerNorm, fc1 and the activation rerun in backward, with the
-    forward's FP8 scales; fc2 is not rerun). Measured on ViT-H/16 (H200, docs/performance.md): the
-    largest batch that fits grows from 608 to 1168 images, a step at batch 128 takes 14% longer.
-    Blocks whose whole forward is checkpointed (:func:`set_grad_checkpointing`) ignore it.
+    forward's FP8 scales; fc2 is not rerun). Measured on ViT-H/16 (H200, docs/performance.md) with
+    every block: the largest batch that fits grows from 608 to 1168 images, a step at batch 128
+    takes 14% longer. Memory and time scale with the number of blocks chosen, so a subset trades
+    between the two (``module_filter_fn=lambda m, fqn: int(fqn.rsplit(".", 1)[-1]) % 3 == 0``: every
+    third block of ``model.blocks``). Blocks whose whole forward is checkpointed
+    (:func:`set_grad_checkpointing`) ignore it.
+
+    Args:
+        model: a converted model.
+        enable: True to recompute, False to save the activations again.
+        module_filter_fn: ``fn(module, fqn) -> bool``; only ``TE_Block``s for which it returns
+            True change (None: all of them).
 
     Returns:
         ``model``.
 
     Raises:
-        ValueError: ``model`` has no ``TE_Block``.
+        ValueError: ``model`` has no ``TE_Block``, or ``module_filter_fn`` selects none of them.
     """
-    blocks = [m for m in model.modules() if isinstance(m, TE_Block)]
+    blocks = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, TE_Block)]
     if not blocks:
         raise ValueError(f"set_mlp_recompute: {type(model).__name__} has no TE_Block; "
                          "run fp8vit.convert_to_te(model) first")
-    for blk in blocks:
+    chosen = [m for fqn, m in blocks if module_filter_fn is None or module_filter_fn(m, fqn)]
+    if not chosen:
+        raise ValueError(f"set_mlp_recompute: module_filter_fn selected none of the {len(blocks)} TE_Blocks "
+                         f"({blocks[0][0]} ... {blocks[-1][0]}); it must return True for the blocks to change")
+    for blk in chosen:
         blk.recompute_mlp = bool(enable)
     return model
 

@@ -236,3 +236,14 @@ def test_mlp_recompute_reruns_the_mlp_and_keeps_gradients():
     assert len(calls) == 3
     with pytest.raises(ValueError, match="has no TE_Block.*convert_to_te"):
         fp8vit.set_mlp_recompute(_model("vit_tiny_patch16_224"))
+
+
+def test_mlp_recompute_on_the_blocks_a_filter_selects():
+    model = fp8vit.convert_to_te(_model("vit_tiny_patch16_224"), backend="reference")
+    every_third = lambda m, fqn: int(fqn.rsplit(".", 1)[-1]) % 3 == 0  # noqa: E731
+    fp8vit.set_mlp_recompute(model, module_filter_fn=every_third)
+    assert [b.recompute_mlp for b in model.blocks] == [i % 3 == 0 for i in range(len(model.blocks))]
+    fp8vit.set_mlp_recompute(model, False, module_filter_fn=lambda m, fqn: fqn == "blocks.0")
+    assert [i for i, b in enumerate(model.blocks) if b.recompute_mlp] == [3, 6, 9]
+    with pytest.raises(ValueError, match=r"selected none of the 12 TE_Blocks \(blocks.0 ... blocks.11\)"):
+        fp8vit.set_mlp_recompute(model, module_filter_fn=lambda m, fqn: False)

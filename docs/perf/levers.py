@@ -15,7 +15,8 @@ Variants (all under DelayedScaling HYBRID, TE's default history, except timm-bf1
   fp8vit-qkvlayer    fp8vit with the attention inputs passed as TE's qkv_layer= (TE slices them with
                      select; autograd's select backward zero-fills the packed gradient per view)
   fp8vit-mlp-recompute  fp8vit with TE's selective MLP recompute (LayerNormMLP(checkpoint=True)):
-                     the MLP's activations are recomputed in backward instead of saved
+                     the MLP's activations are recomputed in backward instead of saved;
+                     fp8vit-mlp-recompute-everyK: only in every K-th block (0, K, 2K, ...)
   *-foreach          the same with foreach SGD instead of fused SGD
   *-cudnn-norm       the same with TE's LayerNorm running on cuDNN's kernels instead of TE's own
                      (fp8vit.set_cudnn_layernorm: TE has no tuned kernel for C = 768, 1024, 1280)
@@ -66,9 +67,9 @@ def build(variant, size):
         if "res-fp32" in variant:
             for b in model.blocks:
                 b.fp32_residual = True
-        if "mlp-recompute" in variant:
-            for b in model.blocks:
-                b.mlp.checkpoint = True  # TE's selective recompute of fc1 + activation in backward
+        if "mlp-recompute" in variant:  # TE's selective recompute of fc1 + activation in backward
+            every = int(variant.rsplit("-every", 1)[1]) if "-every" in variant else 1
+            fp8vit.set_mlp_recompute(model, module_filter_fn=lambda m, fqn: int(fqn.rsplit(".", 1)[-1]) % every == 0)
         if "qkvlayer" in variant:
             import types
             for b in model.blocks:
