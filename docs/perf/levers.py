@@ -38,6 +38,7 @@ import statistics
 import sys
 
 import fp8vit  # imports TE before torch runs a cuDNN kernel
+from fp8vit import _te
 import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
@@ -87,7 +88,6 @@ def _attention_qkv_layer(self, x, attn_mask, is_causal, mult):
 
 
 def make_step(variant, model):
-    from fp8vit import _te
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused="foreach" not in variant,
                           foreach=True if "foreach" in variant else None)
     fp8 = not variant.startswith("timm")
@@ -119,7 +119,6 @@ def graph_blocks(model, batch, dim):
 
 
 def time_variant(variant, size, batch, steps, warmup, profile):
-    from fp8vit import _te
     with _te.cudnn_norm(True) if "cudnn-norm" in variant else contextlib.nullcontext():
         return _time_variant(variant, size, batch, steps, warmup, profile)
 
