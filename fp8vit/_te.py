@@ -18,6 +18,7 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 import types
 import warnings
@@ -452,18 +453,30 @@ def repair_amax_histories(module: nn.Module) -> int:
 
 # --------------------------------------------------------------------------- CUDA graphs, bench
 def make_graphed_callables(module: nn.Module, sample_args: Tuple[torch.Tensor, ...], *, fp8: bool,
-                           recipe: Any, num_warmup_iters: int, amax_reduction_group=None) -> nn.Module:
+                           recipe: Any, num_warmup_iters: int, amax_reduction_group=None) -> bool:
     """``te.make_graphed_callables`` for one module: forward and backward captured as CUDA graphs.
 
     FP8 scaling factors are read from device memory inside the graphs and updated outside them
     (TE's amax reduction at the end of each autocast/backward), so delayed scaling keeps working.
-    Parameter gradients are cloned on return (TE's default), so accumulation over micro-batches
-    is correct.
+
+    TE installs the graphed forward on ``module`` itself (``module.forward``).
+
+    Returns:
+        True where TE can return parameter gradients as views of the backward graph's static
+        buffers instead of copies (``clone_param_grads_on_return=False``), which it is then told
+        to do: the caller must copy a ``.grad`` that is still set before the next backward replay,
+        which rewrites those buffers. False: TE copies them (older TE).
     """
-    return load_te().make_graphed_callables(
+    te = load_te()
+    kwargs = {}
+    grads_alias = "clone_param_grads_on_return" in inspect.signature(te.make_graphed_callables).parameters
+    if grads_alias:
+        kwargs["clone_param_grads_on_return"] = False
+    te.make_graphed_callables(
         module, sample_args, num_warmup_iters=num_warmup_iters, enabled=fp8,
         recipe=recipe if fp8 else None, amax_reduction_group=amax_reduction_group,
-        cache_quantized_params=False)
+        cache_quantized_params=False, **kwargs)
+    return grads_alias
 
 
 def transformer_layer_class() -> type:

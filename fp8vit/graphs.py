@@ -15,9 +15,11 @@ eager, 34.4 ms graphed; docs/performance.md). A graph replays all of the blocks'
 launch.
 
 What stays right: FP8 scales live in device memory and TE updates them outside the graphs
-(delayed scaling keeps its amax history); parameter gradients are copied out of the graph's
-buffers (so accumulation over micro-batches and DDP's gradient hooks work); the optimizer updates
-parameters in place, which the graphs read. What falls back to eager, with one warning saying
+(delayed scaling keeps its amax history); parameter gradients are handed out of the graph's
+buffers without a copy and copied only where a ``.grad`` is still set at the next backward (so
+accumulation over micro-batches, ``zero_grad(set_to_none=False)`` and DDP's gradient hooks work);
+the optimizer updates parameters in place, which the graphs read. A reference to a ``p.grad``
+kept across ``zero_grad()`` (set to None) is rewritten by the next step's backward: clone it. What falls back to eager, with one warning saying
 why: another input shape (e.g. the last, smaller batch of an epoch), a call outside
 ``fp8_context`` or with another recipe or autocast dtype, a change to a block's FP8,
 checkpointing or MLP-recompute switch after capture. Eval mode always runs eagerly, silently (that is TE's rule).
@@ -102,10 +104,23 @@ def _switches(blocks: nn.Module) -> tuple:
 
 
 class _Dispatch:
-    """``blocks.forward``: replay the graphs when the call matches the capture, else run eagerly."""
+    """``blocks.forward``: replay the graphs when the call matches the capture, else run eagerly.
 
-    def __init__(self, handle: GraphedBlocks, graphed, eager):
-        self.handle, self.graphed, self.eager = handle, graphed, eager
+    Gradients: the backward graph writes each parameter's gradient into a static buffer, and TE
+    hands autograd a view of it, which becomes ``p.grad`` without a copy when ``p.grad`` was None
+    (the usual ``zero_grad()``; copying them cost 1.8 ms per ViT-H step, docs/performance.md).
+    The next replay rewrites those buffers, so where a ``p.grad`` is still set when the backward
+    replay is about to run (accumulation over micro-batches, ``zero_grad(set_to_none=False)``, DDP's
+    bucket views, a kept gradient), it is copied first and autograd adds to the copy.
+    """
+
+    def __init__(self, handle: GraphedBlocks, graphed, eager, params: Tuple[nn.Parameter, ...] = ()):
+        self.handle, self.graphed, self.eager, self.params = handle, graphed, eager, params
+
+    def _before_backward_replay(self, grad: torch.Tensor) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad = p.grad.clone()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         h = self.handle
@@ -113,7 +128,10 @@ class _Dispatch:
             why = h.mismatch(x)
             if why is None:
                 h.replays += 1
-                return self.graphed(x)
+                out = self.graphed(x)
+                if self.params and out.requires_grad:  # runs just before the backward replay
+                    out.register_hook(self._before_backward_replay)
+                return out
             warn_once(f"fp8vit: CUDA-graphed blocks run eagerly (correct, slower): {why}",
                       RuntimeWarning, stacklevel=4)
         h.eager_calls += 1
@@ -203,12 +221,13 @@ def make_graphed_blocks(
     blocks.train()
     norm = _te.cudnn_norm(True) if cudnn_layernorm else contextlib.nullcontext()
     with norm, torch.autocast("cuda", dtype=dtype, cache_enabled=False):  # no cached casts inside a graph
-        _te.make_graphed_callables(blocks, (sample,), fp8=fp8, recipe=te_recipe,
-                                   num_warmup_iters=num_warmup_iters)
+        grads_alias = _te.make_graphed_callables(blocks, (sample,), fp8=fp8, recipe=te_recipe,
+                                                 num_warmup_iters=num_warmup_iters)
     blocks.train(was_training)
     graphed = vars(blocks).pop("forward")  # TE installed it on the instance; ours wraps it
     handle = GraphedBlocks(shape=shape, input_dtype=in_dtype, autocast_dtype=dtype,
                            recipe_name=recipe_name(te_recipe) if fp8 else None,
                            _blocks=blocks, _switches=_switches(blocks))
-    blocks.forward = _Dispatch(handle, graphed, blocks.forward)
+    params = tuple(p for p in blocks.parameters() if p.requires_grad) if grads_alias else ()
+    blocks.forward = _Dispatch(handle, graphed, blocks.forward, params)
     return handle

@@ -37,3 +37,13 @@ def test_kernel_table_groups_by_kernel_and_launching_op():
     assert rows[0] == ("gemm", "linear", 2.0, 0.6)
     assert rows[1] == ("fill", "attn > aten::zeros > aten::fill_", 3.0, 0.15)
     assert rows[2] == ("fill", "opt > aten::fill_", 1.0, 0.01)
+
+
+def test_idle_gaps_merges_overlaps_and_names_the_neighbours():
+    from fp8vit.tools.profiling import idle_gaps
+    # a [0, 10), b [5, 12) overlaps a; gap 12 -> 20; c [20, 30); d [21, 25) inside c; gap 30 -> 31; e [31, 32)
+    kernels = [("c", 20.0, 10.0), ("a", 0.0, 10.0), ("b", 5.0, 7.0), ("d", 21.0, 4.0), ("e", 31.0, 1.0)]
+    busy, span, gaps = idle_gaps(kernels)
+    assert (busy, span) == (12.0 + 10.0 + 1.0, 32.0)
+    assert gaps == [(8.0, "b", "c"), (1.0, "c", "e")]
+    assert idle_gaps([]) == (0.0, 0.0, [])

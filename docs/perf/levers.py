@@ -21,6 +21,10 @@ Variants (all under DelayedScaling HYBRID, TE's default history, except timm-bf1
   *-cudnn-norm       the same with TE's LayerNorm running on cuDNN's kernels instead of TE's own
                      (fp8vit.set_cudnn_layernorm: TE has no tuned kernel for C = 768, 1024, 1280)
   *-fp8dpa           the same with FP8 attention (DelayedScaling(fp8_dpa=True)): changes numerics
+  *-graphed          the blocks captured with te.make_graphed_callables (TE's defaults: every
+                     parameter gradient is copied out of the graph's buffers after each replay)
+  *-blockgraphs      the blocks captured with fp8vit.make_graphed_blocks (the gradients are not
+                     copied unless a .grad is still set)
 
 ``--max-batch`` also finds, per variant, the largest batch (multiple of 8) for which training
 steps fit in memory.
@@ -126,7 +130,9 @@ def time_variant(variant, size, batch, steps, warmup, profile):
 def _time_variant(variant, size, batch, steps, warmup, profile):
     torch.manual_seed(0)
     model = build(variant, size).train()
-    if "graphed" in variant:
+    if "blockgraphs" in variant:  # the product's path (parameter gradients leave the graph uncopied)
+        fp8vit.make_graphed_blocks(model, batch, cudnn_layernorm="cudnn-norm" in variant)
+    elif "graphed" in variant:  # TE's make_graphed_callables as a user would call it (gradients copied)
         graph_blocks(model, batch, SIZES[size][0])
     step = make_step(variant, model)
     x = torch.randn(batch, 3, 224, 224, device="cuda")

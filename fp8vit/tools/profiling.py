@@ -24,7 +24,7 @@ import torch
 
 from .workload import SIZES, VARIANTS, build_workload, make_optimizer, synthetic_batch, train_step_fn
 
-__all__ = ["CATEGORIES", "categorize", "kernel_breakdown", "kernel_table", "main"]
+__all__ = ["CATEGORIES", "categorize", "idle_gaps", "kernel_breakdown", "kernel_table", "main"]
 
 CATEGORIES: List[Tuple[str, str]] = [
     ("attention", r"flash|fmha|attn|attention|sdpa|cudnn_generated|cudnn::fusion"),
@@ -68,6 +68,47 @@ def kernel_table(launches: Iterable[Tuple[str, str, float]], steps: int) -> List
     return sorted(rows, key=lambda r: -r[3])
 
 
+def idle_gaps(kernels: Iterable[Tuple[str, float, float]]) -> Tuple[float, float, List[Tuple[float, str, str]]]:
+    """Where the GPU waits: ``(name, start_us, duration_us)`` per kernel (any order, overlapping
+    kernels allowed) -> ``(busy_us, span_us, gaps)``, where ``gaps`` are ``(idle_us, kernel before,
+    kernel after)``, longest first. Idle time inside a CUDA-graphed step is time the host spends
+    issuing the eager parts (or waiting on a sync) while the GPU has nothing queued."""
+    ks = sorted(kernels, key=lambda k: k[1])
+    if not ks:
+        return 0.0, 0.0, []
+    busy, gaps = 0.0, []
+    cur_start, cur_end, cur_last = ks[0][1], ks[0][1] + ks[0][2], ks[0][0]
+    for name, start, dur in ks[1:]:
+        if start > cur_end:  # a gap: close the current busy interval
+            busy += cur_end - cur_start
+            gaps.append((start - cur_end, cur_last, name))
+            cur_start, cur_end, cur_last = start, start + dur, name
+        elif start + dur >= cur_end:
+            cur_end, cur_last = start + dur, name
+    busy += cur_end - cur_start
+    return busy, cur_end - ks[0][1], sorted(gaps, key=lambda g: -g[0])
+
+
+def _trace_kernels(prof) -> List[Tuple[str, float, float]]:
+    """``(name, start_us, duration_us)`` of every GPU kernel, memcpy and memset in a profile (from
+    its Chrome trace: the profiler's Python events carry no GPU start times)."""
+    import json
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.unlink(path)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
 def _op_path(evt, depth: int = 4) -> str:
     """The chain of framework ops that launched a kernel, outermost of the last ``depth`` first."""
     names = []
@@ -96,6 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--kernels", default=None, help="write the per-kernel table (with op paths) here")
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
+    p.add_argument("--gaps", type=int, default=10, help="list this many of the longest GPU-idle gaps")
     p.add_argument("--ncu-step", action="store_true",
                    help="after warm-up, run one step between cudaProfilerStart/Stop (for ncu) and exit")
     a = p.parse_args(argv)
@@ -128,7 +170,14 @@ def main(argv=None) -> int:
     if a.trace:
         prof.export_chrome_trace(a.trace)
     if device == "cuda":  # GPU kernels, microseconds each
+        kernels = _trace_kernels(prof)
         launches = _launches(prof)
+        # The profiler ties a CUDA graph's kernels to the op around each replay more than once, so
+        # when the op-attributed total disagrees with the trace, the trace's kernels are used
+        # as they are, without op paths.
+        traced = sum(us for _, _, us in kernels)
+        if abs(sum(us for _, _, us in launches) - traced) > 0.01 * traced:
+            launches = [(name, "(no op path: CUDA graph replay)", us) for name, _, us in kernels]
         what = "GPU kernel"
     else:  # no kernels on CPU: aten ops' self time, so nothing is counted twice
         launches = [(e.key, e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.key.startswith("aten::")]
@@ -139,6 +188,12 @@ def main(argv=None) -> int:
     for cat in [c for c, _ in CATEGORIES] + ["other"]:
         if cat in br:
             print(f"  {cat:26s} {br[cat]:8.2f} ms  {100 * br[cat] / br['total']:5.1f}%")
+    if device == "cuda":
+        busy, span, gaps = idle_gaps(kernels)
+        print(f"  GPU busy {busy / 1e3 / a.steps:.2f} of {span / 1e3 / a.steps:.2f} ms/step (first to last kernel); "
+              f"idle {(span - busy) / 1e3 / a.steps:.2f} ms/step in {len(gaps) / a.steps:.0f} gaps/step; longest:")
+        for us, before, after in gaps[:a.gaps]:
+            print(f"    {us / 1e3:7.3f} ms  after {before[:60]}  before {after[:60]}")
     table = kernel_table(launches, a.steps)
     if a.kernels:
         with open(a.kernels, "w") as f:

@@ -37,7 +37,7 @@ def _data(n=4, batch=B):
              torch.randint(0, 10, (batch,), device="cuda", generator=g)) for _ in range(n)]
 
 
-def _train(model, data, recipe="delayed", accumulate=1):
+def _train(model, data, recipe="delayed", accumulate=1, set_to_none=True):
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     losses = []
     for i, (x, y) in enumerate(data):
@@ -47,7 +47,7 @@ def _train(model, data, recipe="delayed", accumulate=1):
         losses.append(float(loss))
         if (i + 1) % accumulate == 0:
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=set_to_none)
     return losses
 
 
@@ -91,13 +91,44 @@ def test_cudnn_layernorm_in_the_graphs_only():
     assert len(se) == len(sg) > 0 and all(torch.equal(a, b) for a, b in zip(se, sg))
 
 
-def test_gradient_accumulation_over_replays():
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["zero_grad-none", "zero_grad-zeros"])
+def test_gradient_accumulation_over_replays(set_to_none):
+    # The backward graph rewrites the buffers that p.grad aliases: a gradient still set when the
+    # next replay runs must be copied first, or the first micro-batch's gradient is lost.
     data = _data(4)
     eager, graphed = _vit(), _vit()
     fp8vit.make_graphed_blocks(graphed, B)
-    _train(eager, data, accumulate=2), _train(graphed, data, accumulate=2)
+    _train(eager, data, accumulate=2, set_to_none=set_to_none)
+    _train(graphed, data, accumulate=2, set_to_none=set_to_none)
     for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
         assert snr_db(a, b) > 40, n  # each replay's gradients were added, not overwritten
+
+
+def test_parameter_gradients_leave_the_graph_without_a_copy():
+    # TE copies every parameter gradient out of the graph's buffers by default (one memcpy each);
+    # fp8vit copies only when a .grad is still set. Counted in one profiled step each way.
+    from torch.profiler import ProfilerActivity, profile
+    (x, y), = _data(1)
+    model = _vit()
+    fp8vit.make_graphed_blocks(model, B)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    n_params = sum(1 for _ in model.blocks.parameters())
+    counts = {}
+    for set_to_none in (True, False):
+        for _ in range(2):  # the second step starts from what zero_grad left
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                with fp8vit.fp8_context():
+                    loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                torch.cuda.synchronize()
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        counts[set_to_none] = sum(1 for e in prof.events()
+                                  if str(e.device_type).endswith("CUDA") and "Memcpy DtoD" in e.name)
+    print(f"DtoD copies per step: zero_grad(set_to_none=True) {counts[True]}, False {counts[False]}; "
+          f"{n_params} block parameters")
+    assert counts[True] < n_params // 4, "parameter gradients were copied out of the graph"
+    assert counts[False] >= n_params, "a set .grad was not copied before the replay rewrote it"
 
 
 def test_other_batch_shape_falls_back_to_eager_with_a_warning():
@@ -145,16 +176,18 @@ def test_refusals_name_the_problem():
     copy.deepcopy(model)  # eager again: the model copies (e.g. for an EMA)
 
 
-def test_ddp_after_capture(tmp_path):
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["ddp", "ddp-gradient_as_bucket_view"])
+def test_ddp_after_capture(tmp_path, bucket_view):
     import torch.distributed as dist
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ["MASTER_PORT"] = str(29533 + bucket_view)  # a fresh store per parametrization
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
         data = _data(3)
         plain, graphed = _vit(), _vit()
         fp8vit.make_graphed_blocks(graphed, B)
-        ddp = torch.nn.parallel.DistributedDataParallel(graphed, device_ids=[torch.cuda.current_device()])
+        ddp = torch.nn.parallel.DistributedDataParallel(graphed, device_ids=[torch.cuda.current_device()],
+                                                        gradient_as_bucket_view=bucket_view)
         _train(plain, data), _train(ddp, data)
         for (n, a), b in zip(plain.named_parameters(), graphed.parameters()):
             assert snr_db(a, b) > 40, n
