@@ -16,10 +16,10 @@ launch.
 
 What stays right: FP8 scales live in device memory and TE updates them outside the graphs
 (delayed scaling keeps its amax history); parameter gradients are handed out of the graph's
-buffers without a copy and copied only where a ``.grad`` is still set at the next backward (so
-accumulation over micro-batches, ``zero_grad(set_to_none=False)`` and DDP's gradient hooks work);
-the optimizer updates parameters in place, which the graphs read. A reference to a ``p.grad``
-kept across ``zero_grad()`` (set to None) is rewritten by the next step's backward: clone it. What falls back to eager, with one warning saying
+buffers without a copy and copied only where a ``.grad`` still points into them at the next
+replay (so accumulation over micro-batches, ``zero_grad(set_to_none=False)`` and DDP work); the
+optimizer updates parameters in place, which the graphs read. A reference to a ``p.grad`` kept
+across ``zero_grad()`` (set to None) is rewritten by the next step: clone it to keep it. What falls back to eager, with one warning saying
 why: another input shape (e.g. the last, smaller batch of an epoch), a call outside
 ``fp8_context`` or with another recipe or autocast dtype, a change to a block's FP8,
 checkpointing or MLP-recompute switch after capture. Eval mode always runs eagerly, silently (that is TE's rule).
@@ -108,19 +108,26 @@ class _Dispatch:
 
     Gradients: the backward graph writes each parameter's gradient into a static buffer, and TE
     hands autograd a view of it, which becomes ``p.grad`` without a copy when ``p.grad`` was None
-    (the usual ``zero_grad()``; copying them cost 1.8 ms per ViT-H step, docs/performance.md).
-    The next replay rewrites those buffers, so where a ``p.grad`` is still set when the backward
-    replay is about to run (accumulation over micro-batches, ``zero_grad(set_to_none=False)``, DDP's
-    bucket views, a kept gradient), it is copied first and autograd adds to the copy.
+    (the usual ``zero_grad()``; copying them cost 2.5 ms per ViT-H step, docs/performance.md).
+    The graphs' memory pool reuses those buffers: the next forward replay may already write into
+    them. So before each replay, a ``p.grad`` that is still such a view (accumulation over
+    micro-batches, ``zero_grad(set_to_none=False)``) is copied, and autograd adds to the copy.
+    Gradients that are not views of the buffers (DDP's bucket views) are left alone.
     """
 
     def __init__(self, handle: GraphedBlocks, graphed, eager, params: Tuple[nn.Parameter, ...] = ()):
         self.handle, self.graphed, self.eager, self.params = handle, graphed, eager, params
+        self._static_ptrs: frozenset = frozenset()  # data_ptr()s of the graph's gradient buffers
 
-    def _before_backward_replay(self, grad: torch.Tensor) -> None:
+    def _record_static(self, grad_inputs, grad_outputs) -> None:
+        # Hook on the graphed backward node: grad_inputs are the views it returned.
+        self._static_ptrs = frozenset(g.data_ptr() for g in grad_inputs if g is not None)
+
+    def _copy_aliased_grads(self) -> None:
         for p in self.params:
-            if p.grad is not None:
-                p.grad = p.grad.clone()
+            g = p.grad
+            if g is not None and g.data_ptr() in self._static_ptrs:
+                p.grad = g.clone()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         h = self.handle
@@ -128,9 +135,11 @@ class _Dispatch:
             why = h.mismatch(x)
             if why is None:
                 h.replays += 1
+                if self.params:
+                    self._copy_aliased_grads()
                 out = self.graphed(x)
-                if self.params and out.requires_grad:  # runs just before the backward replay
-                    out.register_hook(self._before_backward_replay)
+                if self.params and not self._static_ptrs and out.grad_fn is not None:
+                    out.grad_fn.register_hook(self._record_static)
                 return out
             warn_once(f"fp8vit: CUDA-graphed blocks run eagerly (correct, slower): {why}",
                       RuntimeWarning, stacklevel=4)
