@@ -25,3 +25,22 @@ def test_needs_the_model_on_a_gpu():
 def test_dtype_must_be_an_autocast_dtype():
     with pytest.raises(ValueError, match="dtype=torch.float32"):
         fp8vit.make_graphed_blocks(_vit(), 8, dtype=torch.float32)
+
+
+def test_only_gradients_aliasing_the_graph_buffers_are_copied_before_a_replay():
+    # The logic that keeps accumulation right when gradients leave the graphs uncopied (the GPU
+    # tests check it end to end): a .grad that is a view of a graph buffer is replaced by a copy
+    # with the same values; a .grad elsewhere (e.g. a DDP bucket view) and a None stay as they are.
+    from fp8vit.graphs import _Dispatch
+    static = torch.randn(6)                      # stands in for the backward graph's buffer
+    aliased, own, none = (torch.nn.Parameter(torch.zeros(6)) for _ in range(3))
+    aliased.grad = static.detach()
+    own.grad = torch.randn(6)
+    own_grad = own.grad
+    d = _Dispatch(handle=None, graphed=None, eager=None, params=(aliased, own, none))
+    d._record_static((static.detach(), None), ())
+    d._copy_aliased_grads()
+    assert aliased.grad.data_ptr() != static.data_ptr() and torch.equal(aliased.grad, static)
+    static.add_(1.0)                             # the next replay rewrites the buffer
+    assert not torch.equal(aliased.grad, static)
+    assert own.grad is own_grad and none.grad is None
