@@ -464,8 +464,8 @@ def make_graphed_callables(module: nn.Module, sample_args: Tuple[torch.Tensor, .
     Returns:
         True where TE can return parameter gradients as views of the backward graph's static
         buffers instead of copies (``clone_param_grads_on_return=False``), which it is then told
-        to do: the caller must copy a ``.grad`` that is still set before the next backward replay,
-        which rewrites those buffers. False: TE copies them (older TE).
+        to do: the caller must copy a ``.grad`` that still points into them before the next replay
+        (forward or backward), which may rewrite them. False: TE copies them (older TE).
     """
     te = load_te()
     kwargs = {}

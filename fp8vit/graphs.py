@@ -19,15 +19,16 @@ What stays right: FP8 scales live in device memory and TE updates them outside t
 buffers without a copy and copied only where a ``.grad`` still points into them at the next
 replay (so accumulation over micro-batches, ``zero_grad(set_to_none=False)`` and DDP work); the
 optimizer updates parameters in place, which the graphs read. A reference to a ``p.grad`` kept
-across ``zero_grad()`` (set to None) is rewritten by the next step: clone it to keep it. What falls back to eager, with one warning saying
-why: another input shape (e.g. the last, smaller batch of an epoch), a call outside
-``fp8_context`` or with another recipe or autocast dtype, a change to a block's FP8,
-checkpointing or MLP-recompute switch after capture. Eval mode always runs eagerly, silently (that is TE's rule).
+across ``zero_grad()`` (set to None) is rewritten by the next step: clone it to keep it.
+
+What falls back to eager, with one warning saying why: another input shape (e.g. the last,
+smaller batch of an epoch), a call outside ``fp8_context`` or with another recipe or autocast
+dtype, a change to a block's FP8, checkpointing or MLP-recompute switch after capture. Eval mode
+always runs eagerly, silently (that is TE's rule).
 
 Not supported: activation checkpointing (a graph keeps every activation anyway; it raises), MLP
-recompute (``set_mlp_recompute``; it raises),
-``torch.save(model)`` / ``copy.deepcopy(model)`` of the graphed model (save ``state_dict()``, or
-``release()`` first).
+recompute (``set_mlp_recompute``; it raises), ``torch.save(model)`` / ``copy.deepcopy(model)`` of
+the graphed model (save ``state_dict()``, or ``release()`` first).
 """
 
 from __future__ import annotations

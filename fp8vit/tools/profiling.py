@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
 import re
+import tempfile
 import time
 from typing import Dict, Iterable, List, Tuple
 
@@ -92,10 +95,6 @@ def idle_gaps(kernels: Iterable[Tuple[str, float, float]]) -> Tuple[float, float
 def _trace_kernels(prof) -> List[Tuple[str, float, float]]:
     """``(name, start_us, duration_us)`` of every GPU kernel, memcpy and memset in a profile (from
     its Chrome trace: the profiler's Python events carry no GPU start times)."""
-    import json
-    import os
-    import tempfile
-
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:

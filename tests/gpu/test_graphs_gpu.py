@@ -106,7 +106,7 @@ def test_gradient_accumulation_over_replays(set_to_none):
 
 def test_parameter_gradients_leave_the_graph_without_a_copy():
     # TE copies every parameter gradient out of the graph's buffers by default (one memcpy each);
-    # fp8vit copies only when a .grad is still set. Counted in one profiled step each way.
+    # fp8vit copies only a .grad that still points into them. Counted in one profiled step each way.
     from torch.profiler import ProfilerActivity, profile
     (x, y), = _data(1)
     model = _vit()
