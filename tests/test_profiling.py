@@ -47,3 +47,21 @@ def test_idle_gaps_merges_overlaps_and_names_the_neighbours():
     assert (busy, span) == (12.0 + 10.0 + 1.0, 32.0)
     assert gaps == [(8.0, "b", "c"), (1.0, "c", "e")]
     assert idle_gaps([]) == (0.0, 0.0, [])
+
+
+def test_trace_kernels_reads_gpu_work_once_from_the_chrome_trace():
+    import json
+    from fp8vit.tools.profiling import trace_kernels
+
+    class FakeProfile:  # what torch.profiler writes: CPU ops, runtime calls and GPU activity
+        def export_chrome_trace(self, path):
+            events = [{"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 9},
+                      {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1, "dur": 2},
+                      {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 10, "dur": 5},
+                      {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 16, "dur": 1},
+                      {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 18, "dur": 0.5},
+                      {"ph": "i", "cat": "kernel", "name": "marker", "ts": 20}]
+            with open(path, "w") as f:
+                json.dump({"traceEvents": events}, f)
+
+    assert trace_kernels(FakeProfile()) == [("gemm", 10.0, 5.0), ("Memcpy DtoD", 16.0, 1.0), ("Memset", 18.0, 0.5)]

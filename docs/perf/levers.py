@@ -35,7 +35,6 @@ steps fit in memory.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import gc
 import json
@@ -46,6 +45,7 @@ import sys
 
 import fp8vit  # imports TE before torch runs a cuDNN kernel
 from fp8vit import _te
+from fp8vit.tools.profiling import kernel_table, trace_kernels
 import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
@@ -163,12 +163,8 @@ def _time_variant(variant, size, batch, steps, warmup, profile):
             for _ in range(n):
                 step(x, y)
             torch.cuda.synchronize()
-        table = collections.defaultdict(lambda: [0, 0.0])
-        for e in prof.events():
-            if str(e.device_type).endswith("CUDA"):
-                table[e.name][0] += 1
-                table[e.name][1] += e.device_time
-        r["kernels"] = sorted(([k, c / n, us / n / 1e3] for k, (c, us) in table.items()), key=lambda t: -t[2])
+        rows = kernel_table([(name, "", us) for name, _, us in trace_kernels(prof)], n)  # graphs included
+        r["kernels"] = [[k, calls, ms] for k, _, calls, ms in rows]
         r["kernel_ms"] = sum(t[2] for t in r["kernels"])
     del model, step, x, y
     gc.collect(); torch.cuda.empty_cache()

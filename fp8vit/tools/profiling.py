@@ -27,7 +27,7 @@ import torch
 
 from .workload import SIZES, VARIANTS, build_workload, make_optimizer, synthetic_batch, train_step_fn
 
-__all__ = ["CATEGORIES", "categorize", "idle_gaps", "kernel_breakdown", "kernel_table", "main"]
+__all__ = ["CATEGORIES", "categorize", "idle_gaps", "kernel_breakdown", "kernel_table", "trace_kernels", "main"]
 
 CATEGORIES: List[Tuple[str, str]] = [
     ("attention", r"flash|fmha|attn|attention|sdpa|cudnn_generated|cudnn::fusion"),
@@ -92,9 +92,10 @@ def idle_gaps(kernels: Iterable[Tuple[str, float, float]]) -> Tuple[float, float
     return busy, cur_end - ks[0][1], sorted(gaps, key=lambda g: -g[0])
 
 
-def _trace_kernels(prof) -> List[Tuple[str, float, float]]:
+def trace_kernels(prof) -> List[Tuple[str, float, float]]:
     """``(name, start_us, duration_us)`` of every GPU kernel, memcpy and memset in a profile (from
-    its Chrome trace: the profiler's Python events carry no GPU start times)."""
+    its Chrome trace: the profiler's Python events carry no GPU start times, and they tie a CUDA
+    graph's kernels to the op around each replay more than once; the trace has each kernel once)."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
     if a.trace:
         prof.export_chrome_trace(a.trace)
     if device == "cuda":  # GPU kernels, microseconds each
-        kernels = _trace_kernels(prof)
+        kernels = trace_kernels(prof)
         launches = _launches(prof)
         # The profiler ties a CUDA graph's kernels to the op around each replay more than once, so
         # when the op-attributed total disagrees with the trace, the trace's kernels are used
