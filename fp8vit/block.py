@@ -33,7 +33,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
 
 from .backend import Backend, get_backend, resolve_backend
 from .config import BlockConfig, config_from_timm_block
-from .recipes import row_multiple
+from .recipes import recipe_name, row_multiple
 from .weights import name_pairs, te_to_timm, timm_to_te
 
 __all__ = ["TE_Block"]
@@ -152,6 +152,11 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         self.grad_checkpointing = False
         self.recompute_mlp = False  # set_mlp_recompute: MLP activations recomputed in backward
         self.fp8_enabled = True  # False: GEMMs in bf16 even inside fp8_context (set_block_fp8)
+        # GELU in the epilogue of fc1's FP8 GEMM, which then writes fc2's FP8 input directly (TE's
+        # LayerNormMLP.gemm_gelu_fusion, off in TE by default). Under delayed scaling only, where
+        # it was measured: ViT-H step -2.0 ms, ViT-B -0.5 ms on an H200 (docs/performance.md,
+        # lever 12). TE always fuses it when FP8 is off. False: TE's separate GELU+cast kernel.
+        self.gelu_in_gemm = True
         self.fp32_residual = fp32_residual
         m = self._impl.modules
         device = self._impl.default_device if device is None else device
@@ -280,21 +285,23 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
                              "move the model and the input to the GPU (model.cuda()), or convert "
                              "with backend='reference'")
         recipe = impl.active_recipe()  # looked up once per forward: it is on the hot path
+        fp8_recipe = recipe if self.fp8_enabled else None
         with impl.fp8_off() if recipe is not None and not self.fp8_enabled else contextlib.nullcontext():
-            mult = row_multiple(recipe if self.fp8_enabled else None)
+            mult = row_multiple(fp8_recipe)
+            gelu_gemm = self.gelu_in_gemm and fp8_recipe is not None and recipe_name(fp8_recipe) == "delayed"
             if self.grad_checkpointing and torch.is_grad_enabled():
-                return impl.checkpoint(self._forward, x, attn_mask, is_causal, mult)
-            return self._forward(x, attn_mask, is_causal, mult)
+                return impl.checkpoint(self._forward, x, attn_mask, is_causal, mult, gelu_gemm)
+            return self._forward(x, attn_mask, is_causal, mult, gelu_gemm)
 
-    def _forward(self, x, attn_mask, is_causal, mult: int):
+    def _forward(self, x, attn_mask, is_causal, mult: int, gelu_gemm: bool):
         dev = x.device.type
         if not self.fp32_residual and dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):  # not 'meta'
             x = x.to(torch.get_autocast_dtype(dev))
         x = x + self._residual(self.drop_path1(self.ls1(self._attention(x, attn_mask, is_causal, mult))), x)
-        x = x + self._residual(self.drop_path2(self.ls2(self._mlp(x, mult))), x)
+        x = x + self._residual(self.drop_path2(self.ls2(self._mlp(x, mult, gelu_gemm))), x)
         return x
 
-    def _mlp(self, x, mult: int):
+    def _mlp(self, x, mult: int, gelu_gemm: bool):
         # Selective recompute (set_mlp_recompute): the MLP holds most of a block's saved activations
         # (fc1's output and the activation's, 4C per token each). Inside a checkpointed block the
         # whole block is recomputed anyway.
@@ -304,6 +311,8 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
             # the activation in backward (not fc2), with the forward's FP8 scales.
             if self.mlp.checkpoint != recompute:  # a plain read on the hot path; set on change only
                 self.mlp.checkpoint = recompute
+            if self.mlp.gemm_gelu_fusion != gelu_gemm:  # TE ignores it for other activations
+                self.mlp.gemm_gelu_fusion = gelu_gemm
         elif recompute and torch.is_grad_enabled():
             return self._impl.checkpoint(_aligned_rows, self.mlp, x, mult)
         return _aligned_rows(self.mlp, x, mult)

@@ -214,3 +214,51 @@ def test_cudnn_layernorm_runs_cudnn_kernels_as_accurately(recipe):
         assert sa.keys() == sb.keys() and sa
         for name in sa:
             assert abs(sb[name][0] - sa[name][0]) <= 0.05 * sa[name][0], (name, sa[name], sb[name])
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_gelu_in_fc1_gemm_epilogue(recipe):
+    # Under delayed scaling fc1's GEMM computes GELU in its epilogue and writes fc2's FP8 input
+    # (lever 12); TE's separate GELU+cast kernel must then be gone, and the step must be as
+    # accurate against bf16 as with that kernel. Other recipes keep the separate kernel.
+    _need(recipe)
+    x = torch.randn(32, 3, 224, 224, device="cuda")
+    fused, plain = _vit(depth=3).train(), _vit(depth=3).train()  # same seed: same weights
+    assert all(b.gelu_in_gemm for b in fused.blocks)  # the default
+    for b in plain.blocks:
+        b.gelu_in_gemm = False
+    ref = _step(plain, x, recipe, enabled=False)
+    runs = {}
+    for name, model in (("fused", fused), ("plain", plain)):
+        for _ in range(2):  # delayed scaling: fill the amax history first
+            _step(model, x, recipe)
+        runs[name] = _kernel_names(lambda: _step(model, x, recipe))
+    gelu_kernels = {name: sorted(k[:60] for k in kernels if "gelu" in k.lower() and "dgelu" not in k.lower()
+                                 and "CTDBiasDAct" not in k) for name, (_, kernels) in runs.items()}
+    print(f"{recipe}: forward GELU kernels {gelu_kernels}")
+    te_gelu = {name: [k for k in ks if "unary_kernel" in k or "act_fn" in k] for name, ks in gelu_kernels.items()}
+    assert te_gelu["plain"], "TE's GELU kernel not found: the kernel-name test is stale"
+    if recipe == "delayed":
+        assert not te_gelu["fused"] and [k for k in gelu_kernels["fused"] if k not in te_gelu["fused"]], \
+            "fc1's GEMM did not take the GELU epilogue"
+    else:
+        assert gelu_kernels["fused"] == gelu_kernels["plain"]
+    a, b = _snrs(ref, runs["plain"][0]), _snrs(ref, runs["fused"][0])
+    worst_a, worst_b = min(a, key=a.get), min(b, key=b.get)
+    print(f"{recipe} vs bf16: separate GELU worst {worst_a} {a[worst_a]:.1f} dB, logits {a['logits']:.1f} dB; "
+          f"GELU in the GEMM worst {worst_b} {b[worst_b]:.1f} dB, logits {b['logits']:.1f} dB")
+    assert b["logits"] >= LOGITS_DB and b[worst_b] >= GRAD_DB
+    assert b[worst_b] >= a[worst_a] - 1.0 and b["logits"] >= a["logits"] - 1.0
+    if recipe == "delayed":  # the GEMM's epilogue must feed fc2's input amax as TE's kernel does
+        sa, sb = _forward_amaxes(plain), _forward_amaxes(fused)
+        recorded = [k for k, v in sa.items() if v > 0]  # inputs and weights of every GEMM
+        assert sa.keys() == sb.keys() and len(recorded) >= 8 * len(plain.blocks), sa
+        for name in recorded:
+            assert abs(sb[name] - sa[name]) <= 0.05 * sa[name], (name, sa[name], sb[name])
+
+
+def _forward_amaxes(model):
+    """``{"module[i]": amax}`` over the whole history, for each forward FP8 tensor ``i`` of every
+    TE module under ``model`` (delayed scaling; LayerNormMLP's fc2 input is one of them)."""
+    return {f"{name}[{i}]": float(v) for name, key, st in fp8vit._te._delayed_states(model)
+            if key == "scaling_fwd" for i, v in enumerate(st.amax_history.amax(0))}
