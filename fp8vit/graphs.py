@@ -26,9 +26,11 @@ smaller batch of an epoch), a call outside ``fp8_context`` or with another recip
 dtype, a change to a block's FP8, checkpointing or MLP-recompute switch after capture. Eval mode
 always runs eagerly, silently (that is TE's rule).
 
-Not supported: activation checkpointing (a graph keeps every activation anyway; it raises), MLP
-recompute (``set_mlp_recompute``; it raises), ``torch.save(model)`` / ``copy.deepcopy(model)`` of
-the graphed model (save ``state_dict()``, or ``release()`` first).
+MLP recompute (``set_mlp_recompute``) is captured with the blocks when the MLP is TE's fused
+``LayerNormMLP`` (the default): it recomputes inside its own backward, which the backward graph
+replays. Not supported: activation checkpointing (a graph keeps every activation anyway; it
+raises), MLP recompute of an unfused MLP (``exact_gelu=True``; it raises), ``torch.save(model)`` /
+``copy.deepcopy(model)`` of the graphed model (save ``state_dict()``, or ``release()`` first).
 """
 
 from __future__ import annotations
@@ -188,8 +190,8 @@ def make_graphed_blocks(
 
     Raises:
         ValueError: ``model`` has no ``nn.Sequential`` ``blocks``, is not on a GPU, uses
-            activation checkpointing or MLP recompute, or ``dtype`` is not an autocast dtype; each
-            names the value.
+            activation checkpointing or MLP recompute of an unfused MLP, or ``dtype`` is not an
+            autocast dtype; each names the value.
         FP8UnavailableError: ``fp8`` is asked for and cannot run here.
     """
     blocks = getattr(model, "blocks", None)
@@ -207,10 +209,15 @@ def make_graphed_blocks(
         raise ValueError("make_graphed_blocks: activation checkpointing is on; a CUDA graph keeps all "
                          "activations of its capture, so turn checkpointing off "
                          "(model.set_grad_checkpointing(False)) or do not graph this model")
-    if any(getattr(m, "recompute_mlp", False) for m in blocks.modules()):
-        raise ValueError("make_graphed_blocks: MLP recompute is on, and recompute inside a captured graph "
-                         "is not supported here; fp8vit.set_mlp_recompute(model, False) first, or do "
-                         "not graph this model")
+    unfused = [n for n, m in blocks.named_modules() if getattr(m, "recompute_mlp", False)
+               and not getattr(getattr(m, "cfg", None), "fused_mlp", True)]
+    if unfused:
+        # TE's LayerNormMLP recomputes inside its own backward, which the graph captures; an
+        # unfused MLP (exact_gelu=True) would need activation checkpointing, refused above.
+        raise ValueError(f"make_graphed_blocks: MLP recompute is on in blocks {unfused[:4]} whose MLP is "
+                         "unfused (exact_gelu=True or MLP dropout), and that recompute uses activation "
+                         "checkpointing, which a captured graph cannot hold; "
+                         "fp8vit.set_mlp_recompute(model, False) for them, or do not graph this model")
     if "forward" in vars(blocks):
         raise ValueError("make_graphed_blocks: model.blocks is already graphed (or its forward is "
                          "patched); call release() on the earlier result first")

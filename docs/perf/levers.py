@@ -21,8 +21,8 @@ Variants (all under DelayedScaling HYBRID, TE's default history, except timm-bf1
   *-cudnn-norm       the same with TE's LayerNorm running on cuDNN's kernels instead of TE's own
                      (fp8vit.set_cudnn_layernorm: TE has no tuned kernel for C = 768, 1024, 1280)
   *-fp8dpa           the same with FP8 attention (DelayedScaling(fp8_dpa=True)): changes numerics
-  *-gemmgelu         the same with the fc1 GEMM computing GELU in its epilogue and writing the FP8
-                     input of fc2 directly (TE's LayerNormMLP.gemm_gelu_fusion, NVTE_GEMM_GELU_FUSION=1)
+  *-sepgelu          the same with TE's separate GELU+cast kernel after fc1 (TE_Block.gelu_in_gemm =
+                     False): fp8vit before lever 12, which put GELU in the fc1 GEMM's epilogue
   *-graphed          the blocks captured with te.make_graphed_callables (TE's defaults: every
                      parameter gradient is copied out of the graph's buffers after each replay)
   *-blockgraphs      the blocks captured with fp8vit.make_graphed_blocks (the gradients are not
@@ -78,9 +78,9 @@ def build(variant, size):
         if "mlp-recompute" in variant:  # TE's selective recompute of fc1 + activation in backward
             every = int(re.search(r"-every(\d+)", variant).group(1)) if "-every" in variant else 1
             fp8vit.set_mlp_recompute(model, module_filter_fn=lambda m, fqn: int(fqn.rsplit(".", 1)[-1]) % every == 0)
-        if "gemmgelu" in variant:  # TE's fc1 GEMM with GELU in its epilogue (NVTE_GEMM_GELU_FUSION)
+        if "sepgelu" in variant:  # TE's GELU+cast kernel instead of the fc1 GEMM's epilogue
             for b in model.blocks:
-                b.mlp.gemm_gelu_fusion = True
+                b.gelu_in_gemm = False
         if "qkvlayer" in variant:
             import types
             for b in model.blocks:

@@ -168,8 +168,9 @@ def test_mlp_recompute_same_step_less_memory(exact_gelu):
     assert peaks[1] < 0.85 * peaks[0]
     # One block of three: the saving lies strictly between none and all (about a third of it).
     assert peaks[1] < peaks[2] < peaks[0] - 0.2 * (peaks[0] - peaks[1])
-    with pytest.raises(ValueError, match="MLP recompute is on"):
-        fp8vit.make_graphed_blocks(recomputed, batch_size=32)
+    if exact_gelu:  # the unfused MLP recomputes by activation checkpointing: not in a graph
+        with pytest.raises(ValueError, match=r"MLP recompute is on in blocks \['0', '1', '2'\]"):
+            fp8vit.make_graphed_blocks(recomputed, batch_size=32)
 
 
 def _kernel_names(fn):

@@ -91,6 +91,38 @@ def test_cudnn_layernorm_in_the_graphs_only():
     assert len(se) == len(sg) > 0 and all(torch.equal(a, b) for a, b in zip(se, sg))
 
 
+def test_mlp_recompute_inside_the_graphs():
+    # TE's LayerNormMLP(checkpoint=True) reruns LayerNorm, fc1 and GELU inside its own backward,
+    # which the backward graph captures: graphed training must equal eager training with the same
+    # blocks recomputing, and the replayed backward must really rerun fc1 and GELU (one more forward
+    # GELU per recomputing block, counted in the profiler's trace).
+    from torch.profiler import ProfilerActivity, profile
+    from fp8vit.tools.profiling import trace_kernels
+    data = _data()
+    every_other = lambda m, fqn: fqn != "blocks.1"  # noqa: E731 - blocks 0 and 2 of 3
+    eager, graphed, plain = _vit(), _vit(), _vit()
+    for m in (eager, graphed):
+        fp8vit.set_mlp_recompute(m, module_filter_fn=every_other)
+    handle = fp8vit.make_graphed_blocks(graphed, B)
+    fp8vit.make_graphed_blocks(plain, B)
+    _train(eager, data), _train(graphed, data)
+    assert handle.replays == len(data) and handle.eager_calls == 0
+    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
+        assert snr_db(a, b) > 40, n
+    se, sg = _fp8_scales(eager), _fp8_scales(graphed)
+    assert len(se) == len(sg) > 0 and all(torch.equal(a, b) for a, b in zip(se, sg))
+    counts = {}
+    for name, model in (("recompute", graphed), ("plain", plain)):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _train(model, data[:1])
+            torch.cuda.synchronize()
+        # forward GELUs: in fc1's GEMM epilogue (cuBLASLt) or TE's own kernel; not the dGELU ones
+        counts[name] = sum(1 for k, _, _ in trace_kernels(prof)
+                           if "gelu" in k.lower() and "dgelu" not in k.lower() and "CTDBiasDAct" not in k)
+    print(f"forward GELU kernels per graphed step: {counts}")
+    assert counts["plain"] == 3 and counts["recompute"] == 5, counts
+
+
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["zero_grad-none", "zero_grad-zeros"])
 def test_gradient_accumulation_over_replays(set_to_none):
     # The backward graph rewrites the buffers that p.grad aliases: a gradient still set when the
