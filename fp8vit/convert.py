@@ -173,7 +173,9 @@ def set_mlp_recompute(model: nn.Module, enable: bool = True, *,
     takes 14% longer. Memory and time scale with the number of blocks chosen, so a subset trades
     between the two (``module_filter_fn=lambda m, fqn: int(fqn.rsplit(".", 1)[-1]) % 3 == 0``: every
     third block of ``model.blocks``). Blocks whose whole forward is checkpointed
-    (:func:`set_grad_checkpointing`) ignore it.
+    (:func:`set_grad_checkpointing`) ignore it. :func:`make_graphed_blocks` captures it with the
+    blocks when the MLP is TE's fused one (ViT-H, every third block, graphed: +7.3 ms per step and
+    648 images instead of 736 eagerly: the graphs' memory pool is their own).
 
     Args:
         model: a converted model.
