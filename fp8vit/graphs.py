@@ -23,8 +23,8 @@ across ``zero_grad()`` (set to None) is rewritten by the next step: clone it to 
 
 What falls back to eager, with one warning saying why: another input shape (e.g. the last,
 smaller batch of an epoch), a call outside ``fp8_context`` or with another recipe or autocast
-dtype, a change to a block's FP8, checkpointing or MLP-recompute switch after capture. Eval mode
-always runs eagerly, silently (that is TE's rule).
+dtype, a change to a block's FP8, checkpointing, MLP-recompute or GELU-in-GEMM switch after
+capture. Eval mode always runs eagerly, silently (that is TE's rule).
 
 MLP recompute (``set_mlp_recompute``) is captured with the blocks when the MLP is TE's fused
 ``LayerNormMLP`` (the default): it recomputes inside its own backward, which the backward graph
@@ -96,13 +96,13 @@ class GraphedBlocks:
             return (f"the graphs were captured with FP8 recipe {self.recipe_name!r}, the call runs with "
                     f"{now!r} (outside fp8_context, or another recipe)")
         if _switches(self._blocks) != self._switches:
-            return ("a block's fp8_enabled, grad_checkpointing or recompute_mlp switch changed after capture; "
-                    "call make_graphed_blocks again")
+            return ("a block's fp8_enabled, grad_checkpointing, recompute_mlp or gelu_in_gemm switch changed "
+                    "after capture; call make_graphed_blocks again")
         return None
 
 
 def _switches(blocks: nn.Module) -> tuple:
-    return tuple((m.fp8_enabled, m.grad_checkpointing, m.recompute_mlp)
+    return tuple((m.fp8_enabled, m.grad_checkpointing, m.recompute_mlp, m.gelu_in_gemm)
                  for m in blocks.modules() if isinstance(m, TE_Block))
 
 

@@ -44,3 +44,14 @@ def test_only_gradients_aliasing_the_graph_buffers_are_copied_before_a_replay():
     static.add_(1.0)                             # the next replay rewrites the buffer
     assert not torch.equal(aliased.grad, static)
     assert own.grad is own_grad and none.grad is None
+
+
+@pytest.mark.parametrize("switch", ["fp8_enabled", "grad_checkpointing", "recompute_mlp", "gelu_in_gemm"])
+def test_every_block_switch_read_by_forward_is_watched_after_capture(switch):
+    # The graphs replay what was captured: flipping any block switch that changes the forward must
+    # make the next call run eagerly (with a warning), never be silently ignored.
+    from fp8vit.graphs import _switches
+    model = _vit()
+    before = _switches(model.blocks)
+    setattr(model.blocks[1], switch, not getattr(model.blocks[1], switch))
+    assert _switches(model.blocks) != before
