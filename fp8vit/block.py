@@ -285,10 +285,10 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
                              "move the model and the input to the GPU (model.cuda()), or convert "
                              "with backend='reference'")
         recipe = impl.active_recipe()  # looked up once per forward: it is on the hot path
-        fp8_recipe = recipe if self.fp8_enabled else None
+        fp8_name = recipe_name(recipe) if recipe is not None and self.fp8_enabled else None
         with impl.fp8_off() if recipe is not None and not self.fp8_enabled else contextlib.nullcontext():
-            mult = row_multiple(fp8_recipe)
-            gelu_gemm = self.gelu_in_gemm and fp8_recipe is not None and recipe_name(fp8_recipe) == "delayed"
+            mult = row_multiple(fp8_name)
+            gelu_gemm = self.gelu_in_gemm and fp8_name == "delayed"
             if self.grad_checkpointing and torch.is_grad_enabled():
                 return impl.checkpoint(self._forward, x, attn_mask, is_causal, mult, gelu_gemm)
             return self._forward(x, attn_mask, is_causal, mult, gelu_gemm)

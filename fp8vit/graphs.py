@@ -209,8 +209,8 @@ def make_graphed_blocks(
         raise ValueError("make_graphed_blocks: activation checkpointing is on; a CUDA graph keeps all "
                          "activations of its capture, so turn checkpointing off "
                          "(model.set_grad_checkpointing(False)) or do not graph this model")
-    unfused = [n for n, m in blocks.named_modules() if getattr(m, "recompute_mlp", False)
-               and not getattr(getattr(m, "cfg", None), "fused_mlp", True)]
+    unfused = [n for n, m in blocks.named_modules()
+               if isinstance(m, TE_Block) and m.recompute_mlp and not m.cfg.fused_mlp]
     if unfused:
         # TE's LayerNormMLP recomputes inside its own backward, which the graph captures; an
         # unfused MLP (exact_gelu=True) would need activation checkpointing, refused above.

@@ -157,13 +157,14 @@ def resolve_recipe(recipe: Union[None, str, Any], support: Dict[str, Check]) -> 
     return make_recipe(name) if recipe is None else recipe
 
 
-def row_multiple(recipe: Any) -> int:
-    """How many token rows (batch x tokens) an FP8 GEMM of ``recipe`` needs as a multiple.
+def row_multiple(name: Optional[str]) -> int:
+    """How many token rows (batch x tokens) an FP8 GEMM of the recipe named ``name`` (as
+    :func:`recipe_name` gives it; None: FP8 off) needs as a multiple.
 
     TE's own check asks for a multiple of 8, but the weight-gradient GEMM reduces over the token
     rows and cuBLASLt then asserts ``lda % 16 == 0`` (measured on H200: 8 x 65 = 520 rows passes
     TE's check and fails in backward). MXFP8 scales blocks of 32 along both dims.
     """
-    if recipe is None:
+    if name is None:
         return 1
-    return 32 if recipe_name(recipe) == "mxfp8" else 16
+    return 32 if name == "mxfp8" else 16

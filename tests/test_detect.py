@@ -95,3 +95,15 @@ def test_clear_cache_forgets_te_import_and_capability_answers(monkeypatch):
     monkeypatch.undo()
     detect.clear_cache()
     assert "boom" not in _te.te_status().reason
+
+
+@pytest.mark.parametrize("name, rows", [("delayed", 16), ("current", 16), ("block", 16), ("mxfp8", 32)])
+def test_token_rows_an_fp8_gemm_needs_per_recipe(name, rows):
+    # TE_Block pads the token rows to this multiple; the name comes from a TE recipe object, probed
+    # by its predicates (stood in for here: TE is not needed).
+    from types import SimpleNamespace
+    from fp8vit.recipes import _PREDICATE, recipe_name, row_multiple
+    recipe = SimpleNamespace(**{pred: (lambda n=n: n == name) for n, pred in _PREDICATE.items()})
+    assert recipe_name(recipe) == name
+    assert row_multiple(recipe_name(recipe)) == rows
+    assert row_multiple(None) == 1  # FP8 off: no padding
