@@ -35,6 +35,12 @@ BLOCK_CASES = {
 }
 
 
+def is_forward_gelu_kernel(name: str) -> bool:
+    """A GPU kernel that computes a forward GELU: TE's own activation kernel, or a cuBLASLt GEMM with
+    a GELU epilogue (``..._geluauxbias_...``); not the backward dGELU kernels."""
+    return "gelu" in name.lower() and "dgelu" not in name.lower() and "CTDBiasDAct" not in name
+
+
 def timm_block(dim=64, num_heads=4, **kw):
     """A timm Block with random (not default) norm/LayerScale weights, so mapping errors show."""
     from timm.layers import RmsNorm

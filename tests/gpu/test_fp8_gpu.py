@@ -16,7 +16,7 @@ import timm
 import torch
 
 import fp8vit
-from helpers import snr_db
+from helpers import is_forward_gelu_kernel, snr_db
 
 pytestmark = pytest.mark.gpu
 
@@ -234,8 +234,8 @@ def test_gelu_in_fc1_gemm_epilogue(recipe):
         for _ in range(2):  # delayed scaling: fill the amax history first
             _step(model, x, recipe)
         runs[name] = _kernel_names(lambda: _step(model, x, recipe))
-    gelu_kernels = {name: sorted(k[:60] for k in kernels if "gelu" in k.lower() and "dgelu" not in k.lower()
-                                 and "CTDBiasDAct" not in k) for name, (_, kernels) in runs.items()}
+    gelu_kernels = {name: sorted(k[:60] for k in kernels if is_forward_gelu_kernel(k))
+                    for name, (_, kernels) in runs.items()}
     print(f"{recipe}: forward GELU kernels {gelu_kernels}")
     te_gelu = {name: [k for k in ks if "unary_kernel" in k or "act_fn" in k] for name, ks in gelu_kernels.items()}
     assert te_gelu["plain"], "TE's GELU kernel not found: the kernel-name test is stale"

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8vit
-from helpers import snr_db
+from helpers import is_forward_gelu_kernel, snr_db
 
 pytestmark = pytest.mark.gpu
 
@@ -116,9 +116,7 @@ def test_mlp_recompute_inside_the_graphs():
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             _train(model, data[:1])
             torch.cuda.synchronize()
-        # forward GELUs: in fc1's GEMM epilogue (cuBLASLt) or TE's own kernel; not the dGELU ones
-        counts[name] = sum(1 for k, _, _ in trace_kernels(prof)
-                           if "gelu" in k.lower() and "dgelu" not in k.lower() and "CTDBiasDAct" not in k)
+        counts[name] = sum(1 for k, _, _ in trace_kernels(prof) if is_forward_gelu_kernel(k))
     print(f"forward GELU kernels per graphed step: {counts}")
     assert counts["plain"] == 3 and counts["recompute"] == 5, counts
 
