@@ -135,15 +135,17 @@ def time_variant(variant, size, batch, steps, warmup, profile):
 
 def _time_variant(variant, size, batch, steps, warmup, profile):
     torch.manual_seed(0)
+    # Before the build: a graphed variant's activations live in the graph pool, allocated at capture.
+    torch.cuda.reset_peak_memory_stats()
     model = build(variant, size).train()
+    graphs = None
     if "blockgraphs" in variant:  # the product's path (parameter gradients leave the graph uncopied)
-        fp8vit.make_graphed_blocks(model, batch, cudnn_layernorm="cudnn-norm" in variant)
+        graphs = fp8vit.make_graphed_blocks(model, batch, cudnn_layernorm="cudnn-norm" in variant)
     elif "graphed" in variant:  # TE's make_graphed_callables as a user would call it (gradients copied)
         graph_blocks(model, batch, SIZES[size][0])
     step = make_step(variant, model)
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     y = torch.randint(0, 1000, (batch,), device="cuda")
-    torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
         step(x, y)
     torch.cuda.synchronize()
@@ -166,7 +168,9 @@ def _time_variant(variant, size, batch, steps, warmup, profile):
         rows = kernel_table([(name, "", us) for name, _, us in trace_kernels(prof)], n)  # graphs included
         r["kernels"] = [[k, calls, ms] for k, _, calls, ms in rows]
         r["kernel_ms"] = sum(t[2] for t in r["kernels"])
-    del model, step, x, y
+    if graphs is not None:
+        graphs.release()  # otherwise the graph pool outlives the model and the next probe sees less memory
+    del model, step, x, y, graphs
     gc.collect(); torch.cuda.empty_cache()
     return r
 
@@ -200,8 +204,15 @@ def main():
     if a.max_batch:
         from fp8vit.tools.bench import fits_in_memory, largest_fitting
         for r in rows:
-            r["max_batch"] = largest_fitting(
-                lambda b: fits_in_memory(lambda: time_variant(r["variant"], a.model, b, 1, 1, False)), a.batch)
+            def fits(b, v=r["variant"]):
+                ok = fits_in_memory(lambda: time_variant(v, a.model, b, 1, 1, False))
+                # What a probe leaves behind would shrink the next one: printed so that it shows.
+                free, total = torch.cuda.mem_get_info()
+                print(f"  probe {v} b{b}: {'fits' if ok else 'OOM'}; after it "
+                      f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved by torch, "
+                      f"{(total - free) / 2**30:.1f} GiB in use on the device", flush=True)
+                return ok
+            r["max_batch"] = largest_fitting(fits, a.batch)
             print(f"{a.model} {r['variant']:22s} max batch {r['max_batch']}", flush=True)
     base = next((r["median_ms"] for r in rows if r["variant"] == "te-layer"), None)
     if base:
