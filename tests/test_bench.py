@@ -72,7 +72,12 @@ def test_train_example_mlp_recompute():
     base = [sys.executable, "examples/train_vit.py", "--steps", "2", "--log-every", "1", "--mlp-recompute"]
     res = subprocess.run(base, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    assert "step      2  loss" in res.stdout
+    assert "MLP recompute: 12 of 12 blocks (every 1)" in res.stdout and "step      2  loss" in res.stdout
+    res = subprocess.run(base + ["2", "--steps", "1"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "MLP recompute: 6 of 12 blocks (every 2)" in res.stdout
+    res = subprocess.run(base + ["-1"], capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "--mlp-recompute -1: K is the block interval" in res.stderr
     res = subprocess.run(base + ["--no-fp8"], capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and "--mlp-recompute needs fp8vit's blocks: drop --no-fp8" in res.stderr
 
@@ -133,6 +138,16 @@ def test_largest_fitting_batch_search(capacity, start, expected):
 
     assert bench.largest_fitting(fits, start) == expected
     assert len(tried) <= 16  # doubling plus bisection, not a linear scan
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU logic test; the GPU probes are in docs/performance.md")
+def test_fresh_process_probe_reports_a_run_and_raises_on_other_failures():
+    # A probe that ran is True; one that could not run for another reason than memory is an error
+    # carrying that reason, never counted as "does not fit".
+    kw = dict(model="micro", batch=2, optimizer="sgd", img_size=32)
+    assert bench.fits_in_fresh_process("timm-bf16", **kw) is True
+    with pytest.raises(RuntimeError, match="fp8vit-fp8-delayed at batch 2: .*needs a CUDA GPU"):
+        bench.fits_in_fresh_process("fp8vit-fp8-delayed", **kw)
 
 
 def test_train_example_reads_an_image_folder(tmp_path):

@@ -29,7 +29,8 @@ Variants (all under DelayedScaling HYBRID, TE's default history, except timm-bf1
                      copied unless a .grad is still set)
 
 ``--max-batch`` also finds, per variant, the largest batch (multiple of 8) for which training
-steps fit in memory.
+steps fit in memory, probing in this process: for eager variants only (it refuses graphed ones;
+``max_batch.py`` probes each batch in a new process).
 """
 
 from __future__ import annotations
@@ -175,6 +176,19 @@ def _time_variant(variant, size, batch, steps, warmup, profile):
     return r
 
 
+def fits_in_memory(run) -> bool:
+    """Whether ``run()`` completes without a CUDA out-of-memory error; memory is freed either way."""
+    try:
+        run()
+        ok = True
+    except torch.OutOfMemoryError:
+        ok = False
+    # Outside the except block: the traceback (and the failed run's tensors in its frames) is gone.
+    gc.collect()
+    torch.cuda.empty_cache()
+    return ok
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="huge", choices=sorted(SIZES))
@@ -186,6 +200,10 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--max-batch", action="store_true")
     a = p.parse_args()
+    if a.max_batch and "graph" in a.variants:
+        # After one graphed run, the same batch no longer fits in the same process (lever 14).
+        p.error("--max-batch probes in this process, which is not valid after a CUDA-graphed variant: "
+                "use docs/perf/max_batch.py (a new process per probe) for those")
     names = (["timm-bf16", "te-layer", "te-layer-foreach", "fp8vit", "fp8vit-foreach", "fp8vit-res-fp32"]
              if a.variants == "all" else a.variants.split(","))
     prof = set(filter(None, a.profile.split(",")))
@@ -202,7 +220,7 @@ def main():
               f"  peak {r['peak_gib']:.1f} GiB" + (f"  kernels {r['kernel_ms']:.1f} ms" if "kernel_ms" in r else ""),
               flush=True)
     if a.max_batch:
-        from fp8vit.tools.bench import fits_in_memory, largest_fitting
+        from fp8vit.tools.bench import largest_fitting
         for r in rows:
             def fits(b, v=r["variant"]):
                 ok = fits_in_memory(lambda: time_variant(v, a.model, b, 1, 1, False))
