@@ -168,14 +168,13 @@ def set_mlp_recompute(model: nn.Module, enable: bool = True, *,
     Selective activation checkpointing: the MLP's saved activations (fc1's output and the
     activation's, ``[B, N, 4C]`` each) are most of a block's. With TE's fused ``LayerNormMLP`` this is
     TE's own ``checkpoint=True`` (LayerNorm, fc1 and the activation rerun in backward, with the
-    forward's FP8 scales; fc2 is not rerun). Measured on ViT-H/16 (H200, docs/performance.md) with
-    every block: the largest batch that fits grows from 608 to 1168 images, a step at batch 128
-    takes 14% longer. Memory and time scale with the number of blocks chosen, so a subset trades
-    between the two (``module_filter_fn=lambda m, fqn: int(fqn.rsplit(".", 1)[-1]) % 3 == 0``: every
-    third block of ``model.blocks``). Blocks whose whole forward is checkpointed
-    (:func:`set_grad_checkpointing`) ignore it. :func:`make_graphed_blocks` captures it with the
-    blocks when the MLP is TE's fused one (ViT-H, every third block, graphed: +7.3 ms per step and
-    648 images instead of 736 eagerly: the graphs' memory pool is their own).
+    forward's FP8 scales; fc2 is not rerun). Memory and time scale with the number of blocks chosen,
+    so a subset trades between the two (``module_filter_fn=lambda m, fqn: int(fqn.rsplit(".", 1)[-1])
+    % 2 == 0``: every second block of ``model.blocks``). :func:`make_graphed_blocks` captures it with
+    the blocks when the MLP is TE's fused one. Measured on ViT-H/16, blocks graphed with cuDNN
+    LayerNorm (H200, docs/performance.md, lever 14): the largest batch grows from 592 images to 784
+    with every second block (+5% step time) and to 1120 with all (+10%). Blocks whose whole forward
+    is checkpointed (:func:`set_grad_checkpointing`) ignore it.
 
     Args:
         model: a converted model.
