@@ -33,7 +33,7 @@ from .errors import Check, TEUnavailableError
 __all__ = [
     "te_status", "te_version", "installed", "load_te", "preload", "clear_cache", "te_check",
     "recipe_module", "autocast", "set_cudnn_norm", "cudnn_norm", "cudnn_norm_enabled", "checkpoint", "active_fp8_recipe", "packed_attention", "modules", "MODULE_NAMES",
-    "scaling_state", "repair_amax_histories", "make_graphed_callables",
+    "scaling_state", "repair_amax_histories", "make_graphed_callables", "wgrad_into_main_grad", "release_main_grad",
     "transformer_layer_class", "EXTRA_STATE_FORMAT", "MIN_TE_VERSION",
 ]
 
@@ -477,6 +477,59 @@ def make_graphed_callables(module: nn.Module, sample_args: Tuple[torch.Tensor, .
         recipe=recipe if fp8 else None, amax_reduction_group=amax_reduction_group,
         cache_quantized_params=False, **kwargs)
     return grads_alias
+
+
+def _gemm_weights(module: nn.Module) -> List[nn.Parameter]:
+    """The weights whose gradient a TE GEMM module's wgrad GEMM computes ([] for other modules)."""
+    if not hasattr(module, "fuse_wgrad_accumulation"):
+        return []
+    names = getattr(module, "weight_names", None) or [n for n in ("fc1_weight", "fc2_weight")
+                                                      if isinstance(getattr(module, n, None), nn.Parameter)]
+    return [getattr(module, n) for n in names]
+
+
+@contextlib.contextmanager
+def wgrad_into_main_grad(module: nn.Module):
+    """Within: TE's wgrad GEMMs under ``module`` write each weight's gradient straight into
+    ``weight.main_grad``, a buffer of the weight's dtype (fp32 for fp32 weights), overwriting it.
+
+    TE's ``fuse_wgrad_accumulation`` with ``weight.overwrite_main_grad = True`` (read by TE in
+    forward). By default TE's wgrad GEMM writes the gradient in the activation dtype (bf16), and
+    autograd then casts it to the parameter's dtype: one more kernel per weight, 6 bytes moved per
+    parameter. With this, TE returns *no* weight gradient to autograd: the caller hands
+    ``main_grad`` to autograd itself. The buffers are allocated here, stay on the weights after
+    exit (a CUDA graph captured within writes into them), and ``release_main_grad`` removes them.
+    Modules with a frozen weight are left alone.
+
+    Yields:
+        the weights that now get their gradient in ``main_grad``.
+    """
+    fused, weights = [], []
+    for mod in module.modules():
+        ws = _gemm_weights(mod)
+        if not ws or not all(w.requires_grad for w in ws) or mod.fuse_wgrad_accumulation:
+            continue
+        for w in ws:
+            w.main_grad = torch.empty_like(w, memory_format=torch.contiguous_format)
+            w.overwrite_main_grad = True  # TE: the GEMM writes (beta = 0), it does not accumulate
+        mod.fuse_wgrad_accumulation = True
+        fused.append(mod)
+        weights.extend(ws)
+    try:
+        yield weights
+    finally:
+        # TE reads the switch in each eager forward: off again, an eager call computes and returns
+        # its weight gradients as usual.
+        for mod in fused:
+            mod.fuse_wgrad_accumulation = False
+
+
+def release_main_grad(weights) -> None:
+    """Drop the ``main_grad`` buffers :func:`wgrad_into_main_grad` put on ``weights``."""
+    for w in weights:
+        for attr in ("main_grad", "overwrite_main_grad"):
+            if attr in vars(w):
+                delattr(w, attr)
 
 
 def transformer_layer_class() -> type:

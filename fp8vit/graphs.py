@@ -15,11 +15,13 @@ eager, 34.4 ms graphed; docs/performance.md). A graph replays all of the blocks'
 launch.
 
 What stays right: FP8 scales live in device memory and TE updates them outside the graphs
-(delayed scaling keeps its amax history); parameter gradients are handed out of the graph's
-buffers without a copy and copied only where a ``.grad`` still points into them at the next
-replay (so accumulation over micro-batches, ``zero_grad(set_to_none=False)`` and DDP work); the
-optimizer updates parameters in place, which the graphs read. A reference to a ``p.grad`` kept
-across ``zero_grad()`` (set to None) is rewritten by the next step: clone it to keep it.
+(delayed scaling keeps its amax history); the weight-gradient GEMMs write fp32 gradients into
+buffers kept on the weights (``fused_wgrad``, no bf16 -> fp32 cast kernels); parameter gradients
+are handed out of the graph's buffers without a copy and copied only where a ``.grad`` still
+points into them at the next replay (so accumulation over micro-batches,
+``zero_grad(set_to_none=False)`` and DDP work); the optimizer updates parameters in place, which
+the graphs read. A reference to a ``p.grad`` kept across ``zero_grad()`` (set to None) is
+rewritten by the next step: clone it to keep it.
 
 What falls back to eager, with one warning saying why: another input shape (e.g. the last,
 smaller batch of an epoch), a call outside ``fp8_context`` or with another recipe or autocast
@@ -62,6 +64,8 @@ class GraphedBlocks:
         input_dtype: the block input dtype at capture.
         autocast_dtype: torch autocast dtype at capture.
         recipe_name: the FP8 recipe captured (None: FP8 off).
+        fused_wgrad: the backward graph writes weight gradients in the weights' dtype (see
+            :func:`make_graphed_blocks`).
         replays: forward calls that replayed the graphs.
         eager_calls: forward calls that ran eagerly (eval mode, or a mismatch that was warned).
     """
@@ -72,14 +76,17 @@ class GraphedBlocks:
     recipe_name: Optional[str]
     replays: int = 0
     eager_calls: int = 0
+    fused_wgrad: bool = False
     _blocks: Optional[nn.Module] = dataclasses.field(default=None, repr=False)
     _switches: tuple = dataclasses.field(default=(), repr=False)
+    _main_grad_weights: tuple = dataclasses.field(default=(), repr=False)
 
     def release(self) -> None:
         """Run the blocks eagerly again and let the graphs and their memory go."""
         if self._blocks is not None and "forward" in vars(self._blocks):
             del self._blocks.forward
-        self._blocks = None
+        _te.release_main_grad(self._main_grad_weights)
+        self._blocks, self._main_grad_weights = None, ()
 
     def mismatch(self, x: torch.Tensor) -> Optional[str]:
         """Why a call with block input ``x`` cannot replay the graphs (None: it can)."""
@@ -106,25 +113,54 @@ def _switches(blocks: nn.Module) -> tuple:
                  for m in blocks.modules() if isinstance(m, TE_Block))
 
 
+class _MainGradsToAutograd(torch.autograd.Function):
+    """Identity on the blocks' input whose backward hands each fused weight its ``main_grad``.
+
+    With ``fused_wgrad`` TE's backward writes those weights' gradients into ``weight.main_grad``
+    and returns none to autograd. This node sits *before* the graphed blocks, so its backward runs
+    after theirs and passes the buffers on as the weights' gradients: autograd's AccumulateGrad
+    then sets or adds to ``p.grad`` and fires its hooks (DDP's) as for any other gradient.
+    ``detach()`` gives autograd a tensor it may keep as ``p.grad`` without a copy.
+    """
+
+    @staticmethod
+    def forward(ctx, x, main_grads, *weights):
+        ctx.main_grads = main_grads
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, None) + tuple(g.detach() for g in ctx.main_grads)
+
+
 class _Dispatch:
     """``blocks.forward``: replay the graphs when the call matches the capture, else run eagerly.
 
-    Gradients: the backward graph writes each parameter's gradient into a static buffer, and TE
-    hands autograd a view of it, which becomes ``p.grad`` without a copy when ``p.grad`` was None
-    (the usual ``zero_grad()``; not copying them saves 1.65 ms per ViT-H step, docs/performance.md).
-    The graphs' memory pool reuses those buffers: the next forward replay may already write into
-    them. So before each replay, a ``p.grad`` that is still such a view (accumulation over
+    Gradients: the backward graph writes each parameter's gradient into a static buffer (TE's, or
+    with ``fused_wgrad`` a weight's ``main_grad``), and autograd receives a view of it, which
+    becomes ``p.grad`` without a copy when ``p.grad`` was None (the usual ``zero_grad()``; not
+    copying them saves 1.65 ms per ViT-H step, docs/performance.md). The next replay rewrites
+    those buffers (TE's live in the graphs' memory pool, which the forward replay may already
+    reuse). So before each replay, a ``p.grad`` that is still such a view (accumulation over
     micro-batches, ``zero_grad(set_to_none=False)``) is copied, and autograd adds to the copy.
     Gradients that are not views of the buffers (DDP's bucket views) are left alone.
     """
 
-    def __init__(self, handle: GraphedBlocks, graphed, eager, params: Tuple[nn.Parameter, ...] = ()):
+    def __init__(self, handle: GraphedBlocks, graphed, eager, params: Tuple[nn.Parameter, ...] = (),
+                 main_grad_weights: Tuple[nn.Parameter, ...] = (), te_grads_alias: bool = False):
         self.handle, self.graphed, self.eager, self.params = handle, graphed, eager, params
-        self._static_ptrs: frozenset = frozenset()  # data_ptr()s of the graph's gradient buffers
+        self.te_grads_alias = te_grads_alias  # TE returns views of its buffers (else copies)
+        self.main_grad_weights = main_grad_weights
+        self.main_grads = tuple(w.main_grad for w in main_grad_weights)
+        # data_ptr()s of the buffers that p.grad may alias: the main_grads now, TE's static
+        # gradient buffers once the first replay's backward reports them.
+        self._static_ptrs = frozenset(g.data_ptr() for g in self.main_grads)
+        self._recorded = not te_grads_alias
 
     def _record_static(self, grad_inputs, grad_outputs) -> None:
         # Hook on the graphed backward node: grad_inputs are the views it returned.
-        self._static_ptrs = frozenset(g.data_ptr() for g in grad_inputs if g is not None)
+        self._static_ptrs |= frozenset(g.data_ptr() for g in grad_inputs if g is not None)
+        self._recorded = True
 
     def _copy_aliased_grads(self) -> None:
         for p in self.params:
@@ -140,8 +176,10 @@ class _Dispatch:
                 h.replays += 1
                 if self.params:
                     self._copy_aliased_grads()
+                if self.main_grads and torch.is_grad_enabled():
+                    x = _MainGradsToAutograd.apply(x, self.main_grads, *self.main_grad_weights)
                 out = self.graphed(x)
-                if self.params and not self._static_ptrs and out.grad_fn is not None:
+                if not self._recorded and out.grad_fn is not None:
                     out.grad_fn.register_hook(self._record_static)
                 return out
             warn_once(f"fp8vit: CUDA-graphed blocks run eagerly (correct, slower): {why}",
@@ -164,6 +202,7 @@ def make_graphed_blocks(
     dtype: torch.dtype = torch.bfloat16,
     num_warmup_iters: int = 3,
     cudnn_layernorm: bool = False,
+    fused_wgrad: bool = True,
 ) -> GraphedBlocks:
     """Capture ``model.blocks`` (forward and backward, all blocks in one graph each) for training.
 
@@ -184,6 +223,12 @@ def make_graphed_blocks(
             (:func:`set_cudnn_layernorm`) instead of TE's own; only the graphs use them, and the
             process-wide setting is restored after capture. ViT-H/16 on an H200: -4% step time;
             ViT-B and L: unchanged (docs/performance.md, lever 8).
+        fused_wgrad: the backward graph's weight-gradient GEMMs write each weight's gradient in
+            the weight's dtype (fp32) into a buffer kept on the weight (``weight.main_grad``),
+            which becomes ``p.grad``, instead of writing bf16 that autograd then casts (TE's
+            ``fuse_wgrad_accumulation``; docs/performance.md, lever 15). The weight gradients are
+            then fp32 GEMM outputs, not bf16-rounded ones. The buffers stay allocated (one
+            gradient's worth of the blocks' weights) until ``release()``.
 
     Returns:
         a :class:`GraphedBlocks` handle (shape, replay counts, ``release()``).
@@ -237,14 +282,22 @@ def make_graphed_blocks(
     was_training = blocks.training
     blocks.train()
     norm = _te.cudnn_norm(True) if cudnn_layernorm else contextlib.nullcontext()
-    with norm, torch.autocast("cuda", dtype=dtype, cache_enabled=False):  # no cached casts inside a graph
-        grads_alias = _te.make_graphed_callables(blocks, (sample,), fp8=fp8, recipe=te_recipe,
-                                                 num_warmup_iters=num_warmup_iters)
+    wgrad = _te.wgrad_into_main_grad(blocks) if fused_wgrad else contextlib.nullcontext(())
+    # no cached casts inside a graph:
+    with norm, wgrad as main_grad_weights, torch.autocast("cuda", dtype=dtype, cache_enabled=False):
+        try:
+            grads_alias = _te.make_graphed_callables(blocks, (sample,), fp8=fp8, recipe=te_recipe,
+                                                     num_warmup_iters=num_warmup_iters)
+        except BaseException:
+            _te.release_main_grad(main_grad_weights)
+            raise
     blocks.train(was_training)
     graphed = vars(blocks).pop("forward")  # TE installed it on the instance; ours wraps it
+    main_grad_weights = tuple(main_grad_weights)
     handle = GraphedBlocks(shape=shape, input_dtype=in_dtype, autocast_dtype=dtype,
                            recipe_name=recipe_name(te_recipe) if fp8 else None,
-                           _blocks=blocks, _switches=_switches(blocks))
-    params = tuple(p for p in blocks.parameters() if p.requires_grad) if grads_alias else ()
-    blocks.forward = _Dispatch(handle, graphed, blocks.forward, params)
+                           fused_wgrad=bool(main_grad_weights), _blocks=blocks,
+                           _switches=_switches(blocks), _main_grad_weights=main_grad_weights)
+    params = tuple(p for p in blocks.parameters() if p.requires_grad) if grads_alias or main_grad_weights else ()
+    blocks.forward = _Dispatch(handle, graphed, blocks.forward, params, main_grad_weights, grads_alias)
     return handle

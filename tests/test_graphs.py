@@ -55,3 +55,53 @@ def test_every_block_switch_read_by_forward_is_watched_after_capture(switch):
     before = _switches(model.blocks)
     setattr(model.blocks[1], switch, not getattr(model.blocks[1], switch))
     assert _switches(model.blocks) != before
+
+
+class _FakeTELinear(torch.nn.Module):
+    """What fp8vit._te.wgrad_into_main_grad reads of a TE GEMM module: its switch and weights."""
+
+    def __init__(self, names=("weight",), list_names=True):
+        super().__init__()
+        self.fuse_wgrad_accumulation = False
+        if list_names:
+            self.weight_names = list(names)
+        for n in names:
+            self.register_parameter(n, torch.nn.Parameter(torch.randn(3, 2)))
+
+
+def test_wgrad_into_main_grad_gives_trainable_te_gemm_weights_a_buffer_and_restores_the_switch():
+    from fp8vit import _te
+    linear, mlp, frozen = _FakeTELinear(), _FakeTELinear(("fc1_weight", "fc2_weight"), list_names=False), _FakeTELinear()
+    frozen.weight.requires_grad_(False)
+    model = torch.nn.Sequential(linear, mlp, frozen, torch.nn.Linear(2, 2))  # nn.Linear: not TE's
+    with _te.wgrad_into_main_grad(model) as weights:
+        assert [id(w) for w in weights] == [id(linear.weight), id(mlp.fc1_weight), id(mlp.fc2_weight)]
+        assert linear.fuse_wgrad_accumulation and mlp.fuse_wgrad_accumulation
+        assert not frozen.fuse_wgrad_accumulation and not hasattr(frozen.weight, "main_grad")
+        for w in weights:
+            assert w.main_grad.shape == w.shape and w.main_grad.dtype == w.dtype and w.overwrite_main_grad
+    # Off again for eager calls; the buffers stay for the graphs captured inside.
+    assert not linear.fuse_wgrad_accumulation and not mlp.fuse_wgrad_accumulation
+    assert all(hasattr(w, "main_grad") for w in weights)
+    _te.release_main_grad(weights)
+    assert not any(hasattr(w, a) for w in weights for a in ("main_grad", "overwrite_main_grad"))
+
+
+def test_main_grads_reach_autograd_uncopied_and_are_copied_before_the_next_replay():
+    # The node before the graphed blocks hands each fused weight its main_grad: p.grad becomes a
+    # view of it (no copy), accumulation adds to it, and before the next replay (which rewrites
+    # main_grad) a p.grad still aliasing it is copied.
+    from fp8vit.graphs import _Dispatch, _MainGradsToAutograd
+    w = torch.nn.Parameter(torch.zeros(4))
+    w.main_grad = torch.randn(4)                 # what the backward graph wrote
+    x = torch.randn(4, requires_grad=True)
+    _MainGradsToAutograd.apply(x, (w.main_grad,), w).sum().backward()
+    assert torch.equal(x.grad, torch.ones(4))
+    assert w.grad.data_ptr() == w.main_grad.data_ptr()
+    d = _Dispatch(handle=None, graphed=None, eager=None, params=(w,), main_grad_weights=(w,))
+    d._copy_aliased_grads()
+    first = w.grad
+    assert first.data_ptr() != w.main_grad.data_ptr() and torch.equal(first, w.main_grad)
+    w.main_grad.mul_(-1.0)                       # the next backward graph's gradient
+    _MainGradsToAutograd.apply(x, (w.main_grad,), w).sum().backward()
+    assert torch.allclose(w.grad, torch.zeros(4))  # accumulated: g + (-g)

@@ -27,6 +27,8 @@ Variants (all under DelayedScaling HYBRID, TE's default history, except timm-bf1
                      parameter gradient is copied out of the graph's buffers after each replay)
   *-blockgraphs      the blocks captured with fp8vit.make_graphed_blocks (the gradients are not
                      copied unless a .grad is still set)
+  *-bf16wgrad-blockgraphs  the same with make_graphed_blocks(fused_wgrad=False): TE's wgrad GEMMs
+                     write bf16 and autograd casts to the fp32 parameters (before lever 15)
 
 ``--max-batch`` also finds, per variant, the largest batch (multiple of 8) for which training
 steps fit in memory, probing in this process: for eager variants only (it refuses graphed ones;
@@ -141,15 +143,19 @@ def _time_variant(variant, size, batch, steps, warmup, profile):
     model = build(variant, size).train()
     graphs = None
     if "blockgraphs" in variant:  # the product's path (parameter gradients leave the graph uncopied)
-        graphs = fp8vit.make_graphed_blocks(model, batch, cudnn_layernorm="cudnn-norm" in variant)
+        graphs = fp8vit.make_graphed_blocks(model, batch, cudnn_layernorm="cudnn-norm" in variant,
+                                            fused_wgrad="bf16wgrad" not in variant)
     elif "graphed" in variant:  # TE's make_graphed_callables as a user would call it (gradients copied)
         graph_blocks(model, batch, SIZES[size][0])
+    built_gib = torch.cuda.memory_allocated() / 2**30  # weights (+ graphs' buffers) before any step
     step = make_step(variant, model)
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     y = torch.randint(0, 1000, (batch,), device="cuda")
     for _ in range(warmup):
         step(x, y)
     torch.cuda.synchronize()
+    build_peak_gib = torch.cuda.max_memory_allocated() / 2**30  # build, capture and warm-up
+    torch.cuda.reset_peak_memory_stats()  # from here: the steady state of a training step
     ev = []
     for _ in range(steps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -158,7 +164,8 @@ def _time_variant(variant, size, batch, steps, warmup, profile):
     ms = sorted(s.elapsed_time(e) for s, e in ev)
     r = {"variant": variant, "model": size, "batch": batch, "median_ms": statistics.median(ms),
          "p10_ms": ms[len(ms) // 10], "p90_ms": ms[-1 - len(ms) // 10], "loss": float(loss),
-         "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+         "peak_gib": max(build_peak_gib, torch.cuda.max_memory_allocated() / 2**30),
+         "step_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "built_gib": built_gib}
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof_ctx
         n = 3
@@ -217,7 +224,7 @@ def main():
             continue
         rows.append(r)
         print(f"{a.model} b{a.batch} {v:22s} {r['median_ms']:8.1f} ms  (p10 {r['p10_ms']:.1f}, p90 {r['p90_ms']:.1f})"
-              f"  peak {r['peak_gib']:.1f} GiB" + (f"  kernels {r['kernel_ms']:.1f} ms" if "kernel_ms" in r else ""),
+              f"  peak {r['peak_gib']:.1f} GiB (steps {r['step_peak_gib']:.1f}, built {r['built_gib']:.1f})" + (f"  kernels {r['kernel_ms']:.1f} ms" if "kernel_ms" in r else ""),
               flush=True)
     if a.max_batch:
         from fp8vit.tools.bench import largest_fitting

@@ -56,26 +56,118 @@ def _fp8_scales(model):
             if isinstance(getattr(m, "fp8_meta", None), dict) and "scaling_fwd" in m.fp8_meta]
 
 
+def _assert_same_training(eager, graphed):
+    """Same parameters (SNR) and, bit for bit, the same delayed-scaling scales, which moved."""
+    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
+        assert snr_db(a, b) > 40, n
+    se, sg = _fp8_scales(eager), _fp8_scales(graphed)
+    assert len(se) == len(sg) > 0 and not all(torch.all(s == 1) for s in sg)
+    assert all(torch.equal(a, b) for a, b in zip(se, sg))
+
+
+def _grad_sequence(model, data, recipe="delayed", accumulate=1, set_to_none=True):
+    """The gradients (clones) after every ``accumulate`` micro-batches, without optimizer steps.
+
+    For fused_wgrad, whose weight gradients are fp32 GEMM outputs where eager ones are bf16-rounded:
+    over optimizer steps two such runs drift apart as FP8 amplifies the rounding (after 4 SGD steps
+    of these tests, cls_token differs at 21 dB), so they are compared at fixed weights; the replays,
+    the gradient buffers' reuse and the FP8 state still go through every step.
+    """
+    seq = []
+    for i, (x, y) in enumerate(data):
+        with fp8vit.fp8_context(recipe):
+            loss = F.cross_entropy(model(x), y) / accumulate
+        loss.backward()
+        if (i + 1) % accumulate == 0:
+            seq.append({n: p.grad.clone() for n, p in getattr(model, "module", model).named_parameters()})  # DDP: .module
+            model.zero_grad(set_to_none=set_to_none)
+    return seq
+
+
+def _assert_same_gradients(eager_seq, graphed_seq):
+    assert len(eager_seq) == len(graphed_seq) > 0
+    for step, (ge, gg) in enumerate(zip(eager_seq, graphed_seq)):
+        for n, a in ge.items():
+            assert snr_db(a, gg[n]) > 40, (step, n)  # bf16 rounding of the eager wgrad: about 59 dB
+
+
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_graphed_training_matches_eager(recipe):
+    # fused_wgrad=False: the graphs run exactly the eager kernels, so training over optimizer steps
+    # must match, FP8 scales bit for bit.
     data = _data()
     eager, graphed = _vit(), _vit()
-    handle = fp8vit.make_graphed_blocks(graphed, B, recipe=recipe)
+    handle = fp8vit.make_graphed_blocks(graphed, B, recipe=recipe, fused_wgrad=False)
+    assert not handle.fused_wgrad
     le, lg = _train(eager, data, recipe), _train(graphed, data, recipe)
     print(f"{recipe}: eager losses {le}, graphed {lg}")
     assert handle.replays == len(data) and handle.eager_calls == 0
-    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
-        assert snr_db(a, b) > 40, n  # same kernels, same FP8 state: the same training
-    if recipe == "delayed":  # the scales moved, identically, while replaying
+    if recipe == "delayed":  # the scales moved while replaying, identically
+        _assert_same_training(eager, graphed)
+    else:
+        for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
+            assert snr_db(a, b) > 40, n
+
+
+@pytest.mark.parametrize("accumulate,set_to_none", [(1, True), (2, True), (2, False)],
+                         ids=["zero_grad-none", "accumulate2-zero_grad-none", "accumulate2-zero_grad-zeros"])
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_fused_wgrad_gradients_match_eager(recipe, accumulate, set_to_none):
+    # The default graphs (fused_wgrad=True) over several replays, with accumulation over
+    # micro-batches (a p.grad still aliasing a gradient buffer when the next replay rewrites it)
+    # and both zero_grad modes: every parameter's gradient as eager training's.
+    data = _data(6)
+    eager, graphed = _vit(), _vit()
+    handle = fp8vit.make_graphed_blocks(graphed, B, recipe=recipe)
+    assert handle.fused_wgrad
+    ge = _grad_sequence(eager, data, recipe, accumulate, set_to_none)
+    gg = _grad_sequence(graphed, data, recipe, accumulate, set_to_none)
+    assert handle.replays == len(data) and handle.eager_calls == 0
+    _assert_same_gradients(ge, gg)
+    if recipe == "delayed":  # same weights, same tensors: the same FP8 scales, bit for bit
         se, sg = _fp8_scales(eager), _fp8_scales(graphed)
         assert len(se) == len(sg) > 0 and all(torch.equal(a, b) for a, b in zip(se, sg))
-        assert not all(torch.all(s == 1) for s in sg)
+
+
+def test_fused_wgrad_writes_fp32_weight_gradients_without_cast_kernels():
+    # fused_wgrad: TE's wgrad GEMM writes each block weight's gradient in fp32 into weight.main_grad,
+    # which becomes p.grad uncopied; without it the GEMM writes bf16 and autograd runs one cast
+    # kernel (direct_copy) per weight. 4 GEMM weights per block: qkv, proj, fc1, fc2.
+    from torch.profiler import ProfilerActivity, profile
+    from fp8vit.tools.profiling import trace_kernels
+    (x, y), = _data(1)
+    casts, grads = {}, {}
+    for fused in (False, True):
+        model = _vit()
+        fp8vit.make_graphed_blocks(model, B, fused_wgrad=fused)
+        for i in range(2):  # the second step is profiled
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                with fp8vit.fp8_context():
+                    loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                torch.cuda.synchronize()
+            if i == 0:
+                model.zero_grad(set_to_none=True)
+        casts[fused] = sum(1 for k, _, _ in trace_kernels(prof) if "direct_copy" in k)
+        grads[fused] = {n: p for n, p in model.blocks.named_parameters()
+                        if n.endswith(("qkv.weight", "proj.weight", "fc1_weight", "fc2_weight"))}
+    print(f"direct_copy kernels per graphed step: bf16 wgrad {casts[False]}, fused {casts[True]}")
+    assert len(grads[True]) == 4 * 3
+    assert casts[False] - casts[True] >= 4 * 3, casts
+    for n, p in grads[True].items():
+        g, ref = p.grad, grads[False][n].grad
+        assert g.dtype == torch.float32 and g.data_ptr() == p.main_grad.data_ptr(), n  # no copy
+        # fp32 GEMM output: most values are not bf16 numbers; without fusion all of them are
+        assert (g != g.bfloat16().float()).float().mean() > 0.5, n
+        assert torch.equal(ref, ref.bfloat16().float()), n
+        assert snr_db(ref, g) > 40, n  # the same gradient, up to bf16 rounding
 
 
 def test_cudnn_layernorm_in_the_graphs_only():
     data = _data()
     eager, graphed = _vit(), _vit()
-    handle = fp8vit.make_graphed_blocks(graphed, B, cudnn_layernorm=True)
+    # fused_wgrad=False: bit-identical FP8 scales to eager training (see _assert_same_training)
+    handle = fp8vit.make_graphed_blocks(graphed, B, cudnn_layernorm=True, fused_wgrad=False)
     assert not fp8vit._te.cudnn_norm_enabled()  # restored after capture
     old = fp8vit.set_cudnn_layernorm(True)  # eager with the same kernels as the graphs
     try:
@@ -85,13 +177,11 @@ def test_cudnn_layernorm_in_the_graphs_only():
     _train(graphed, data)
     assert handle.replays == len(data) and handle.eager_calls == 0
     # Captured with TE's own kernels instead, the amax (and so every FP8 rounding) would differ.
-    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
-        assert snr_db(a, b) > 40, n
-    se, sg = _fp8_scales(eager), _fp8_scales(graphed)
-    assert len(se) == len(sg) > 0 and all(torch.equal(a, b) for a, b in zip(se, sg))
+    _assert_same_training(eager, graphed)
 
 
-def test_mlp_recompute_inside_the_graphs():
+@pytest.mark.parametrize("fused_wgrad", [False, True], ids=["bf16-wgrad", "fused-wgrad"])
+def test_mlp_recompute_inside_the_graphs(fused_wgrad):
     # TE's LayerNormMLP(checkpoint=True) reruns LayerNorm, fc1 and GELU inside its own backward,
     # which the backward graph captures: graphed training must equal eager training with the same
     # blocks recomputing, and the replayed backward must really rerun fc1 and GELU (one more forward
@@ -103,14 +193,14 @@ def test_mlp_recompute_inside_the_graphs():
     eager, graphed, plain = _vit(), _vit(), _vit()
     for m in (eager, graphed):
         fp8vit.set_mlp_recompute(m, module_filter_fn=every_other)
-    handle = fp8vit.make_graphed_blocks(graphed, B)
-    fp8vit.make_graphed_blocks(plain, B)
-    _train(eager, data), _train(graphed, data)
+    handle = fp8vit.make_graphed_blocks(graphed, B, fused_wgrad=fused_wgrad)
+    fp8vit.make_graphed_blocks(plain, B, fused_wgrad=fused_wgrad)
+    if fused_wgrad:  # compared at fixed weights (see _grad_sequence)
+        _assert_same_gradients(_grad_sequence(eager, data), _grad_sequence(graphed, data))
+    else:
+        _train(eager, data), _train(graphed, data)
+        _assert_same_training(eager, graphed)
     assert handle.replays == len(data) and handle.eager_calls == 0
-    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
-        assert snr_db(a, b) > 40, n
-    se, sg = _fp8_scales(eager), _fp8_scales(graphed)
-    assert len(se) == len(sg) > 0 and all(torch.equal(a, b) for a, b in zip(se, sg))
     counts = {}
     for name, model in (("recompute", graphed), ("plain", plain)):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -125,9 +215,11 @@ def test_mlp_recompute_inside_the_graphs():
 def test_gradient_accumulation_over_replays(set_to_none):
     # The backward graph rewrites the buffers that p.grad aliases: a gradient still set when the
     # next replay runs must be copied first, or the first micro-batch's gradient is lost.
+    # With TE's gradient buffers (fused_wgrad=False, exact kernels); fused_wgrad's main_grad
+    # buffers: test_fused_wgrad_gradients_match_eager.
     data = _data(4)
     eager, graphed = _vit(), _vit()
-    fp8vit.make_graphed_blocks(graphed, B)
+    fp8vit.make_graphed_blocks(graphed, B, fused_wgrad=False)
     _train(eager, data, accumulate=2, set_to_none=set_to_none)
     _train(graphed, data, accumulate=2, set_to_none=set_to_none)
     for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
@@ -173,6 +265,12 @@ def test_other_batch_shape_falls_back_to_eager_with_a_warning():
         expected = ref(x)
     assert handle.eager_calls == 1 and handle.replays == 0
     assert snr_db(expected, out) > 40
+    # Eagerly, TE computes and returns the weight gradients as usual (fused_wgrad is on for the
+    # graphs only): every parameter gets its gradient.
+    out.float().square().mean().backward()
+    expected.float().square().mean().backward()
+    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert b.grad is not None and snr_db(a.grad, b.grad) > 40, n
 
 
 def test_outside_fp8_context_runs_eagerly_and_eval_is_silent():
@@ -202,7 +300,9 @@ def test_refusals_name_the_problem():
     with pytest.raises(TypeError, match="state_dict"):
         copy.deepcopy(model)  # (torch.save(model) fails earlier still: TE's modules hold closures)
     torch.save(model.state_dict(), io.BytesIO())  # the weights save as usual
+    assert handle.fused_wgrad and sum(hasattr(p, "main_grad") for p in model.parameters()) == 4 * 3
     handle.release()
+    assert not any(hasattr(p, "main_grad") for p in model.parameters())  # buffers gone
     copy.deepcopy(model)  # eager again: the model copies (e.g. for an EMA)
 
 
@@ -214,12 +314,19 @@ def test_ddp_after_capture(tmp_path, bucket_view):
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
         data = _data(3)
-        plain, graphed = _vit(), _vit()
-        fp8vit.make_graphed_blocks(graphed, B)
+        plain, graphed, exact = _vit(), _vit(), _vit()
+        fp8vit.make_graphed_blocks(graphed, B)  # fused_wgrad: TE returns no weight gradient itself
+        fp8vit.make_graphed_blocks(exact, B, fused_wgrad=False)
         ddp = torch.nn.parallel.DistributedDataParallel(graphed, device_ids=[torch.cuda.current_device()],
                                                         gradient_as_bucket_view=bucket_view)
-        _train(plain, data), _train(ddp, data)
-        for (n, a), b in zip(plain.named_parameters(), graphed.parameters()):
+        ddp_exact = torch.nn.parallel.DistributedDataParallel(exact, device_ids=[torch.cuda.current_device()],
+                                                              gradient_as_bucket_view=bucket_view)
+        # DDP's hooks fire for the main_grad weights and the reduced gradients are the eager ones...
+        _assert_same_gradients(_grad_sequence(plain, data), _grad_sequence(ddp, data))
+        # ... and over optimizer steps (exact kernels), DDP trains as plain training.
+        plain2 = _vit()
+        _train(plain2, data), _train(ddp_exact, data)
+        for (n, a), b in zip(plain2.named_parameters(), exact.parameters()):
             assert snr_db(a, b) > 40, n
     finally:
         dist.destroy_process_group()
