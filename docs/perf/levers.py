@@ -180,6 +180,7 @@ def _time_variant(variant, size, batch, steps, warmup, profile):
         graphs.release()  # otherwise the graph pool outlives the model and the next probe sees less memory
     del model, step, x, y, graphs
     gc.collect(); torch.cuda.empty_cache()
+    r["left_gib"] = torch.cuda.memory_allocated() / 2**30  # still allocated after the variant is gone
     return r
 
 
@@ -224,7 +225,7 @@ def main():
             continue
         rows.append(r)
         print(f"{a.model} b{a.batch} {v:22s} {r['median_ms']:8.1f} ms  (p10 {r['p10_ms']:.1f}, p90 {r['p90_ms']:.1f})"
-              f"  peak {r['peak_gib']:.1f} GiB (steps {r['step_peak_gib']:.1f}, built {r['built_gib']:.1f})" + (f"  kernels {r['kernel_ms']:.1f} ms" if "kernel_ms" in r else ""),
+              f"  peak {r['peak_gib']:.1f} GiB (steps {r['step_peak_gib']:.1f}, built {r['built_gib']:.1f}, left {r['left_gib']:.2f})" + (f"  kernels {r['kernel_ms']:.1f} ms" if "kernel_ms" in r else ""),
               flush=True)
     if a.max_batch:
         from fp8vit.tools.bench import largest_fitting
