@@ -480,17 +480,26 @@ def make_graphed_callables(module: nn.Module, sample_args: Tuple[torch.Tensor, .
 
 
 def _gemm_weights(module: nn.Module) -> List[nn.Parameter]:
-    """The weights whose gradient a TE GEMM module's wgrad GEMM computes ([] for other modules)."""
+    """The weights whose gradient a TE GEMM module's wgrad GEMM computes, where TE passes each one
+    to its GEMM as is ([] for other modules).
+
+    A ``Linear``/``LayerNormLinear`` with split parameters (``parameters_split``, e.g. the QKV of
+    ``te.TransformerLayer``) concatenates them into a new tensor first, which has no ``main_grad``:
+    left alone.
+    """
     if not hasattr(module, "fuse_wgrad_accumulation"):
         return []
-    names = getattr(module, "weight_names", None) or [n for n in ("fc1_weight", "fc2_weight")
-                                                      if isinstance(getattr(module, n, None), nn.Parameter)]
+    names = getattr(module, "weight_names", None)
+    if names is None:  # LayerNormMLP: fc1 and fc2, each passed to its GEMM as is
+        names = [n for n in ("fc1_weight", "fc2_weight") if isinstance(getattr(module, n, None), nn.Parameter)]
+    elif len(names) != 1:
+        return []
     return [getattr(module, n) for n in names]
 
 
 @contextlib.contextmanager
-def wgrad_into_main_grad(module: nn.Module):
-    """Within: TE's wgrad GEMMs under ``module`` write each weight's gradient straight into
+def wgrad_into_main_grad(roots):
+    """Within: TE's wgrad GEMMs under ``roots`` write each weight's gradient straight into
     ``weight.main_grad``, a buffer of the weight's dtype (fp32 for fp32 weights), overwriting it.
 
     TE's ``fuse_wgrad_accumulation`` with ``weight.overwrite_main_grad = True`` (read by TE in
@@ -501,11 +510,14 @@ def wgrad_into_main_grad(module: nn.Module):
     exit (a CUDA graph captured within writes into them), and ``release_main_grad`` removes them.
     Modules with a frozen weight are left alone.
 
+    Args:
+        roots: modules whose submodules are switched (e.g. fp8vit's ``TE_Block`` instances).
+
     Yields:
         the weights that now get their gradient in ``main_grad``.
     """
     fused, weights = [], []
-    for mod in module.modules():
+    for mod in (m for root in roots for m in root.modules()):
         ws = _gemm_weights(mod)
         if not ws or not all(w.requires_grad for w in ws) or mod.fuse_wgrad_accumulation:
             continue

@@ -282,7 +282,9 @@ def make_graphed_blocks(
     was_training = blocks.training
     blocks.train()
     norm = _te.cudnn_norm(True) if cudnn_layernorm else contextlib.nullcontext()
-    wgrad = _te.wgrad_into_main_grad(blocks) if fused_wgrad else contextlib.nullcontext(())
+    # fp8vit's blocks only: their TE modules' weights are known to reach the GEMMs as is.
+    te_blocks = [m for m in blocks.modules() if isinstance(m, TE_Block)]
+    wgrad = _te.wgrad_into_main_grad(te_blocks) if fused_wgrad else contextlib.nullcontext(())
     # no cached casts inside a graph:
     with norm, wgrad as main_grad_weights, torch.autocast("cuda", dtype=dtype, cache_enabled=False):
         try:

@@ -73,11 +73,14 @@ def test_wgrad_into_main_grad_gives_trainable_te_gemm_weights_a_buffer_and_resto
     from fp8vit import _te
     linear, mlp, frozen = _FakeTELinear(), _FakeTELinear(("fc1_weight", "fc2_weight"), list_names=False), _FakeTELinear()
     frozen.weight.requires_grad_(False)
-    model = torch.nn.Sequential(linear, mlp, frozen, torch.nn.Linear(2, 2))  # nn.Linear: not TE's
-    with _te.wgrad_into_main_grad(model) as weights:
+    # TE concatenates split weights (te.TransformerLayer's QKV) into a new tensor: no main_grad there
+    split = _FakeTELinear(("query_weight", "key_weight", "value_weight"))
+    model = torch.nn.Sequential(linear, mlp, frozen, split, torch.nn.Linear(2, 2))  # nn.Linear: not TE's
+    with _te.wgrad_into_main_grad([model]) as weights:
         assert [id(w) for w in weights] == [id(linear.weight), id(mlp.fc1_weight), id(mlp.fc2_weight)]
         assert linear.fuse_wgrad_accumulation and mlp.fuse_wgrad_accumulation
         assert not frozen.fuse_wgrad_accumulation and not hasattr(frozen.weight, "main_grad")
+        assert not split.fuse_wgrad_accumulation and not hasattr(split.query_weight, "main_grad")
         for w in weights:
             assert w.main_grad.shape == w.shape and w.main_grad.dtype == w.dtype and w.overwrite_main_grad
     # Off again for eager calls; the buffers stay for the graphs captured inside.
