@@ -172,8 +172,9 @@ def set_mlp_recompute(model: nn.Module, enable: bool = True, *,
     so a subset trades between the two (``module_filter_fn=lambda m, fqn: int(fqn.rsplit(".", 1)[-1])
     % 2 == 0``: every second block of ``model.blocks``). :func:`make_graphed_blocks` captures it with
     the blocks when the MLP is TE's fused one. Measured on ViT-H/16, blocks graphed with cuDNN
-    LayerNorm (H200, docs/performance.md, lever 14): the largest batch grows from 592 images to 784
-    with every second block (+5% step time) and to 1120 with all (+10%). Blocks whose whole forward
+    LayerNorm (H200, docs/performance.md, levers 14 and 15): the largest batch grows from 576 images
+    to 768 with every second block (592 to 784 with ``fused_wgrad=False``, +5% step time) and to 1120
+    with all (+10%, ``fused_wgrad=False``). Blocks whose whole forward
     is checkpointed (:func:`set_grad_checkpointing`) ignore it.
 
     Args:
