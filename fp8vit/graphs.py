@@ -228,7 +228,9 @@ def make_graphed_blocks(
             which becomes ``p.grad``, instead of writing bf16 that autograd then casts (TE's
             ``fuse_wgrad_accumulation``; docs/performance.md, lever 15). The weight gradients are
             then fp32 GEMM outputs, not bf16-rounded ones. The buffers stay allocated (one
-            gradient's worth of the blocks' weights) until ``release()``.
+            gradient's worth of the blocks' weights) until ``release()``. ViT-H/16 on an H200:
+            -1.2 to -1.9 ms per step, +2.4 GiB peak, 16 images less of largest batch; False
+            gives that memory back. Eager calls (a fallback) always get TE's bf16 gradients.
 
     Returns:
         a :class:`GraphedBlocks` handle (shape, replay counts, ``release()``).
