@@ -35,7 +35,7 @@ def parse_args():
     p.add_argument("--mlp-recompute", type=int, nargs="?", const=1, default=0, metavar="K",
                    help="recompute the MLP activations in backward in every K-th block (fp8vit."
                    "set_mlp_recompute; K defaults to 1, all blocks). ViT-H on an H200, CUDA-graphed: "
-                   "K=1 fits 2.4x timm bf16's batch for +10%% step time, K=2 1.66x for +5%%")
+                   "K=1 fits 2.4x timm bf16's batch for +10%% step time, K=2 1.63x for +5%%")
     p.add_argument("--batch-size", type=int, default=None, help="per GPU (default 128; 8 on CPU)")
     p.add_argument("--img-size", type=int, default=None, help="default: the model's (32 on CPU)")
     p.add_argument("--num-classes", type=int, default=1000)
