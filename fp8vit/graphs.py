@@ -149,13 +149,12 @@ class _Dispatch:
     def __init__(self, handle: GraphedBlocks, graphed, eager, params: Tuple[nn.Parameter, ...] = (),
                  main_grad_weights: Tuple[nn.Parameter, ...] = (), te_grads_alias: bool = False):
         self.handle, self.graphed, self.eager, self.params = handle, graphed, eager, params
-        self.te_grads_alias = te_grads_alias  # TE returns views of its buffers (else copies)
         self.main_grad_weights = main_grad_weights
         self.main_grads = tuple(w.main_grad for w in main_grad_weights)
         # data_ptr()s of the buffers that p.grad may alias: the main_grads now, TE's static
         # gradient buffers once the first replay's backward reports them.
         self._static_ptrs = frozenset(g.data_ptr() for g in self.main_grads)
-        self._recorded = not te_grads_alias
+        self._recorded = not te_grads_alias  # TE returns copies (older TE): nothing to record
 
     def _record_static(self, grad_inputs, grad_outputs) -> None:
         # Hook on the graphed backward node: grad_inputs are the views it returned.
