@@ -162,10 +162,11 @@ def _time_variant(variant, size, batch, steps, warmup, profile):
         s.record(); loss = step(x, y); e.record(); ev.append((s, e))
     torch.cuda.synchronize()
     ms = sorted(s.elapsed_time(e) for s, e in ev)
+    step_peak_gib = torch.cuda.max_memory_allocated() / 2**30
     r = {"variant": variant, "model": size, "batch": batch, "median_ms": statistics.median(ms),
          "p10_ms": ms[len(ms) // 10], "p90_ms": ms[-1 - len(ms) // 10], "loss": float(loss),
-         "peak_gib": max(build_peak_gib, torch.cuda.max_memory_allocated() / 2**30),
-         "step_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "built_gib": built_gib}
+         "peak_gib": max(build_peak_gib, step_peak_gib), "step_peak_gib": step_peak_gib,
+         "built_gib": built_gib}
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof_ctx
         n = 3
