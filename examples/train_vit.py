@@ -98,7 +98,7 @@ def main():
         k = args.mlp_recompute
         if k < 0:
             raise SystemExit(f"--mlp-recompute {k}: K is the block interval, 1 (all blocks) or more")
-        fp8vit.set_mlp_recompute(model, module_filter_fn=lambda m, fqn: int(fqn.rsplit(".", 1)[-1]) % k == 0)
+        fp8vit.set_mlp_recompute(model, every=k)
         n = sum(b.recompute_mlp for b in model.blocks)
         print(f"MLP recompute: {n} of {len(model.blocks)} blocks (every {k})")
     if args.cudnn_layernorm and not use_fp8:

@@ -161,7 +161,7 @@ def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> nn.Module:
     return model
 
 
-def set_mlp_recompute(model: nn.Module, enable: bool = True, *,
+def set_mlp_recompute(model: nn.Module, enable: bool = True, *, every: int = 1,
                       module_filter_fn: Optional[ModuleFilter] = None) -> nn.Module:
     """Recompute the MLP activations of ``TE_Block``s in backward instead of saving them.
 
@@ -169,8 +169,7 @@ def set_mlp_recompute(model: nn.Module, enable: bool = True, *,
     activation's, ``[B, N, 4C]`` each) are most of a block's. With TE's fused ``LayerNormMLP`` this is
     TE's own ``checkpoint=True`` (LayerNorm, fc1 and the activation rerun in backward, with the
     forward's FP8 scales; fc2 is not rerun). Memory and time scale with the number of blocks chosen,
-    so a subset trades between the two (``module_filter_fn=lambda m, fqn: int(fqn.rsplit(".", 1)[-1])
-    % 2 == 0``: every second block of ``model.blocks``). :func:`make_graphed_blocks` captures it with
+    so a subset trades between the two (``every=2``: blocks 0, 2, 4, ...). :func:`make_graphed_blocks` captures it with
     the blocks when the MLP is TE's fused one. Measured on ViT-H/16, blocks graphed with cuDNN
     LayerNorm (H200, docs/performance.md, levers 14 and 15): the largest batch grows from 576 images
     to 768 with every second block (592 to 784 with ``fused_wgrad=False``, +5% step time) and to 1120
@@ -180,15 +179,21 @@ def set_mlp_recompute(model: nn.Module, enable: bool = True, *,
     Args:
         model: a converted model.
         enable: True to recompute, False to save the activations again.
+        every: change every ``every``-th of the chosen ``TE_Block``s, in model order, starting
+            with the first (1: all of them; 2: the 1st, 3rd, 5th, ...).
         module_filter_fn: ``fn(module, fqn) -> bool``; only ``TE_Block``s for which it returns
-            True change (None: all of them).
+            True are chosen (None: all of them).
 
     Returns:
         ``model``.
 
     Raises:
-        ValueError: ``model`` has no ``TE_Block``, or ``module_filter_fn`` selects none of them.
+        ValueError: ``model`` has no ``TE_Block``, ``module_filter_fn`` selects none of them, or
+            ``every`` is not a positive integer.
     """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"set_mlp_recompute: every={every!r}; it must be an integer >= 1 "
+                         "(1: every chosen block, 2: every second, ...)")
     blocks = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, TE_Block)]
     if not blocks:
         raise ValueError(f"set_mlp_recompute: {type(model).__name__} has no TE_Block; "
@@ -197,7 +202,7 @@ def set_mlp_recompute(model: nn.Module, enable: bool = True, *,
     if not chosen:
         raise ValueError(f"set_mlp_recompute: module_filter_fn selected none of the {len(blocks)} TE_Blocks "
                          f"({blocks[0][0]} ... {blocks[-1][0]}); it must return True for the blocks to change")
-    for blk in chosen:
+    for blk in chosen[::every]:
         blk.recompute_mlp = bool(enable)
     return model
 

@@ -1,6 +1,7 @@
 """Benchmark and workload logic on CPU: FLOP count, table, JSON, the example's smoke run."""
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,15 @@ def test_table_ratios_are_against_timm_eager():
     assert "skipped: needs sm_100" in lines[4]
     # $3.60/h at 1280 img/s: 1e6 images take 781 s -> $0.78
     assert lines[3].rstrip().endswith("0.78")
+    assert "pipelined" not in text  # no such column without pipelined times
+    rows[0].update(pipelined_median_ms=150.0)
+    rows[1].update(pipelined_median_ms=60.0)
+    lines = bench._table(rows, 1000e12, price=None).splitlines()
+    assert "pipelined ms" in lines[0]
+    # synchronized ratio 2.00x, then the pipelined time and its own ratio 150 / 60
+    assert lines[3].split()[-3:] == ["2.00x", "60.0", "2.50x"]
+    assert lines[2].split()[-2:] == ["150.0", "1.00x"]
+    assert lines[-1].startswith("pipelined: ")
 
 
 def test_peak_lookup_prefers_longest_name():
@@ -54,6 +64,25 @@ def test_bench_cli_on_cpu_writes_json(tmp_path):
     for v in ("fp8vit-fp8-delayed", "fp8vit-bf16-graphed", "te-layer-fp8", "torchao-fp8-compile"):
         assert "needs a CUDA GPU" in by[v]["skipped"], v
     assert data["environment"]["device"] == "cpu"
+
+
+def test_bench_mlp_recompute_reaches_fp8vit_variants_only(tmp_path, capsys):
+    from fp8vit.tools.workload import build_workload
+    wl = build_workload("small", "fp8vit-bf16", device="cpu", mlp_recompute=4)
+    assert [i for i, b in enumerate(wl.model.blocks) if b.recompute_mlp] == [0, 4, 8]
+    with pytest.raises(ValueError, match="mlp_recompute=2 needs fp8vit's blocks; variant 'timm-bf16' runs timm's"):
+        build_workload("micro", "timm-bf16", device="cpu", mlp_recompute=2)
+    out = tmp_path / "b.json"
+    # the bench passes it to fp8vit's variants and not to timm's (which would raise)
+    assert bench.main(["--model", "micro", "--steps", "2", "--variants", "timm-bf16", "fp8vit-bf16",
+                       "--mlp-recompute", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["mlp_recompute"] == 2
+    assert all("median_ms" in r for r in data["results"]), data["results"]
+    assert "MLP recompute in every 2 block(s) of fp8vit's variants" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--mlp-recompute", "-1"])
+    assert "--mlp-recompute -1: K is the block interval" in capsys.readouterr().err
 
 
 def test_train_example_runs_on_cpu_and_says_why_fp8_is_off():
@@ -127,27 +156,65 @@ def test_unknown_variant_lists_the_known_ones():
         Variant.parse("fp8vit-fp9")
 
 
-@pytest.mark.parametrize("capacity, start, expected", [(300, 128, 296), (128, 128, 128), (100, 128, 96),
-                                                       (5000, 128, 4096), (4, 128, 0)])
-def test_largest_fitting_batch_search(capacity, start, expected):
+def _memory(capacity, fixed=0.0, error=1.0):
+    """A probe for a GPU that fits ``capacity`` images: peak memory linear in the batch, ``fixed`` of
+    the memory taken at batch 0, and a memory line that predicts ``error`` times the true capacity
+    (allocator fragmentation, workspaces). Records the batches it was asked about."""
     tried = []
 
-    def fits(b):
+    def probe(b):
         tried.append(b)
-        return b <= capacity
+        return fixed + (1 - fixed) * b / (capacity * error + 0.5) if b <= capacity else None
 
-    assert bench.largest_fitting(fits, start) == expected
-    assert len(tried) <= 16  # doubling plus bisection, not a linear scan
+    return probe, tried
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU logic test; the GPU probes are in docs/performance.md")
+@pytest.mark.parametrize("capacity, start, expected", [(300, 128, 296), (128, 128, 128), (100, 128, 96),
+                                                       (5000, 128, 4096), (4, 128, 0), (250, 128, 248),
+                                                       (591, 128, 584), (1130, 128, 1128), (4090, 64, 4088)])
+@pytest.mark.parametrize("fixed", [0.0, 0.3])
+def test_largest_fitting_batch_search(capacity, start, expected, fixed):
+    probe, tried = _memory(capacity, fixed)
+    assert bench.largest_fitting(probe, start) == expected
+    assert len(tried) == len(set(tried))  # no batch probed twice
+    # the line lands on the answer: 2 probes for it, 2 to confirm (6 when 2 * start does not fit);
+    # doubling from 128 and bisecting in steps of 8 took 10-12 here
+    assert len(tried) <= 6, tried
+
+
+@pytest.mark.parametrize("capacity", [472, 591, 780])
+@pytest.mark.parametrize("error", [0.9, 0.96, 1.04, 1.1])
+def test_largest_fitting_when_the_memory_line_is_a_little_off(capacity, error):
+    probe, tried = _memory(capacity, 0.1, error)
+    assert bench.largest_fitting(probe, 128) == capacity // 8 * 8
+    assert len(tried) == len(set(tried))
+    assert len(tried) <= (8 if abs(error - 1) < 0.05 else 10), tried
+
+
+@pytest.mark.parametrize("capacity", [300, 591, 1130])
+def test_largest_fitting_without_memory_figures_or_when_the_line_is_off(capacity):
+    # Unknown peaks (NaN): doubling, then bisection. A line that predicts far too much or too little
+    # (memory that grows faster than linearly, or a flat start): the gallop still brackets the answer.
+    expected = capacity // 8 * 8
+    for used in (lambda b: math.nan, lambda b: (b / capacity) ** 3, lambda b: 0.5 + 0.5 * (b / capacity) ** 0.2):
+        tried = []
+
+        def probe(b, used=used):
+            tried.append(b)
+            return used(b) if b <= capacity else None
+
+        assert bench.largest_fitting(probe, 128) == expected, used
+        assert len(tried) <= 20, tried  # far off: stepping away from the guess takes longer
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU logic test; the GPU probes are in docs/benchmarks.md")
 def test_fresh_process_probe_reports_a_run_and_raises_on_other_failures():
-    # A probe that ran is True; one that could not run for another reason than memory is an error
-    # carrying that reason, never counted as "does not fit".
+    # A probe that ran returns its memory use (unknown on CPU: NaN); one that could not run for
+    # another reason than memory is an error carrying that reason, never counted as "does not fit".
     kw = dict(model="micro", batch=2, optimizer="sgd", img_size=32)
-    assert bench.fits_in_fresh_process("timm-bf16", **kw) is True
+    assert math.isnan(bench.probe_in_fresh_process("timm-bf16", **kw))
     with pytest.raises(RuntimeError, match="fp8vit-fp8-delayed at batch 2: .*needs a CUDA GPU"):
-        bench.fits_in_fresh_process("fp8vit-fp8-delayed", **kw)
+        bench.probe_in_fresh_process("fp8vit-fp8-delayed", **kw)
 
 
 def test_train_example_reads_an_image_folder(tmp_path):

@@ -247,3 +247,16 @@ def test_mlp_recompute_on_the_blocks_a_filter_selects():
     assert [i for i, b in enumerate(model.blocks) if b.recompute_mlp] == [3, 6, 9]
     with pytest.raises(ValueError, match=r"selected none of the 12 TE_Blocks \(blocks.0 ... blocks.11\)"):
         fp8vit.set_mlp_recompute(model, module_filter_fn=lambda m, fqn: False)
+
+
+def test_mlp_recompute_every_kth_block():
+    model = fp8vit.convert_to_te(_model("vit_tiny_patch16_224"), backend="reference")
+    fp8vit.set_mlp_recompute(model, every=2)
+    assert [i for i, b in enumerate(model.blocks) if b.recompute_mlp] == [0, 2, 4, 6, 8, 10]
+    fp8vit.set_mlp_recompute(model, False)
+    # every counts over the blocks the filter chose: here blocks 6..11, so 6 and 9
+    fp8vit.set_mlp_recompute(model, every=3, module_filter_fn=lambda m, fqn: int(fqn.rsplit(".", 1)[-1]) >= 6)
+    assert [i for i, b in enumerate(model.blocks) if b.recompute_mlp] == [6, 9]
+    for bad in (0, -2, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=f"every={bad!r}; it must be an integer >= 1"):
+            fp8vit.set_mlp_recompute(model, every=bad)

@@ -8,6 +8,10 @@ and with the blocks CUDA-graphed. For each: median step time with its spread (p1
 timed steps after warm-up, images/s, model TFLOP/s and the fraction of the GPU's dense bf16 peak,
 peak memory, speedup against timm bf16 eager measured in the same run, and optionally cost per
 million images. Ratios are only meaningful within one run (H200 step times drift ~5% between runs).
+
+Two step times: synchronized (the host waits for each step, so host work the GPU waits for counts)
+and pipelined (steps issued back to back, as a training loop without ``.item()`` runs them).
+``--max-batch`` first finds the largest batch that fits, each probe in a new process.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -30,7 +35,8 @@ from ..detect import gpu_info
 from .workload import (SIZES, VARIANTS, Variant, build_workload, make_optimizer, synthetic_batch, train_flops,
                        train_step_fn)
 
-__all__ = ["main", "run_variant", "unavailable", "largest_fitting", "DENSE_BF16_PEAK"]
+__all__ = ["main", "run_variant", "unavailable", "largest_fitting", "probe_in_fresh_process",
+           "DENSE_BF16_PEAK"]
 
 # Dense (no sparsity) bf16 tensor-core peak from the vendors' datasheets, FLOP/s, by name prefix.
 DENSE_BF16_PEAK = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "GH200": 989e12, "B200": 2250e12,
@@ -68,12 +74,22 @@ def _sync(device):
 
 
 def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int, device: str,
-                optimizer: str = "sgd", img_size: int = 224) -> Dict:
-    """Build, warm up and time one variant. Returns its measurements (times in ms)."""
+                optimizer: str = "sgd", img_size: int = 224, mlp_recompute: int = 0,
+                pipelined: bool = True) -> Dict:
+    """Build, warm up and time one variant. Returns its measurements (times in ms).
+
+    Each timed step is synchronized: its time runs from the GPU reaching the step's first kernel to
+    its last, so host work the GPU waits for counts. With ``pipelined`` (CUDA only), as many steps
+    again are issued back to back without waiting, as a training loop does, and each is timed
+    between events recorded at the step boundaries (idle gaps included).
+    """
     torch.manual_seed(0)
+    free_gib = None
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    wl = build_workload(model, variant, batch_size=batch, img_size=img_size, device=device)
+        free_gib = torch.cuda.mem_get_info()[0] / 2**30
+    wl = build_workload(model, variant, batch_size=batch, img_size=img_size, device=device,
+                        mlp_recompute=mlp_recompute)
     # Bench learning rates are small and fixed: the step time, not the training, is measured.
     opt = make_optimizer(wl.model.parameters(), optimizer, lr=1e-3 if optimizer == "sgd" else 1e-4,
                          device=device)
@@ -97,13 +113,25 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
             t = time.perf_counter()
             loss = step(x, y)
             times.append((time.perf_counter() - t) * 1e3)
-    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    q = _deciles(times)
     med = statistics.median(times)
     flops = train_flops(wl.model, batch, img_size)
     out = {"variant": variant, "batch": batch, "median_ms": med, "p10_ms": q[0], "p90_ms": q[-1],
            "min_ms": min(times), "max_ms": max(times), "images_per_s": batch / med * 1e3,
            "tflops": flops / (med * 1e-3) / 1e12, "loss": float(loss), "warmup_s": warm_s,
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+           "free_gib_at_start": free_gib}
+    if pipelined and device == "cuda":
+        # [steps + 1] boundary events; the host does not wait between steps
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        events[0].record()
+        for ev in events[1:]:
+            loss = step(x, y)
+            ev.record()
+        events[-1].synchronize()
+        piped = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+        pq = _deciles(piped)
+        out.update(pipelined_median_ms=statistics.median(piped), pipelined_p10_ms=pq[0], pipelined_p90_ms=pq[-1])
     if wl.graphs is not None:
         out["graph_replays"], out["graph_eager_calls"] = wl.graphs.replays, wl.graphs.eager_calls
         wl.graphs.release()
@@ -114,38 +142,79 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
     return out
 
 
-def largest_fitting(fits, start: int, limit: int = 4096, granularity: int = 8) -> int:
-    """Largest multiple of ``granularity`` <= ``limit`` for which ``fits(batch)`` is True.
+def _deciles(times: List[float]) -> List[float]:
+    return statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
 
-    Doubles from ``start`` until a batch fails, then bisects; assumes ``fits`` is monotone.
-    Returns 0 if even ``start`` does not fit.
+
+def largest_fitting(probe: Callable[[int], Optional[float]], start: int, limit: int = 4096,
+                    granularity: int = 8) -> int:
+    """Largest multiple of ``granularity`` <= ``limit`` for which ``probe(batch)`` fits (0 if none).
+
+    ``probe(batch)`` returns None if the batch does not fit, else the fraction of the memory it
+    could use that the step's peak took (``math.nan`` if unknown). Fitting is assumed monotone in the
+    batch. A probe of a large model costs a process start (about 20 s for ViT-H), so the search uses
+    the memory line: two fitting batches (``start`` and ``2 * start``) give the memory per image, and
+    the first guess is where that line reaches the whole memory. Probes then step away from the
+    guess (``granularity``, then 2x, 4x, ... further; down, never past the bisection point) until the
+    answer is bracketed; without a usable line (unknown or flat peaks), the search doubles from
+    ``2 * start`` until a batch fails. Bisection closes the bracket.
     """
-    lo, hi = 0, start
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + granularity)
-    while hi - lo > granularity:
-        mid = (lo + hi) // 2 // granularity * granularity
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    g = granularity
+    seen: Dict[int, Optional[float]] = {}
+    lo, hi = 0, limit + g  # lo fits (or is 0), hi does not (or is past the limit)
+
+    def settle(b: int) -> bool:
+        nonlocal lo, hi
+        seen[b] = probe(b)
+        if seen[b] is None:
+            hi = b
+        else:
+            lo = b
+        return seen[b] is not None
+
+    # 1. two points of the memory line
+    for b in (start, 2 * start):
+        b = min(b // g * g, limit)
+        if not lo < b < hi or not settle(b):
+            break
+    # 2. its guess, then up to three probes stepping away from it in the direction the first one tells
+    fitted = [b for b in sorted(seen) if seen[b] is not None]
+    if len(fitted) >= 2:
+        (b1, b2), (f1, f2) = fitted[:2], (seen[fitted[0]], seen[fitted[1]])
+        slope = (f2 - f1) / (b2 - b1)
+        guess = int(b2 + (1.0 - f2) / slope) // g * g if slope > 0 else None  # NaN: no guess
+        if guess is not None:
+            guess, step, first = min(max(guess, lo + g), limit), g, None
+            while lo < guess < hi:
+                up = settle(guess)
+                if first is not None and up != first:
+                    break  # bracketed
+                first = up
+                if up:  # no failure may be known yet: step up, doubling
+                    guess = min(guess + step, limit)
+                else:  # step down, doubling, but never below the bisection point
+                    guess = max(guess - step, (lo + hi) // 2 // g * g)
+                step *= 2
+    # 3. no batch has failed yet: double
+    while hi > limit and lo < limit:
+        settle(min(max(2 * lo, g), limit))
+    # 4. bisect
+    while hi - lo > g:
+        settle((lo + hi) // 2 // g * g)
     return lo
 
 
-def max_batch(variant: str, *, model: str, start: int, optimizer: str, img_size: int,
-              limit: int = 4096, granularity: int = 8) -> int:
-    """Largest batch (multiple of ``granularity``) for which two training steps fit in memory.
-
-    Every probe runs in a new process (:func:`fits_in_fresh_process`).
-    """
-    return largest_fitting(lambda b: fits_in_fresh_process(
-        variant, model=model, batch=b, optimizer=optimizer, img_size=img_size), start, limit, granularity)
-
-
-def fits_in_fresh_process(variant: str, *, model: str, batch: int, optimizer: str, img_size: int) -> bool:
-    """Whether two training steps (one warm-up, one timed) of ``variant`` at ``batch`` run, in a new process.
+def probe_in_fresh_process(variant: str, *, model: str, batch: int, optimizer: str, img_size: int,
+                           mlp_recompute: int = 0) -> Optional[float]:
+    """Run two training steps (one warm-up, one timed) of ``variant`` at ``batch`` in a new process.
 
     A new process per probe because probes in one process are not independent: on the H200, after
     one CUDA-graphed ViT-H run at a batch, the same batch no longer fit in the same process, although
     torch reported its memory released (docs/performance.md, lever 14).
+
+    Returns:
+        None if the steps ran out of memory; else the step's peak memory as a fraction of the GPU
+        memory that was free when the probe started (``math.nan`` on CPU).
 
     Raises:
         RuntimeError: the probe failed for another reason than running out of memory (its message).
@@ -154,7 +223,8 @@ def fits_in_fresh_process(variant: str, *, model: str, batch: int, optimizer: st
         path = os.path.join(tmp, "probe.json")
         cmd = [sys.executable, "-m", "fp8vit.tools.bench", "--model", model, "--batch-size", str(batch),
                "--steps", "1", "--warmup", "1", "--variants", variant, "--optimizer", optimizer,
-               "--img-size", str(img_size), "--json", path]
+               "--img-size", str(img_size), "--mlp-recompute", str(mlp_recompute), "--no-pipelined",
+               "--json", path]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(path):
             raise RuntimeError(f"probe of {variant} at batch {batch} exited with {proc.returncode}: "
@@ -162,16 +232,53 @@ def fits_in_fresh_process(variant: str, *, model: str, batch: int, optimizer: st
         with open(path) as f:
             (row,) = json.load(f)["results"]
     if "median_ms" in row:
-        return True
+        if row.get("peak_mem_gib") is None or not row.get("free_gib_at_start"):
+            return math.nan
+        return row["peak_mem_gib"] / row["free_gib_at_start"]
     if "OutOfMemoryError" in row["skipped"]:
-        return False
+        return None
     raise RuntimeError(f"probe of {variant} at batch {batch}: {row['skipped']}")
+
+
+def _recompute_for(variant: str, every: int) -> int:
+    """``--mlp-recompute`` applies to the variants that run fp8vit's blocks."""
+    return every if Variant.parse(variant).blocks == "fp8vit" else 0
+
+
+def _max_batch_variants(given: Optional[List[str]], info) -> List[str]:
+    """timm-bf16 and the fp8vit FP8 variants of ``given`` (None: the default recipe, eager and graphed)."""
+    if given is None:
+        best = f"fp8vit-fp8-{info.default_recipe}" if info.fp8.ok else "fp8vit-bf16"
+        return ["timm-bf16", best, f"{best}-graphed"]
+    fp8 = [v for v in given if Variant.parse(v).blocks == "fp8vit" and Variant.parse(v).te_fp8]
+    return ["timm-bf16", *dict.fromkeys(fp8)]
+
+
+def _max_batches(variants: List[str], *, model: str, start: int, optimizer: str, img_size: int,
+                 mlp_recompute: int) -> Dict[str, int]:
+    """Largest batch (multiple of 8) of each variant that fits in memory, each probe a new process
+    (:func:`probe_in_fresh_process`, :func:`largest_fitting`); prints every probe."""
+    out = {}
+    for v in variants:
+        def probe(b, v=v):
+            t = time.perf_counter()
+            used = probe_in_fresh_process(v, model=model, batch=b, optimizer=optimizer, img_size=img_size,
+                                          mlp_recompute=_recompute_for(v, mlp_recompute))
+            what = "out of memory" if used is None else f"fits, peak {100 * used:.0f}% of the free memory"
+            print(f"  probe {v} at batch {b}: {what} ({time.perf_counter() - t:.0f} s)", flush=True)
+            return used
+
+        out[v] = largest_fitting(probe, start)
+        print(f"largest batch that fits, {v}: {out[v]}", flush=True)
+    return out
 
 
 def _table(rows: List[Dict], peak: Optional[float], price: Optional[float]) -> str:
     base = next((r for r in rows if r["variant"] == "timm-bf16"), None)
+    piped = any("pipelined_median_ms" in r for r in rows)
     head = (f"{'variant':28s} {'median ms':>10s} {'p10-p90 ms':>15s} {'img/s':>8s} {'TFLOP/s':>8s} "
-            f"{'% peak':>7s} {'mem GiB':>8s} {'vs timm':>8s}" + (f" {'$/1M img':>9s}" if price else ""))
+            f"{'% peak':>7s} {'mem GiB':>8s} {'vs timm':>8s}" + (f" {'$/1M img':>9s}" if price else "")
+            + (f" {'pipelined ms':>13s} {'vs timm':>8s}" if piped else ""))
     lines = [head, "-" * len(head)]
     for r in rows:
         if "skipped" in r:
@@ -184,7 +291,14 @@ def _table(rows: List[Dict], peak: Optional[float], price: Optional[float]) -> s
                 f"{r['images_per_s']:8.1f} {r['tflops']:8.1f} {pct} {mem} {speed}")
         if price:
             line += f" {price / 3600 / r['images_per_s'] * 1e6:9.2f}"
+        if piped and "pipelined_median_ms" in r:
+            ratio = (f"{base['pipelined_median_ms'] / r['pipelined_median_ms']:7.2f}x"
+                     if base and "pipelined_median_ms" in base else "     n/a")
+            line += f" {r['pipelined_median_ms']:13.1f} {ratio}"
         lines.append(line)
+    if piped:
+        lines.append("pipelined: as many steps again, issued without waiting for the GPU, each timed between "
+                     "step-boundary events; img/s, TFLOP/s and the first 'vs timm' use the synchronized median")
     return "\n".join(lines)
 
 
@@ -238,12 +352,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="default: all that can run here")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
     p.add_argument("--price-per-hour", type=float, default=None, help="GPU price, for $ per 1M images")
+    p.add_argument("--mlp-recompute", type=int, default=0, metavar="K",
+                   help="fp8vit variants recompute the MLP activations of every K-th block in backward "
+                   "(fp8vit.set_mlp_recompute(every=K); default 0: none)")
+    p.add_argument("--no-pipelined", dest="pipelined", action="store_false",
+                   help="time only synchronized steps (default: also as many steps issued back to back)")
     p.add_argument("--max-batch", action="store_true",
-                   help="also find the largest batch that fits for timm-bf16 and the default FP8 recipe, "
-                   "eager and graphed (each probe a new process: about 20 s each for ViT-H on an H200)")
+                   help="first find the largest batch that fits for timm-bf16 and each fp8vit FP8 variant "
+                   "of --variants (default: the default recipe, eager and graphed); each probe is a new "
+                   "process, about 20 s for ViT-H on an H200, 4-8 probes per variant")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a bar chart (PNG) here")
     a = p.parse_args(argv)
+    if a.mlp_recompute < 0:
+        p.error(f"--mlp-recompute {a.mlp_recompute}: K is the block interval, 0 (off), 1 (all blocks) or more")
     if a.plot:
         try:
             import matplotlib  # noqa: F401
@@ -257,10 +379,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     warmup = a.warmup if a.warmup is not None else (10 if device == "cuda" else 1)
     info = gpu_info()
     env = _environment(device)
+    recompute = f", MLP recompute in every {a.mlp_recompute} block(s) of fp8vit's variants" if a.mlp_recompute else ""
     print(f"fp8vit-bench: {model}, batch {batches}, {steps} timed steps after {warmup} warm-up, "
-          f"optimizer {a.optimizer}")
+          f"optimizer {a.optimizer}{recompute}")
     print(" ".join(f"{k}={v}" for k, v in env.items()))
     variants = a.variants or list(VARIANTS)
+    extra = {}
+    if a.max_batch and device == "cuda":
+        # Before any timing: this process then holds no GPU memory that the probes would lose.
+        extra = _max_batches(_max_batch_variants(a.variants, info), model=model, start=batches[0],
+                             optimizer=a.optimizer, img_size=a.img_size, mlp_recompute=a.mlp_recompute)
     results = []
     for batch in batches:
         rows = []
@@ -271,7 +399,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 continue
             try:
                 r = run_variant(v, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
-                                optimizer=a.optimizer, img_size=a.img_size)
+                                optimizer=a.optimizer, img_size=a.img_size, pipelined=a.pipelined,
+                                mlp_recompute=_recompute_for(v, a.mlp_recompute))
             except Exception as err:  # noqa: BLE001 - one broken variant is reported, the rest still run
                 rows.append({"variant": v, "batch": batch, "skipped": f"failed: {type(err).__name__}: {err}"[:300]})
                 print(f"  {v}: FAILED {type(err).__name__}: {err}", flush=True)
@@ -281,21 +410,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                 continue
             rows.append(r)
             print(f"  {v}: {r['median_ms']:.1f} ms", flush=True)
-        print(f"\n{model}, batch {batch}, {env['device']}:")
+        print(f"\n{model}, batch {batch}, {env['device']}{recompute}:")
         print(_table(rows, _peak(env["device"]), a.price_per_hour))
         results.extend(rows)
-    extra = {}
-    if a.max_batch and device == "cuda":
-        best = f"fp8vit-fp8-{info.default_recipe}" if info.fp8.ok else "fp8vit-bf16"
-        for v in ("timm-bf16", best, f"{best}-graphed"):
-            extra[v] = max_batch(v, model=model, start=batches[0], optimizer=a.optimizer, img_size=a.img_size)
-            print(f"largest batch that fits, {v}: {extra[v]}", flush=True)
-            if extra["timm-bf16"] and v != "timm-bf16":
-                print(f"ratio {v} / timm-bf16: {extra[v] / extra['timm-bf16']:.2f}x")
+    if extra:
+        print(f"\nlargest batch that fits, {model}{recompute}:")
+        for v, b in extra.items():
+            print(f"  {v:40s} {b:5d}" + (f"  {b / extra['timm-bf16']:.2f}x timm-bf16" if extra["timm-bf16"] else ""))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"environment": env, "model": model, "steps": steps, "warmup": warmup,
-                       "optimizer": a.optimizer, "results": results, "max_batch": extra}, f, indent=2)
+                       "optimizer": a.optimizer, "mlp_recompute": a.mlp_recompute, "results": results,
+                       "max_batch": extra}, f, indent=2)
     if a.plot:
         first = [r for r in results if r["batch"] == batches[0]]
         _plot(first, a.plot, f"{model} training step, batch {batches[0]}, {env['device']}")

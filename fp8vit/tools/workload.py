@@ -32,7 +32,7 @@ from torch import nn
 from .. import _te
 from ..backend import set_cudnn_layernorm
 from ..context import fp8_context
-from ..convert import convert_to_te
+from ..convert import convert_to_te, set_mlp_recompute
 from ..graphs import GraphedBlocks, make_graphed_blocks
 from ..recipes import RECIPE_NAMES
 
@@ -140,7 +140,7 @@ def _torchao_fp8(model: nn.Module) -> None:
 
 def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, batch_size: Optional[int] = None,
                    img_size: int = 224, num_classes: int = 1000, device: str = "cuda",
-                   backend: Optional[str] = None) -> Workload:
+                   backend: Optional[str] = None, mlp_recompute: int = 0) -> Workload:
     """A randomly initialised timm ViT for one variant.
 
     Args:
@@ -151,10 +151,19 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         num_classes: classifier width.
         device: where to build it.
         backend: ``TE_Block`` backend (None: automatic).
+        mlp_recompute: recompute the MLP activations of every ``mlp_recompute``-th block
+            (:func:`fp8vit.set_mlp_recompute`; 0: none). fp8vit variants only.
+
+    Raises:
+        ValueError: an unknown variant, a graphed variant without ``batch_size``, or
+            ``mlp_recompute`` for a variant that does not run fp8vit's blocks.
     """
     import timm
 
     v = Variant.parse(variant)
+    if mlp_recompute and v.blocks != "fp8vit":
+        raise ValueError(f"mlp_recompute={mlp_recompute} needs fp8vit's blocks; variant {variant!r} runs "
+                         f"{v.blocks}'s: pass mlp_recompute=0 for it")
     kw = {}
     if v.blocks == "te-layer":
         kw["block_fn"] = te_layer_block_fn()
@@ -170,6 +179,8 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         set_cudnn_layernorm(eager_cudnn_norm)
     if v.blocks == "fp8vit":
         convert_to_te(net, backend=backend)
+        if mlp_recompute:
+            set_mlp_recompute(net, every=mlp_recompute)
     if v.fp8 == "torchao":
         _torchao_fp8(net)
     graphs = None
