@@ -276,18 +276,19 @@ def _max_batches(variants: List[str], *, model: str, start: int, optimizer: str,
 def _table(rows: List[Dict], peak: Optional[float], price: Optional[float]) -> str:
     base = next((r for r in rows if r["variant"] == "timm-bf16"), None)
     piped = any("pipelined_median_ms" in r for r in rows)
-    head = (f"{'variant':28s} {'median ms':>10s} {'p10-p90 ms':>15s} {'img/s':>8s} {'TFLOP/s':>8s} "
+    w = max([28] + [len(r["variant"]) for r in rows])  # the longest variant name sets the column
+    head = (f"{'variant':{w}s} {'median ms':>10s} {'p10-p90 ms':>15s} {'img/s':>8s} {'TFLOP/s':>8s} "
             f"{'% peak':>7s} {'mem GiB':>8s} {'vs timm':>8s}" + (f" {'$/1M img':>9s}" if price else "")
             + (f" {'pipelined ms':>13s} {'vs timm':>8s}" if piped else ""))
     lines = [head, "-" * len(head)]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"{r['variant']:28s} skipped: {r['skipped']}")
+            lines.append(f"{r['variant']:{w}s} skipped: {r['skipped']}")
             continue
         pct = f"{100 * r['tflops'] * 1e12 / peak:6.1f}%" if peak else "    n/a"
         mem = f"{r['peak_mem_gib']:8.1f}" if r["peak_mem_gib"] is not None else "     n/a"
         speed = f"{base['median_ms'] / r['median_ms']:7.2f}x" if base and "median_ms" in base else "     n/a"
-        line = (f"{r['variant']:28s} {r['median_ms']:10.1f} {r['p10_ms']:7.1f}-{r['p90_ms']:<7.1f} "
+        line = (f"{r['variant']:{w}s} {r['median_ms']:10.1f} {r['p10_ms']:7.1f}-{r['p90_ms']:<7.1f} "
                 f"{r['images_per_s']:8.1f} {r['tflops']:8.1f} {pct} {mem} {speed}")
         if price:
             line += f" {price / 3600 / r['images_per_s'] * 1e6:9.2f}"
