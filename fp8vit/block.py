@@ -13,7 +13,6 @@ and keeps every timm option and timm's weight layout.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import math
@@ -21,7 +20,6 @@ import sys
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from timm.layers import DropPath, LayerScale, trunc_normal_
 from timm.models.vision_transformer import Block
 from torch import nn
@@ -31,76 +29,14 @@ try:
 except ImportError:  # timm < 1.0 keeps it with the FX helpers
     from timm.models._features_fx import register_notrace_module
 
-from .backend import Backend, get_backend, resolve_backend
 from .config import BlockConfig, config_from_timm_block
-from .recipes import recipe_name, row_multiple
+from .layers import FP8Block, SplitQKV, UnfusedMLP, aligned_rows
 from .weights import name_pairs, te_to_timm, timm_to_te
 
 __all__ = ["TE_Block"]
 
 
-def _aligned_rows(module: nn.Module, x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Apply a GEMM module over the token rows of ``x`` [B, N, Cin] -> [B, N, Cout].
-
-    Under FP8 the rows ``B * N`` must be a multiple of 16 (32 for MXFP8): the weight-gradient
-    GEMM reduces over them. If they are not, pad with zero rows and slice the result; padded
-    rows never reach the output, so their gradient is zero and the weight gradient is exact.
-    Cost: one copy of the input (and of its gradient) per GEMM module, only when misaligned.
-    """
-    B, N, C = x.shape
-    pad = -(B * N) % multiple
-    if pad == 0:
-        return module(x)
-    y = module(F.pad(x.reshape(B * N, C), (0, 0, 0, pad)))  # [B*N + pad, Cout]
-    return y[: B * N].view(B, N, -1)
-
-
-class _SplitQKV(torch.autograd.Function):
-    """``[B, N, 3, H, D] -> q, k, v`` views ``[B, N, H, D]``, whose gradients come back packed.
-
-    Autograd's own ``unbind``/``select`` backward builds the packed gradient from a zero-filled
-    ``[B, N, 3, H, D]`` buffer per view plus strided copies and adds: at ViT-H batch 128 that is
-    about 13 ms of a 178 ms FP8 step (docs/performance.md). TE's fused attention already writes
-    dq, dk and dv as views of one packed buffer, which is returned here as is; gradients laid out
-    any other way (the reference backend's) are stacked, one copy.
-    """
-
-    @staticmethod
-    def forward(ctx, qkv):
-        ctx.packed_stride = qkv.stride()
-        return qkv.unbind(2)
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):  # never None: autograd materializes unused gradients as zeros
-        B, N, H, D = dq.shape
-        step = ctx.packed_stride[2]
-        if (dq.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()
-                and dk.storage_offset() == dq.storage_offset() + step
-                and dv.storage_offset() == dq.storage_offset() + 2 * step
-                and dq.stride() == dk.stride() == dv.stride()
-                and dq.stride() == ctx.packed_stride[:2] + ctx.packed_stride[3:]):
-            return dq.as_strided((B, N, 3, H, D), ctx.packed_stride, dq.storage_offset())
-        return torch.stack((dq, dk, dv), dim=2)
-
-
-class _UnfusedMLP(nn.Module):
-    """MLP for activations TE has no kernel for (or exact GELU) and for dropout, in timm's ``Mlp``
-    order: TE LayerNorm+fc1 -> torch activation -> dropout -> TE fc2 -> dropout."""
-
-    def __init__(self, cfg: BlockConfig, m, dd: dict):
-        super().__init__()
-        self.fc1 = m.LayerNormLinear(cfg.dim, cfg.mlp_hidden, eps=cfg.norm_eps, bias=cfg.proj_bias,
-                                     normalization=cfg.norm, **dd)
-        self.act = cfg.act_layer()
-        self.drop1 = nn.Dropout(cfg.proj_drop)
-        self.fc2 = m.Linear(cfg.mlp_hidden, cfg.dim, bias=cfg.proj_bias, **dd)
-        self.drop2 = nn.Dropout(cfg.proj_drop)
-
-    def forward(self, x):
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
-
-
-class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
+class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
     """Drop-in ``block_fn`` for timm's ``VisionTransformer``, on Transformer Engine.
 
     Takes exactly timm ``Block``'s keywords with timm's meaning (see :class:`BlockConfig`);
@@ -148,16 +84,7 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
                             f"and extra {list(args) + sorted(kwargs)}")
         super().__init__()
         self.cfg = cfg = config
-        self.backend = resolve_backend(backend)
-        self.grad_checkpointing = False
-        self.recompute_mlp = False  # set_mlp_recompute: MLP activations recomputed in backward
-        self.fp8_enabled = True  # False: GEMMs in bf16 even inside fp8_context (set_block_fp8)
-        # GELU in the epilogue of fc1's FP8 GEMM, which then writes fc2's FP8 input directly (TE's
-        # LayerNormMLP.gemm_gelu_fusion, off in TE by default). Under delayed scaling only, where
-        # it was measured: ViT-H step -2.0 ms, ViT-B -0.5 ms on an H200 (docs/performance.md,
-        # lever 12). TE always fuses it when FP8 is off. False: TE's separate GELU+cast kernel.
-        self.gelu_in_gemm = True
-        self.fp32_residual = fp32_residual
+        self._init_switches(backend, fp32_residual)
         m = self._impl.modules
         device = self._impl.default_device if device is None else device
         if self._impl.fp8 and torch.device(device).type not in ("cuda", "cpu", "meta"):
@@ -181,14 +108,10 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
             self.mlp = m.LayerNormMLP(cfg.dim, cfg.mlp_hidden, eps=cfg.norm_eps, bias=cfg.proj_bias,
                                       normalization=cfg.norm, activation=cfg.te_activation, **dd)
         else:
-            self.mlp = _UnfusedMLP(cfg, m, dd)
+            self.mlp = UnfusedMLP(cfg, m, dd)
         self.ls2 = LayerScale(cfg.dim, init_values=cfg.init_values, **tdd) if cfg.init_values else nn.Identity()
         self.drop_path2 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
         self._timm_aliases()
-
-    @property
-    def _impl(self) -> Backend:
-        return get_backend(self.backend)
 
     # ------------------------------------------------------------------ construction, timm interop
     @classmethod
@@ -277,54 +200,19 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
                              f"{attn_mask.dtype}: TE has no additive-mask attention kernel")
         if attn_mask is not None and is_causal:
             raise ValueError("pass either attn_mask or is_causal=True to TE_Block, not both")
-        impl = self._impl  # one backend lookup per forward: it is on the hot path
-        if impl.fp8 and x.device.type not in ("cuda", "meta"):
-            # TE modules may be built on the CPU (timm.create_model -> convert_to_te -> .cuda()),
-            # but their kernels are CUDA-only: say so instead of failing deep inside TE.
-            raise ValueError(f"TE_Block got x on {x.device}: Transformer Engine runs on CUDA only; "
-                             "move the model and the input to the GPU (model.cuda()), or convert "
-                             "with backend='reference'")
-        recipe = impl.active_recipe()  # looked up once per forward: it is on the hot path
-        fp8_name = recipe_name(recipe) if recipe is not None and self.fp8_enabled else None
-        with impl.fp8_off() if recipe is not None and not self.fp8_enabled else contextlib.nullcontext():
-            mult = row_multiple(fp8_name)
-            gelu_gemm = self.gelu_in_gemm and fp8_name == "delayed"
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                return impl.checkpoint(self._forward, x, attn_mask, is_causal, mult, gelu_gemm)
-            return self._forward(x, attn_mask, is_causal, mult, gelu_gemm)
+        return self._dispatch(x, attn_mask, is_causal)
 
     def _forward(self, x, attn_mask, is_causal, mult: int, gelu_gemm: bool):
-        dev = x.device.type
-        if not self.fp32_residual and dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):  # not 'meta'
-            x = x.to(torch.get_autocast_dtype(dev))
+        x = self._stream(x)
         x = x + self._residual(self.drop_path1(self.ls1(self._attention(x, attn_mask, is_causal, mult))), x)
-        x = x + self._residual(self.drop_path2(self.ls2(self._mlp(x, mult, gelu_gemm))), x)
+        mlp = self._run_mlp(self.mlp, x, mult, gelu_gemm, fused=self.cfg.fused_mlp)
+        x = x + self._residual(self.drop_path2(self.ls2(mlp)), x)
         return x
-
-    def _mlp(self, x, mult: int, gelu_gemm: bool):
-        # Selective recompute (set_mlp_recompute): the MLP holds most of a block's saved activations
-        # (fc1's output and the activation's, 4C per token each). Inside a checkpointed block the
-        # whole block is recomputed anyway.
-        recompute = self.recompute_mlp and not self.grad_checkpointing
-        if self._impl.fp8 and self.cfg.fused_mlp:
-            # TE's LayerNormMLP does it natively: it saves its input and reruns LayerNorm, fc1 and
-            # the activation in backward (not fc2), with the forward's FP8 scales.
-            if self.mlp.checkpoint != recompute:  # a plain read on the hot path; set on change only
-                self.mlp.checkpoint = recompute
-            if self.mlp.gemm_gelu_fusion != gelu_gemm:  # TE ignores it for other activations
-                self.mlp.gemm_gelu_fusion = gelu_gemm
-        elif recompute and torch.is_grad_enabled():
-            return self._impl.checkpoint(_aligned_rows, self.mlp, x, mult)
-        return _aligned_rows(self.mlp, x, mult)
-
-    def _residual(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # LayerScale's fp32 gamma promotes the branch to fp32; keep the stream in x's dtype.
-        return y if self.fp32_residual or y.dtype == x.dtype else y.to(x.dtype)
 
     def _attention(self, x, attn_mask, is_causal, mult: int):
         B, N, _ = x.shape
-        qkv = _aligned_rows(self.qkv, x, mult).view(B, N, 3, self.cfg.num_heads, self.cfg.head_dim)  # timm's order
-        q, k, v = _SplitQKV.apply(qkv)  # each [B, N, H, D] (TE's "bshd"), views of qkv
+        qkv = aligned_rows(self.qkv, x, mult).view(B, N, 3, self.cfg.num_heads, self.cfg.head_dim)  # timm's order
+        q, k, v = SplitQKV.apply(qkv)  # each [B, N, H, D] (TE's "bshd"), views of qkv
         if self.cfg.qk_norm:
             # The norm runs in fp32 under autocast; TE's attention wants one dtype (SDPA casts too).
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
@@ -338,7 +226,7 @@ class TE_Block(nn.Module):  # noqa: N801 - the name is the public contract
         elif is_causal:
             mask_kw = {"attn_mask_type": "causal"}
         o = self._impl.attention(self.attn, q, k, v, **mask_kw)  # [B, N, H*D]
-        return self.proj_drop(_aligned_rows(self.proj, o, mult))
+        return self.proj_drop(aligned_rows(self.proj, o, mult))
 
     def extra_repr(self) -> str:
         c = self.cfg

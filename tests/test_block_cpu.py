@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fp8vit
-from fp8vit.block import _aligned_rows
+from fp8vit.layers import aligned_rows
 from fp8vit.weights import te_to_timm, timm_to_te
 from helpers import BLOCK_CASES, timm_block
 
@@ -99,7 +99,7 @@ def test_row_padding_is_exact(batch, tokens, multiple):
     # Padding rows to the FP8 multiple must not change outputs or gradients.
     lin = fp8vit.reference.LayerNormLinear(32, 48)
     x = torch.randn(batch, tokens, 32, requires_grad=True)
-    y = _aligned_rows(lin, x, multiple)
+    y = aligned_rows(lin, x, multiple)
     assert y.shape == (batch, tokens, 48)
     y.square().sum().backward()
     gx, gw = x.grad.clone(), lin.weight.grad.clone()
@@ -133,17 +133,17 @@ def test_te_backend_on_cpu_is_refused():
 
 
 def test_split_qkv_hands_back_a_packed_gradient_without_copying():
-    from fp8vit.block import _SplitQKV
+    from fp8vit.layers import SplitQKV
     qkv = torch.randn(2, 5, 3, 4, 8, requires_grad=True)
-    q, k, v = _SplitQKV.apply(qkv)
+    q, k, v = SplitQKV.apply(qkv)
     assert q.data_ptr() == qkv.data_ptr() and torch.equal(v, qkv[:, :, 2])  # views, timm's order
     # Gradients laid out as TE's fused attention writes them: views of one packed buffer.
     packed = torch.randn(2, 5, 3, 4, 8)
-    got = _SplitQKV.backward(type("Ctx", (), {"packed_stride": qkv.stride()})(), *packed.unbind(2))
+    got = SplitQKV.backward(type("Ctx", (), {"packed_stride": qkv.stride()})(), *packed.unbind(2))
     assert got.data_ptr() == packed.data_ptr() and torch.equal(got, packed)
     # Separate gradients (the reference backend's): stacked, and equal to autograd's own unbind.
     g = [torch.randn(2, 5, 4, 8) for _ in range(3)]
-    sum((t * gi).sum() for t, gi in zip(_SplitQKV.apply(qkv), g)).backward()
+    sum((t * gi).sum() for t, gi in zip(SplitQKV.apply(qkv), g)).backward()
     ref = qkv.detach().clone().requires_grad_()
     sum((t * gi).sum() for t, gi in zip(ref.unbind(2), g)).backward()
     assert torch.equal(qkv.grad, ref.grad)

@@ -93,11 +93,11 @@ def build(variant, size):
 
 def _attention_qkv_layer(self, x, attn_mask, is_causal, mult):
     """TE_Block._attention before lever 2: the packed buffer handed to TE as qkv_layer."""
-    from fp8vit.block import _aligned_rows
+    from fp8vit.layers import aligned_rows
     B, N, _ = x.shape
-    qkv = _aligned_rows(self.qkv, x, mult).view(B, N, 3, self.cfg.num_heads, self.cfg.head_dim)
+    qkv = aligned_rows(self.qkv, x, mult).view(B, N, 3, self.cfg.num_heads, self.cfg.head_dim)
     o = self.attn(qkv_layer=qkv, qkv_interleave_dim=-3)
-    return self.proj_drop(_aligned_rows(self.proj, o, mult))
+    return self.proj_drop(aligned_rows(self.proj, o, mult))
 
 
 def make_step(variant, model):

@@ -15,7 +15,7 @@ import timm
 import torch
 
 import fp8vit
-from fp8vit.block import _aligned_rows
+from fp8vit.layers import aligned_rows
 from helpers import BLOCK_CASES, max_rel_err, rel_l2_err, snr_db, timm_block
 
 pytestmark = pytest.mark.gpu
@@ -124,7 +124,7 @@ def test_convert_whole_vit_keeps_logits(name):
 def test_row_padding_with_te_kernels():
     lin = fp8vit._te.modules().LayerNormLinear(128, 96, device="cuda")
     x = torch.randn(3, 65, 128, device="cuda", requires_grad=True)
-    y = _aligned_rows(lin, x, 16)
+    y = aligned_rows(lin, x, 16)
     y.square().sum().backward()
     gx, gw = x.grad.clone(), lin.weight.grad.clone()
     x.grad = lin.weight.grad = None

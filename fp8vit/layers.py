@@ -1,0 +1,168 @@
+"""Pieces every fp8vit block family shares: the base class of the blocks (per-block switches and
+the FP8 plumbing of ``forward``), token-row alignment for FP8 GEMMs, the packed QKV split whose
+gradient comes back packed, and the unfused MLP.
+
+Family modules (``block.py`` for timm's classic ``Block``, ...) compose these; none of them
+touches Transformer Engine directly (the backend's modules are passed in).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .backend import Backend, get_backend, resolve_backend
+from .config import BlockConfig
+from .recipes import recipe_name, row_multiple
+
+__all__ = ["FP8Block", "aligned_rows", "SplitQKV", "UnfusedMLP"]
+
+
+class FP8Block(nn.Module):
+    """Base class of fp8vit's blocks: the switches every block has, and the FP8 plumbing of forward.
+
+    A family's block (``TE_Block``, ...) sets ``self.cfg``, builds its modules and implements
+    ``_forward(x, *args, mult, gelu_gemm)``, where ``mult`` is the token-row multiple the active
+    recipe needs (1 with FP8 off) and ``gelu_gemm`` says whether fc1's FP8 GEMM computes GELU in
+    its epilogue. Its ``forward`` calls :meth:`_dispatch`.
+
+    Attributes:
+        backend: ``"te"`` or ``"reference"``.
+        fp8_enabled: False runs the GEMMs in the autocast dtype inside ``fp8_context``
+            (``set_block_fp8``).
+        grad_checkpointing: the whole block is recomputed in backward (TE's checkpoint).
+        recompute_mlp: the MLP activations are recomputed in backward (``set_mlp_recompute``).
+        gelu_in_gemm: under delayed scaling, GELU runs in the epilogue of fc1's FP8 GEMM, which
+            then writes fc2's FP8 input directly (TE's ``LayerNormMLP.gemm_gelu_fusion``, off in TE
+            by default): ViT-H step -2.0 ms, ViT-B -0.5 ms on an H200 (docs/performance.md, lever
+            12). TE always fuses it when FP8 is off. False: TE's separate GELU+cast kernel.
+        fp32_residual: the residual stream stays fp32 under autocast (timm's behaviour).
+    """
+
+    def _init_switches(self, backend: Optional[str], fp32_residual: bool) -> None:
+        self.backend = resolve_backend(backend)
+        self.grad_checkpointing = False
+        self.recompute_mlp = False
+        self.fp8_enabled = True
+        self.gelu_in_gemm = True
+        self.fp32_residual = fp32_residual
+
+    @property
+    def _impl(self) -> Backend:
+        return get_backend(self.backend)
+
+    def _dispatch(self, x: torch.Tensor, *args) -> torch.Tensor:
+        """``self._forward(x, *args, mult, gelu_gemm)`` under this block's FP8 setting, checkpointed
+        if asked. Raises on a TE block given CPU input (TE's kernels are CUDA-only)."""
+        impl = self._impl  # one backend lookup per forward: it is on the hot path
+        if impl.fp8 and x.device.type not in ("cuda", "meta"):
+            # TE modules may be built on the CPU (timm.create_model -> convert_to_te -> .cuda()),
+            # but their kernels are CUDA-only: say so instead of failing deep inside TE.
+            raise ValueError(f"{type(self).__name__} got x on {x.device}: Transformer Engine runs on CUDA "
+                             "only; move the model and the input to the GPU (model.cuda()), or convert "
+                             "with backend='reference'")
+        recipe = impl.active_recipe()  # looked up once per forward: it is on the hot path
+        fp8_name = recipe_name(recipe) if recipe is not None and self.fp8_enabled else None
+        with impl.fp8_off() if recipe is not None and not self.fp8_enabled else contextlib.nullcontext():
+            mult = row_multiple(fp8_name)
+            gelu_gemm = self.gelu_in_gemm and fp8_name == "delayed"
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                return impl.checkpoint(self._forward, x, *args, mult, gelu_gemm)
+            return self._forward(x, *args, mult, gelu_gemm)
+
+    def _stream(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream's dtype: the autocast dtype, unless ``fp32_residual``."""
+        dev = x.device.type
+        if not self.fp32_residual and dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):  # not 'meta'
+            return x.to(torch.get_autocast_dtype(dev))
+        return x
+
+    def _residual(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # LayerScale's fp32 gamma promotes the branch to fp32; keep the stream in x's dtype.
+        return y if self.fp32_residual or y.dtype == x.dtype else y.to(x.dtype)
+
+    def _run_mlp(self, mlp: nn.Module, x: torch.Tensor, mult: int, gelu_gemm: bool, fused: bool) -> torch.Tensor:
+        """``mlp(x)`` over aligned rows, with this block's MLP recompute and GELU-in-GEMM switches.
+
+        Args:
+            fused: ``mlp`` is one TE ``LayerNormMLP`` (it recomputes natively and takes the GELU switch).
+        """
+        # Selective recompute (set_mlp_recompute): the MLP holds most of a block's saved activations
+        # (fc1's output and the activation's, 4C per token each). Inside a checkpointed block the
+        # whole block is recomputed anyway.
+        recompute = self.recompute_mlp and not self.grad_checkpointing
+        if self._impl.fp8 and fused:
+            # TE's LayerNormMLP does it natively: it saves its input and reruns LayerNorm, fc1 and
+            # the activation in backward (not fc2), with the forward's FP8 scales.
+            if mlp.checkpoint != recompute:  # a plain read on the hot path; set on change only
+                mlp.checkpoint = recompute
+            if mlp.gemm_gelu_fusion != gelu_gemm:  # TE ignores it for other activations
+                mlp.gemm_gelu_fusion = gelu_gemm
+        elif recompute and torch.is_grad_enabled():
+            return self._impl.checkpoint(aligned_rows, mlp, x, mult)
+        return aligned_rows(mlp, x, mult)
+
+
+def aligned_rows(module: nn.Module, x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Apply a GEMM module over the token rows of ``x`` [B, N, Cin] -> [B, N, Cout].
+
+    Under FP8 the rows ``B * N`` must be a multiple of 16 (32 for MXFP8): the weight-gradient
+    GEMM reduces over them. If they are not, pad with zero rows and slice the result; padded
+    rows never reach the output, so their gradient is zero and the weight gradient is exact.
+    Cost: one copy of the input (and of its gradient) per GEMM module, only when misaligned.
+    """
+    B, N, C = x.shape
+    pad = -(B * N) % multiple
+    if pad == 0:
+        return module(x)
+    y = module(F.pad(x.reshape(B * N, C), (0, 0, 0, pad)))  # [B*N + pad, Cout]
+    return y[: B * N].view(B, N, -1)
+
+
+class SplitQKV(torch.autograd.Function):
+    """``[B, N, 3, H, D] -> q, k, v`` views ``[B, N, H, D]``, whose gradients come back packed.
+
+    Autograd's own ``unbind``/``select`` backward builds the packed gradient from a zero-filled
+    ``[B, N, 3, H, D]`` buffer per view plus strided copies and adds: at ViT-H batch 128 that is
+    about 13 ms of a 178 ms FP8 step (docs/performance.md). TE's fused attention already writes
+    dq, dk and dv as views of one packed buffer, which is returned here as is; gradients laid out
+    any other way (the reference backend's) are stacked, one copy.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv):
+        ctx.packed_stride = qkv.stride()
+        return qkv.unbind(2)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):  # never None: autograd materializes unused gradients as zeros
+        B, N, H, D = dq.shape
+        step = ctx.packed_stride[2]
+        if (dq.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()
+                and dk.storage_offset() == dq.storage_offset() + step
+                and dv.storage_offset() == dq.storage_offset() + 2 * step
+                and dq.stride() == dk.stride() == dv.stride()
+                and dq.stride() == ctx.packed_stride[:2] + ctx.packed_stride[3:]):
+            return dq.as_strided((B, N, 3, H, D), ctx.packed_stride, dq.storage_offset())
+        return torch.stack((dq, dk, dv), dim=2)
+
+
+class UnfusedMLP(nn.Module):
+    """MLP for activations TE has no kernel for (or exact GELU) and for dropout, in timm's ``Mlp``
+    order: TE LayerNorm+fc1 -> torch activation -> dropout -> TE fc2 -> dropout."""
+
+    def __init__(self, cfg: BlockConfig, m, dd: dict):
+        super().__init__()
+        self.fc1 = m.LayerNormLinear(cfg.dim, cfg.mlp_hidden, eps=cfg.norm_eps, bias=cfg.proj_bias,
+                                     normalization=cfg.norm, **dd)
+        self.act = cfg.act_layer()
+        self.drop1 = nn.Dropout(cfg.proj_drop)
+        self.fc2 = m.Linear(cfg.mlp_hidden, cfg.dim, bias=cfg.proj_bias, **dd)
+        self.drop2 = nn.Dropout(cfg.proj_drop)
+
+    def forward(self, x):
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
