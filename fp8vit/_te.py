@@ -32,7 +32,7 @@ from .errors import Check, TEUnavailableError
 
 __all__ = [
     "te_status", "te_version", "installed", "load_te", "preload", "clear_cache", "te_check",
-    "recipe_module", "autocast", "set_cudnn_norm", "cudnn_norm", "cudnn_norm_enabled", "checkpoint", "active_fp8_recipe", "packed_attention", "modules", "MODULE_NAMES",
+    "recipe_module", "autocast", "set_cudnn_norm", "cudnn_norm", "cudnn_norm_enabled", "checkpoint", "active_fp8_recipe", "packed_attention", "fused_rope", "modules", "MODULE_NAMES",
     "scaling_state", "repair_amax_histories", "make_graphed_callables", "wgrad_into_main_grad", "release_main_grad",
     "transformer_layer_class", "EXTRA_STATE_FORMAT", "MIN_TE_VERSION",
 ]
@@ -188,6 +188,23 @@ def packed_attention(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch
         warnings.filterwarnings("ignore", message="Relying on pointer-based detection", category=DeprecationWarning)
         return attn(query_layer=q, key_layer=k, value_layer=v, **kwargs)
 
+
+
+def fused_rope(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """TE's fused RoPE kernel on ``t`` ``[B, N, H, D]`` (``bshd``, any strides: a view of a packed
+    QKV buffer is read in place), ``angles`` ``[N, 1, 1, D]`` fp32, one angle per channel.
+
+    ``out = t * cos(angles) + rot(t) * sin(angles)`` with ``rot`` pairing channels ``(2i, 2i+1)``
+    (``interleaved``) or ``(i, i + D/2)``; forward and backward are one kernel each.
+    """
+    rope = _rope_module()
+    return rope.apply_rotary_pos_emb(t, angles, tensor_format="bshd", interleaved=interleaved, fused=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _rope_module() -> types.ModuleType:
+    load_te()
+    return importlib.import_module("transformer_engine.pytorch.attention.rope")
 
 
 @functools.lru_cache(maxsize=None)
@@ -452,14 +469,20 @@ def repair_amax_histories(module: nn.Module) -> int:
 
 
 # --------------------------------------------------------------------------- CUDA graphs, bench
-def make_graphed_callables(module: nn.Module, sample_args: Tuple[torch.Tensor, ...], *, fp8: bool,
-                           recipe: Any, num_warmup_iters: int, amax_reduction_group=None) -> bool:
-    """``te.make_graphed_callables`` for one module: forward and backward captured as CUDA graphs.
+def make_graphed_callables(modules, sample_args, *, fp8: bool, recipe: Any, num_warmup_iters: int,
+                           amax_reduction_group=None, sample_kwargs=None) -> bool:
+    """``te.make_graphed_callables``: forward and backward of each module captured as CUDA graphs.
 
     FP8 scaling factors are read from device memory inside the graphs and updated outside them
     (TE's amax reduction at the end of each autocast/backward), so delayed scaling keeps working.
 
-    TE installs the graphed forward on ``module`` itself (``module.forward``).
+    Args:
+        modules: one module, or a tuple of modules called one after the other (captured in that
+            order: all forwards, then the backwards in reverse, sharing one memory pool).
+        sample_args: ``(tensor, ...)`` for one module, or one such tuple per module.
+        sample_kwargs: None, or one dict of tensor keyword inputs per module.
+
+    TE installs each graphed forward on its module (``module.forward``).
 
     Returns:
         True where TE can return parameter gradients as views of the backward graph's static
@@ -472,8 +495,12 @@ def make_graphed_callables(module: nn.Module, sample_args: Tuple[torch.Tensor, .
     grads_alias = "clone_param_grads_on_return" in inspect.signature(te.make_graphed_callables).parameters
     if grads_alias:
         kwargs["clone_param_grads_on_return"] = False
+    if sample_kwargs is not None:
+        kwargs["sample_kwargs"] = sample_kwargs
+    if isinstance(modules, tuple) and len(modules) == 1 and sample_kwargs is None:
+        modules, sample_args = modules[0], sample_args[0]
     te.make_graphed_callables(
-        module, sample_args, num_warmup_iters=num_warmup_iters, enabled=fp8,
+        modules, sample_args, num_warmup_iters=num_warmup_iters, enabled=fp8,
         recipe=recipe if fp8 else None, amax_reduction_group=amax_reduction_group,
         cache_quantized_params=False, **kwargs)
     return grads_alias

@@ -64,6 +64,12 @@ class Backend:
             return _te.packed_attention(attn, q, k, v, **kwargs)
         return attn(query_layer=q, key_layer=k, value_layer=v, **kwargs)
 
+    def rope(self, t: torch.Tensor, angles: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
+        """RoPE on ``t`` ``[B, N, H, D]`` with ``angles`` ``[N, 1, 1, D]`` (TE's fused kernel for TE)."""
+        if self.fp8:
+            return _te.fused_rope(t, angles, interleaved)
+        return reference.rope(t, angles, interleaved)
+
     def checkpoint(self, fn: Callable, *args) -> torch.Tensor:
         """Activation checkpointing; TE's version restores the FP8 state on recompute."""
         if self.fp8:

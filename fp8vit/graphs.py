@@ -47,6 +47,7 @@ from torch import nn
 from . import _te
 from ._warn import warn_once
 from .block import TE_Block
+from .layers import FP8Block
 from .context import AUTOCAST_DTYPES
 from .detect import gpu_info
 from .errors import FP8UnavailableError
@@ -68,6 +69,10 @@ class GraphedBlocks:
             :func:`make_graphed_blocks`).
         replays: forward calls that replayed the graphs.
         eager_calls: forward calls that ran eagerly (eval mode, or a mismatch that was warned).
+        per_block: one graph pair per block (blocks in an ``nn.ModuleList`` that the model calls
+            one by one, with keyword inputs such as EVA's RoPE table), instead of one for all.
+        call_kwargs: per block, the keyword inputs the capture saw: ``(shape, dtype)`` for a
+            tensor (replayed with the caller's values), the value itself otherwise (must match).
     """
 
     shape: Tuple[int, ...]
@@ -77,19 +82,35 @@ class GraphedBlocks:
     replays: int = 0
     eager_calls: int = 0
     fused_wgrad: bool = False
+    per_block: bool = False
+    call_kwargs: dict = dataclasses.field(default_factory=dict)
     _blocks: Optional[nn.Module] = dataclasses.field(default=None, repr=False)
+    _patched: tuple = dataclasses.field(default=(), repr=False)
     _switches: tuple = dataclasses.field(default=(), repr=False)
     _main_grad_weights: tuple = dataclasses.field(default=(), repr=False)
 
     def release(self) -> None:
         """Run the blocks eagerly again and let the graphs and their memory go."""
-        if self._blocks is not None and "forward" in vars(self._blocks):
-            del self._blocks.forward
+        for mod in self._patched:
+            if "forward" in vars(mod):
+                del mod.forward
         _te.release_main_grad(self._main_grad_weights)
-        self._blocks, self._main_grad_weights = None, ()
+        self._blocks, self._patched, self._main_grad_weights = None, (), ()
 
-    def mismatch(self, x: torch.Tensor) -> Optional[str]:
-        """Why a call with block input ``x`` cannot replay the graphs (None: it can)."""
+    def mismatch(self, x: torch.Tensor, kwargs: Optional[dict] = None) -> Optional[str]:
+        """Why a call with block input ``x`` (and keyword inputs ``kwargs``) cannot replay the
+        graphs (None: it can)."""
+        kwargs = kwargs or {}
+        if kwargs.keys() - self.call_kwargs.keys():
+            return f"the call passes {sorted(kwargs.keys() - self.call_kwargs.keys())}, which the capture did not see"
+        for name, want in self.call_kwargs.items():
+            got = kwargs.get(name)
+            if isinstance(want, tuple) and len(want) == 2 and isinstance(want[1], torch.dtype):
+                if not isinstance(got, torch.Tensor) or (tuple(got.shape), got.dtype) != want:
+                    what = f"{list(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else repr(got)
+                    return f"{name} is {what}, the graphs were captured for {list(want[0])} {want[1]}"
+            elif got is not want and got != want:
+                return f"{name}={got!r}, the graphs were captured with {name}={want!r}"
         if tuple(x.shape) != self.shape:
             return (f"the input is {list(x.shape)}, the graphs were captured for {list(self.shape)} "
                     "(the last, smaller batch of an epoch? use drop_last=True, or capture this shape)")
@@ -167,24 +188,25 @@ class _Dispatch:
             if g is not None and g.data_ptr() in self._static_ptrs:
                 p.grad = g.clone()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         h = self.handle
         if h._blocks.training:
-            why = h.mismatch(x)
+            why = h.mismatch(x, kwargs)
             if why is None:
                 h.replays += 1
                 if self.params:
                     self._copy_aliased_grads()
                 if self.main_grads and torch.is_grad_enabled():
                     x = _MainGradsToAutograd.apply(x, self.main_grads, *self.main_grad_weights)
-                out = self.graphed(x)
+                tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+                out = self.graphed(x, **tensors)
                 if not self._recorded and out.grad_fn is not None:
                     out.grad_fn.register_hook(self._record_static)
                 return out
             warn_once(f"fp8vit: CUDA-graphed blocks run eagerly (correct, slower): {why}",
                       RuntimeWarning, stacklevel=4)
         h.eager_calls += 1
-        return self.eager(x)
+        return self.eager(x, **kwargs)
 
     def __reduce__(self):
         raise TypeError("a model with CUDA-graphed blocks cannot be pickled or deep-copied: save "
@@ -241,9 +263,11 @@ def make_graphed_blocks(
         FP8UnavailableError: ``fp8`` is asked for and cannot run here.
     """
     blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.Sequential) or len(blocks) == 0:
-        raise ValueError(f"make_graphed_blocks needs a timm VisionTransformer; {type(model).__name__} has "
-                         f"no nn.Sequential 'blocks' (found {type(blocks).__name__})")
+    if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or len(blocks) == 0:
+        raise ValueError(f"make_graphed_blocks needs a timm ViT with its blocks in model.blocks; "
+                         f"{type(model).__name__} has no nn.Sequential or nn.ModuleList 'blocks' "
+                         f"(found {type(blocks).__name__})")
+    per_block = not isinstance(blocks, nn.Sequential)
     if dtype not in AUTOCAST_DTYPES:
         raise ValueError(f"make_graphed_blocks(dtype={dtype}): use one of {AUTOCAST_DTYPES}")
     param = next(blocks.parameters())
@@ -264,7 +288,8 @@ def make_graphed_blocks(
                          "unfused (exact_gelu=True or MLP dropout), and that recompute uses activation "
                          "checkpointing, which a captured graph cannot hold; "
                          "fp8vit.set_mlp_recompute(model, False) for them, or do not graph this model")
-    if "forward" in vars(blocks):
+    targets = tuple(blocks) if per_block else (blocks,)  # the modules whose forward gets graphed
+    if any("forward" in vars(t) for t in targets):
         raise ValueError("make_graphed_blocks: model.blocks is already graphed (or its forward is "
                          "patched); call release() on the earlier result first")
     te_recipe = None
@@ -274,33 +299,80 @@ def make_graphed_blocks(
             raise FP8UnavailableError(f"make_graphed_blocks(fp8=True): FP8 cannot run here: {info.fp8.reason}; "
                                       "pass fp8=False to graph the blocks in bf16")
         te_recipe = resolve_recipe(recipe, info.recipes)
-    if tokens is None:
-        tokens = model.patch_embed.num_patches + getattr(model, "num_prefix_tokens", 0)
-    shape = (batch_size, tokens, model.embed_dim)
-    in_dtype = model.pos_embed.dtype if getattr(model, "pos_embed", None) is not None else param.dtype
-
-    sample = torch.randn(shape, device=param.device, dtype=in_dtype, requires_grad=True)
+    call_kwargs: dict = {}
+    if per_block:
+        # The model calls each block itself, with keyword inputs (EVA: rope=the RoPE table): see
+        # what it passes, on one image, and capture each block with those inputs.
+        x_seen, call_kwargs = _first_block_call(model, blocks[0], param.device)
+        shape = (batch_size, *(x_seen[1:] if tokens is None else (tokens, x_seen[-1])))
+        in_dtype = x_seen.dtype if isinstance(x_seen, torch.Tensor) else param.dtype
+    else:
+        if tokens is None:
+            tokens = model.patch_embed.num_patches + getattr(model, "num_prefix_tokens", 0)
+        shape = (batch_size, tokens, model.embed_dim)
+        in_dtype = model.pos_embed.dtype if getattr(model, "pos_embed", None) is not None else param.dtype
+    samples = tuple((torch.randn(shape, device=param.device, dtype=in_dtype, requires_grad=True),)
+                    for _ in targets)
+    tensor_kwargs = tuple({k: v.clone() for k, v in call_kwargs.items() if isinstance(v, torch.Tensor)}
+                          for _ in targets)
+    call_spec = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for k, v in call_kwargs.items()}
     was_training = blocks.training
     blocks.train()
     norm = _te.cudnn_norm(True) if cudnn_layernorm else contextlib.nullcontext()
     # fp8vit's blocks only: their TE modules' weights are known to reach the GEMMs as is.
-    te_blocks = [m for m in blocks.modules() if isinstance(m, TE_Block)]
+    te_blocks = [m for m in blocks.modules() if isinstance(m, FP8Block)]
     wgrad = _te.wgrad_into_main_grad(te_blocks) if fused_wgrad else contextlib.nullcontext(())
     # no cached casts inside a graph:
     with norm, wgrad as main_grad_weights, torch.autocast("cuda", dtype=dtype, cache_enabled=False):
         try:
-            grads_alias = _te.make_graphed_callables(blocks, (sample,), fp8=fp8, recipe=te_recipe,
-                                                     num_warmup_iters=num_warmup_iters)
+            grads_alias = _te.make_graphed_callables(targets, samples, fp8=fp8, recipe=te_recipe,
+                                                     num_warmup_iters=num_warmup_iters,
+                                                     sample_kwargs=tensor_kwargs if per_block else None)
         except BaseException:
             _te.release_main_grad(main_grad_weights)
             raise
     blocks.train(was_training)
-    graphed = vars(blocks).pop("forward")  # TE installed it on the instance; ours wraps it
+    graphed = [vars(t).pop("forward") for t in targets]  # TE installed them on the instances; ours wrap them
     main_grad_weights = tuple(main_grad_weights)
-    handle = GraphedBlocks(shape=shape, input_dtype=in_dtype, autocast_dtype=dtype,
+    handle = GraphedBlocks(shape=tuple(shape), input_dtype=in_dtype, autocast_dtype=dtype,
                            recipe_name=recipe_name(te_recipe) if fp8 else None,
-                           fused_wgrad=bool(main_grad_weights), _blocks=blocks,
-                           _switches=_switches(blocks), _main_grad_weights=main_grad_weights)
-    params = tuple(p for p in blocks.parameters() if p.requires_grad) if grads_alias or main_grad_weights else ()
-    blocks.forward = _Dispatch(handle, graphed, blocks.forward, params, main_grad_weights, grads_alias)
+                           fused_wgrad=bool(main_grad_weights), per_block=per_block, call_kwargs=call_spec,
+                           _blocks=blocks, _patched=targets, _switches=_switches(blocks),
+                           _main_grad_weights=main_grad_weights)
+    for t, g in zip(targets, graphed):
+        params = tuple(p for p in t.parameters() if p.requires_grad) if grads_alias or main_grad_weights else ()
+        mine = set(map(id, t.parameters()))
+        weights = tuple(w for w in main_grad_weights if id(w) in mine)
+        t.forward = _Dispatch(handle, g, t.forward, params, weights, grads_alias)
     return handle
+
+
+class _SeenCall(Exception):
+    """Raised by the hook of :func:`_first_block_call` once it has seen the block's inputs."""
+
+
+def _first_block_call(model: nn.Module, block: nn.Module, device) -> Tuple[torch.Tensor, dict]:
+    """The input and keyword arguments ``model`` passes to ``block``, from a forward of one random
+    image (stopped at the block, nothing after it runs)."""
+    seen = {}
+
+    def hook(mod, args, kwargs):
+        seen["x"], seen["kwargs"] = args[0].detach(), {k: (v.detach() if isinstance(v, torch.Tensor) else v)
+                                                        for k, v in kwargs.items()}
+        raise _SeenCall
+
+    pe = getattr(model, "patch_embed", None)
+    size = tuple(getattr(pe, "img_size", None) or (224, 224))
+    chans = getattr(model, "in_chans", 3)
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(torch.randn(1, chans, *size, device=device, dtype=next(model.parameters()).dtype))
+    except _SeenCall:
+        pass
+    finally:
+        handle.remove()
+    if "x" not in seen:
+        raise ValueError(f"make_graphed_blocks: a forward of {type(model).__name__} never called "
+                         f"{type(block).__name__} model.blocks[0]")
+    return seen["x"], seen["kwargs"]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["LayerNormLinear", "Linear", "LayerNormMLP", "DotProductAttention", "ACTIVATIONS",
-           "modules"]
+           "rope", "modules"]
 
 # TE activation kernel name -> the same function in PyTorch.
 ACTIVATIONS = {
@@ -147,6 +147,22 @@ class DotProductAttention(nn.Module):
             dropout_p=self.attention_dropout if self.training else 0.0, scale=self.softmax_scale)
         B, H, N, D = o.shape
         return o.transpose(1, 2).reshape(B, N, H * D)
+
+
+def rope(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """TE's fused RoPE (``_te.fused_rope``): ``t`` ``[B, N, H, D]``, ``angles`` ``[N, 1, 1, D]``.
+
+    ``t * cos + rot(t) * sin`` in fp32, cast back to ``t``'s dtype; ``rot`` maps channel pairs
+    ``(2i, 2i+1)`` (interleaved) or ``(i, i + D/2)`` to ``(-second, first)``.
+    """
+    a = angles[:, 0, 0, :]  # [N, D] -> broadcast over [B, N, H, D] as [N, 1, D]
+    cos, sin = torch.cos(a)[:, None, :], torch.sin(a)[:, None, :]
+    if interleaved:
+        rot = torch.stack([-t[..., 1::2], t[..., ::2]], dim=-1).reshape(t.shape)
+    else:
+        t1, t2 = t.chunk(2, dim=-1)
+        rot = torch.cat([-t2, t1], dim=-1)
+    return (t.float() * cos + rot.float() * sin).to(t.dtype)
 
 
 def modules() -> types.SimpleNamespace:

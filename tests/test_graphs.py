@@ -13,7 +13,7 @@ def _vit():
 
 
 def test_needs_a_vit_with_sequential_blocks():
-    with pytest.raises(ValueError, match="Linear has no nn.Sequential .blocks."):
+    with pytest.raises(ValueError, match="Linear has no nn.Sequential or nn.ModuleList .blocks."):
         fp8vit.make_graphed_blocks(torch.nn.Linear(4, 4), 8)
 
 

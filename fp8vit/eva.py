@@ -1,0 +1,435 @@
+"""``TE_EvaBlock``: timm's ``EvaBlock`` (EVA02, EVA-CLIP, Perception Encoder, the RoPE ViTs, DINOv3,
+...) built from Transformer Engine modules.
+
+    x [B, N, C] --+-- qkv: norm1 + Linear (fused) -> [B, N, 3, H, D] -> q_norm/k_norm
+                  |   -> RoPE on q and k of the patch tokens (TE's fused kernel) -> DotProductAttention (bshd)
+                  |   -> [B, N, H*D] -> (inner norm +) proj -> gamma_1 -> drop_path1
+                  +-- (+) -> mlp: norm2 fused into fc1; GELU, SwiGLU or GLU; optional norm before fc2
+                  |   -> gamma_2 -> drop_path2 -> (+)
+
+What differs from the classic ViT block (``block.py``), and how it is kept exact:
+
+* EVA's attention has q and v biases but no k bias (``EvaAttention``: a zero buffer). TE's fused QKV
+  GEMM takes one ``[3A]`` bias; its k third is held at zero: it starts at zero and its gradient is
+  zeroed before it reaches the parameter (with RoPE a k bias would not cancel in the softmax, so
+  training it would change the model).
+* RoPE: timm passes one table ``[N_patch, 2D]`` (sin, cos) to every block; it rotates q and k of the
+  patch tokens only. TE's fused RoPE kernel takes angles ``[N, 1, 1, D]``; the table becomes angles
+  with zero angles for the prefix (class/register) tokens, which the kernel then leaves exactly as
+  they are. Interleaved pairs (timm's default) and rotate-half (``rotate_half=True``) both map to
+  the kernel. Other tables (per head, per batch: mixed RoPE, patch dropout) run timm's own RoPE code.
+* timm's separate ``q_proj``/``k_proj``/``v_proj`` (``qkv_fused=False``) become the one fused GEMM:
+  their weights are concatenated in timm's ``(q, k, v)`` order, exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from timm.layers import DropPath
+from timm.layers.attention import AttentionRope
+from timm.layers.pos_embed_sincos import apply_rot_embed_cat
+from timm.models.eva import EvaAttention, EvaBlock
+from torch import nn
+
+try:
+    from timm.layers import register_notrace_module
+except ImportError:  # timm < 1.0 keeps it with the FX helpers
+    from timm.models._features_fx import register_notrace_module
+
+from .config import resolve_norm
+from .layers import FP8Block, SplitQKV, aligned_rows
+from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties
+from .weights import Tie, convert_state
+
+__all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "rope_angles"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaBlockConfig:
+    """A timm ``EvaBlock``'s settings in the form ``TE_EvaBlock`` builds from.
+
+    Attributes:
+        dim: channels ``C``.
+        num_heads, head_dim: attention heads ``H`` and their width ``D`` (``H * D`` may differ
+            from ``C``: timm's ``attn_head_dim``).
+        qkv_bias: ``"none"``, ``"qv"`` (EVA: q and v biases, k held at zero) or ``"qkv"``.
+        qkv_fused: timm holds one ``qkv`` Linear (True) or ``q_proj``/``k_proj``/``v_proj``.
+        attn_type: ``"eva"`` (``EvaAttention``) or ``"rope"`` (``AttentionRope``).
+        proj_bias: the output projection has a bias.
+        qk_norm: q and k are normalized per head (timm's ``q_norm``/``k_norm`` modules kept).
+        inner_norm: a norm over ``H * D`` before proj (timm's ``scale_attn_inner``), fused into proj.
+        rotate_half: RoPE rotates the two halves of each head (else interleaved pairs).
+        num_prefix_tokens: leading tokens RoPE leaves alone (class and register tokens).
+        attn_drop, proj_drop, drop_path: dropout rates as in timm.
+        layer_scale: whether ``gamma_1`` / ``gamma_2`` exist (LayerScale on attention / MLP).
+        norm, norm_eps: the block's norms (norm1, norm2, the inner norms): TE name and eps.
+        mlp: the MLP (``fp8vit.mlp``).
+    """
+
+    dim: int
+    num_heads: int
+    head_dim: int
+    qkv_bias: str
+    qkv_fused: bool
+    attn_type: str
+    proj_bias: bool
+    qk_norm: bool
+    inner_norm: bool
+    rotate_half: bool
+    num_prefix_tokens: int
+    attn_drop: float
+    proj_drop: float
+    drop_path: float
+    layer_scale: Tuple[bool, bool]
+    norm: str
+    norm_eps: float
+    mlp: MlpConfig
+
+    @property
+    def attn_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+def _reject(block: nn.Module, what: str) -> None:
+    raise ValueError(f"{type(block).__name__} with {what} cannot be converted to TE_EvaBlock")
+
+
+def eva_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> EvaBlockConfig:
+    """Read the settings of a built timm ``EvaBlock``.
+
+    Raises:
+        ValueError: a part of the block TE_EvaBlock does not implement, named.
+    """
+    if type(block) is not EvaBlock:
+        _reject(block, f"class {type(block).__module__}.{type(block).__name__} (only timm's pre-norm EvaBlock)")
+    attn = block.attn
+    if not isinstance(attn, (EvaAttention, AttentionRope)):
+        _reject(block, f"attn of type {type(attn).__name__} (EvaAttention or AttentionRope)")
+    if getattr(attn, "gate", None) is not None:
+        _reject(block, "a gated attention output (gated_attn=True)")
+    if getattr(attn, "num_kv_heads", attn.num_heads) != attn.num_heads:
+        _reject(block, f"grouped-query attention (num_kv_heads={attn.num_kv_heads}, num_heads={attn.num_heads})")
+    if not isinstance(attn.attn_drop, nn.Dropout) or not isinstance(attn.proj_drop, nn.Dropout):
+        _reject(block, "attention dropout modules other than nn.Dropout")
+    norm, eps = resolve_norm(lambda d, **kw: _same_norm(block.norm1), block.norm1.weight.shape[0])
+    for name in ("norm2",):
+        n2, e2 = resolve_norm(lambda d, **kw: _same_norm(getattr(block, name)), block.norm1.weight.shape[0])
+        if (n2, e2) != (norm, eps):
+            _reject(block, f"norm1 {norm}(eps={eps}) and {name} {n2}(eps={e2}) that differ")
+    dim = block.norm1.weight.shape[0]
+    if attn.qkv is not None:
+        fused = True
+        if isinstance(attn, EvaAttention):
+            qkv_bias = "none" if attn.q_bias is None else "qv"
+        else:
+            qkv_bias = "none" if attn.qkv.bias is None else "qkv"
+    else:
+        fused = False
+        has = [getattr(attn, p).bias is not None for p in ("q_proj", "k_proj", "v_proj")]
+        qkv_bias = {(False, False, False): "none", (True, False, True): "qv", (True, True, True): "qkv"}.get(tuple(has))
+        if qkv_bias is None:
+            _reject(block, f"q/k/v biases {has}")
+    inner = not isinstance(attn.norm, nn.Identity)
+    if inner:
+        _check_norm(block, "attn.norm", attn.norm, norm, eps)
+    qk_norm = not isinstance(attn.q_norm, nn.Identity)
+    if qk_norm:
+        for name in ("q_norm", "k_norm"):
+            if not isinstance(getattr(attn, name), nn.Module):
+                _reject(block, f"attn.{name} that is not a module")
+    g1, g2 = getattr(block, "gamma_1", None), getattr(block, "gamma_2", None)
+    dp = block.drop_path1.drop_prob if isinstance(block.drop_path1, DropPath) else 0.0
+    return EvaBlockConfig(
+        dim=dim, num_heads=attn.num_heads, head_dim=attn.head_dim, qkv_bias=qkv_bias, qkv_fused=fused,
+        attn_type="eva" if isinstance(attn, EvaAttention) else "rope",
+        proj_bias=attn.proj.bias is not None, qk_norm=qk_norm, inner_norm=inner,
+        rotate_half=bool(getattr(attn, "rotate_half", False)), num_prefix_tokens=int(attn.num_prefix_tokens),
+        attn_drop=float(attn.attn_drop.p), proj_drop=float(attn.proj_drop.p), drop_path=float(dp),
+        layer_scale=(g1 is not None, g2 is not None), norm=norm, norm_eps=eps,
+        mlp=mlp_config_from_timm(block.mlp, exact_gelu=exact_gelu))
+
+
+def _same_norm(module: nn.Module) -> nn.Module:
+    """``resolve_norm`` instantiates a constructor; hand it the built norm itself."""
+    return module
+
+
+def _check_norm(block, name: str, module: nn.Module, norm: str, eps: float) -> None:
+    got = resolve_norm(lambda d, **kw: module, module.weight.shape[0])
+    if got != (norm, eps):
+        _reject(block, f"{name} {got[0]}(eps={got[1]}) unlike norm1 {norm}(eps={eps})")
+
+
+def _ties(cfg: EvaBlockConfig) -> List[Tie]:
+    """timm ``EvaBlock`` tensors <-> ``TE_EvaBlock`` tensors (names relative to the block)."""
+    ties = [Tie("qkv.layer_norm_weight", ("norm1.weight",))]
+    if cfg.norm == "LayerNorm":
+        ties.append(Tie("qkv.layer_norm_bias", ("norm1.bias",)))
+    if cfg.qkv_fused:
+        ties.append(Tie("qkv.weight", ("attn.qkv.weight",)))
+    else:  # timm's (q, k, v) row order is the fused GEMM's
+        ties.append(Tie.cat("qkv.weight", ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight")))
+    if cfg.qkv_bias == "qkv":
+        ties.append(Tie("qkv.bias", ("attn.qkv.bias",)) if cfg.qkv_fused else
+                    Tie.cat("qkv.bias", ("attn.q_proj.bias", "attn.k_proj.bias", "attn.v_proj.bias")))
+    elif cfg.qkv_bias == "qv":  # k's third is held at zero (see the module docstring)
+        names = ("attn.q_bias", None, "attn.v_bias") if cfg.qkv_fused else ("attn.q_proj.bias", None, "attn.v_proj.bias")
+        ties.append(Tie.cat("qkv.bias", names))
+    if cfg.qk_norm:
+        for t in ("q_norm", "k_norm"):
+            ties.append(Tie(f"{t}.weight", (f"attn.{t}.weight",)))
+            if cfg.norm == "LayerNorm":
+                ties.append(Tie(f"{t}.bias", (f"attn.{t}.bias",)))
+    if cfg.inner_norm:
+        ties.append(Tie("proj.layer_norm_weight", ("attn.norm.weight",)))
+        if cfg.norm == "LayerNorm":
+            ties.append(Tie("proj.layer_norm_bias", ("attn.norm.bias",)))
+    ties.append(Tie("proj.weight", ("attn.proj.weight",)))
+    if cfg.proj_bias:
+        ties.append(Tie("proj.bias", ("attn.proj.bias",)))
+    for i, on in enumerate(cfg.layer_scale, start=1):
+        if on:
+            ties.append(Tie(f"gamma_{i}", (f"gamma_{i}",)))
+    return ties + mlp_ties(cfg.mlp, timm_prefix="mlp.", te_prefix="mlp.", norm_prefix="norm2.",
+                           norm=cfg.norm)
+
+
+def rope_angles(rope: torch.Tensor, num_tokens: int, num_prefix_tokens: int) -> Optional[torch.Tensor]:
+    """timm's RoPE table -> TE's fused-RoPE angles ``[N, 1, 1, D]`` (fp32), or None if the table has
+    another form (per head, per batch) that the kernel cannot take.
+
+    Args:
+        rope: ``[N_patch, 2 * D]``, ``cat(sin, cos)`` per patch token and channel (timm's
+            ``apply_rot_embed_cat`` convention; interleaved or rotate-half is in the layout of the
+            channels, which TE reads the same way per channel).
+        num_tokens: ``N``, all tokens of the block input.
+        num_prefix_tokens: leading tokens without RoPE: they get angle 0, which the kernel applies
+            as ``x * 1 + rot(x) * 0 = x``, exactly.
+    """
+    if rope.dim() != 2 or rope.shape[0] + num_prefix_tokens != num_tokens:
+        return None
+    sin, cos = rope.float().chunk(2, dim=-1)
+    angles = torch.atan2(sin, cos)  # [N_patch, D]
+    if num_prefix_tokens:
+        angles = torch.cat([angles.new_zeros(num_prefix_tokens, angles.shape[1]), angles])
+    return angles[:, None, None, :].contiguous()
+
+
+class _ZeroKBiasGrad:
+    """Tensor hook on the fused QKV bias ``[3A]``: the k third's gradient is zero (EVA has no k bias).
+    An object, not a closure, so that the module pickles."""
+
+    def __init__(self, attn_dim: int):
+        self.attn_dim = attn_dim
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad[self.attn_dim: 2 * self.attn_dim] = 0
+        return grad
+
+
+class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
+    """timm's ``EvaBlock`` on Transformer Engine, built from a timm block (:meth:`from_timm`).
+
+    Same contract as ``TE_Block``: weights exact both ways (:meth:`from_timm` / :meth:`to_timm`),
+    every option honoured or rejected by name, any batch under FP8 (token rows padded), activation
+    checkpointing, MLP recompute, FP8 off per block, diagnostics and guards.
+
+    Args:
+        cfg: the block's settings (:func:`eva_config_from_timm`).
+        timm_skeleton: the timm block on the meta device, kept to rebuild it in :meth:`to_timm`.
+        device, dtype: where and how parameters are built.
+        backend: ``"te"``, ``"reference"`` or None (automatic).
+        fp32_residual: keep the residual stream in fp32 under autocast (timm's behaviour).
+        q_norm, k_norm: timm's per-head q/k norm modules (moved in, not copied), if ``cfg.qk_norm``.
+    """
+
+    def __init__(self, cfg: EvaBlockConfig, *, timm_skeleton: nn.Module, device=None,
+                 dtype: Optional[torch.dtype] = None, backend: Optional[str] = None,
+                 fp32_residual: bool = False, q_norm: Optional[nn.Module] = None,
+                 k_norm: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self._init_switches(backend, fp32_residual)
+        object.__setattr__(self, "_timm_skeleton", timm_skeleton)  # not a submodule: no params, no state
+        m = self._impl.modules
+        device = self._impl.default_device if device is None else device
+        dd = {"device": device, "params_dtype": dtype}  # TE's keyword names
+        tdd = {"device": device, "dtype": dtype}  # torch's
+        A = cfg.attn_dim
+        self.qkv = m.LayerNormLinear(cfg.dim, 3 * A, eps=cfg.norm_eps, bias=cfg.qkv_bias != "none",
+                                     normalization=cfg.norm, **dd)
+        self.q_norm = q_norm if cfg.qk_norm else nn.Identity()
+        self.k_norm = k_norm if cfg.qk_norm else nn.Identity()
+        self.attn = m.DotProductAttention(cfg.num_heads, cfg.head_dim, attention_dropout=cfg.attn_drop,
+                                          qkv_format="bshd", attn_mask_type="no_mask")
+        if cfg.inner_norm:  # timm's attn.norm over H*D, fused into proj
+            self.proj = m.LayerNormLinear(A, cfg.dim, eps=cfg.norm_eps, bias=cfg.proj_bias,
+                                          normalization=cfg.norm, **dd)
+        else:
+            self.proj = m.Linear(A, cfg.dim, bias=cfg.proj_bias, **dd)
+        self.proj_drop = nn.Dropout(cfg.proj_drop)
+        self.gamma_1 = nn.Parameter(torch.ones(cfg.dim, **tdd)) if cfg.layer_scale[0] else None
+        self.drop_path1 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
+        self.mlp = build_mlp(cfg.mlp, norm=cfg.norm, norm_eps=cfg.norm_eps, modules=m, dd=dd, tdd=tdd)
+        self.gamma_2 = nn.Parameter(torch.ones(cfg.dim, **tdd)) if cfg.layer_scale[1] else None
+        self.drop_path2 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
+        self._k_bias_hooked = None  # the bias Parameter the k-gradient hook sits on
+
+    # ------------------------------------------------------------------ timm interop
+    @classmethod
+    def from_timm(cls, block: nn.Module, *, exact_gelu: bool = False, backend: Optional[str] = None,
+                  fp32_residual: bool = False) -> "TE_EvaBlock":
+        """A ``TE_EvaBlock`` with the settings, weights, device, dtype, ``requires_grad`` flags and
+        mode of a timm ``EvaBlock``.
+
+        Raises:
+            ValueError: a part of ``block`` that TE_EvaBlock does not implement, named.
+        """
+        cfg = eva_config_from_timm(block, exact_gelu=exact_gelu)
+        ref = block.norm1.weight
+        attn = block.attn
+        qn = copy.deepcopy(attn.q_norm) if cfg.qk_norm else None
+        kn = copy.deepcopy(attn.k_norm) if cfg.qk_norm else None
+        new = cls(cfg, timm_skeleton=copy.deepcopy(block).to("meta"), device=ref.device, dtype=ref.dtype,
+                  backend=backend, fp32_residual=fp32_residual, q_norm=qn, k_norm=kn)
+        new.load_timm_state_dict(block.state_dict())
+        _carry_requires_grad(dict(block.named_parameters()), dict(new.named_parameters()), _ties(cfg), to_te=True)
+        return new.train(block.training)
+
+    def load_timm_state_dict(self, sd) -> None:
+        """Load a timm ``EvaBlock`` state dict (keys relative to the block) exactly.
+
+        Raises:
+            ValueError: keys that do not match this block's configuration, listed.
+        """
+        res = self.load_state_dict(convert_state(sd, _ties(self.cfg), to_te=True, what="timm -> TE"), strict=False)
+        missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
+        if missing or res.unexpected_keys:
+            raise ValueError(f"TE_EvaBlock: tensors not set {missing}, unknown {res.unexpected_keys}")
+
+    def to_timm(self) -> nn.Module:
+        """The equivalent timm ``EvaBlock`` (same weights, device, dtype, ``requires_grad`` flags,
+        mode). FP8 scaling state is dropped."""
+        ref = self.qkv.weight
+        block = copy.deepcopy(self._timm_skeleton).to_empty(device=ref.device)
+        sd = convert_state(self.state_dict(), _ties(self.cfg), to_te=False, what="TE -> timm")
+        block.load_state_dict(sd, strict=True)
+        init = getattr(block.attn, "init_non_persistent_buffers", None)
+        if init is not None:  # EvaAttention's zero k_bias buffer is not in the state dict
+            init()
+        _carry_requires_grad(dict(self.named_parameters()), dict(block.named_parameters()), _ties(self.cfg),
+                             to_te=False)
+        return block.train(self.training)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = None,
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
+        """Args:
+            x: tokens ``[B, N, C]``.
+            rope: timm's RoPE table for the patch tokens (``[N - prefix, 2 * D]`` from ``Eva``), or None.
+            attn_mask: optional boolean mask broadcastable to ``[B, H, N, N]``, True where a query
+                may attend to a key (timm's convention).
+            is_causal: causal attention, as in timm.
+
+        Returns:
+            ``[B, N, C]``, in the autocast dtype under autocast unless ``fp32_residual``.
+        """
+        if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
+            raise ValueError(f"TE_EvaBlock expects x of shape [B, N, {self.cfg.dim}], got {tuple(x.shape)}")
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            raise ValueError(f"TE_EvaBlock supports boolean attn_mask only (True = attend), got "
+                             f"{attn_mask.dtype}: TE has no additive-mask attention kernel")
+        if attn_mask is not None and is_causal:
+            raise ValueError("pass either attn_mask or is_causal=True to TE_EvaBlock, not both")
+        self._hook_k_bias()
+        return self._dispatch(x, rope, attn_mask, is_causal)
+
+    def _hook_k_bias(self) -> None:
+        # On the parameter object in use now: .to(), load_state_dict keep it; deepcopy, pickling or
+        # a sharding wrapper give a new one, which gets its hook here.
+        bias = self.qkv.bias if self.cfg.qkv_bias == "qv" else None
+        if bias is not None and bias is not self._k_bias_hooked and bias.requires_grad:
+            bias.register_hook(_ZeroKBiasGrad(self.cfg.attn_dim))
+            self._k_bias_hooked = bias
+
+    def _forward(self, x, rope, attn_mask, is_causal, mult: int, gelu_gemm: bool):
+        x = self._stream(x)
+        a = self._attention(x, rope, attn_mask, is_causal, mult)
+        if self.gamma_1 is not None:
+            a = self.gamma_1 * a
+        x = x + self._residual(self.drop_path1(a), x)
+        h = self._run_mlp(self.mlp, x, mult, gelu_gemm, fused=self.cfg.mlp.fused)
+        if self.gamma_2 is not None:
+            h = self.gamma_2 * h
+        return x + self._residual(self.drop_path2(h), x)
+
+    def _attention(self, x, rope, attn_mask, is_causal, mult: int):
+        B, N, _ = x.shape
+        c = self.cfg
+        qkv = aligned_rows(self.qkv, x, mult).view(B, N, 3, c.num_heads, c.head_dim)  # timm's order
+        q, k, v = SplitQKV.apply(qkv)  # each [B, N, H, D] (TE's "bshd"), views of qkv
+        if c.qk_norm:
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
+        if rope is not None:
+            q, k = self._rope(q, k, rope)
+        mask_kw = {}
+        if attn_mask is not None:
+            mask = attn_mask
+            while mask.dim() < 4:
+                mask = mask.unsqueeze(0)
+            mask_kw = {"attention_mask": ~mask, "attn_mask_type": "arbitrary"}  # TE: True = masked out
+        elif is_causal:
+            mask_kw = {"attn_mask_type": "causal"}
+        o = self._impl.attention(self.attn, q, k, v, **mask_kw)  # [B, N, H*D]
+        return self.proj_drop(aligned_rows(self.proj, o, mult))
+
+    def _rope(self, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor):
+        """RoPE on q and k ``[B, N, H, D]`` of the patch tokens, as timm's ``apply_rot_embed_cat``."""
+        c = self.cfg
+        angles = rope_angles(rope, q.shape[1], c.num_prefix_tokens)
+        if angles is not None:
+            interleaved = not c.rotate_half
+            return (self._impl.rope(q, angles, interleaved=interleaved),
+                    self._impl.rope(k, angles, interleaved=interleaved))
+        # Another table form (mixed RoPE per head, per batch after patch dropout): timm's own code,
+        # on timm's [B, H, N, D] layout.
+        npt = c.num_prefix_tokens
+
+        def one(t):
+            t = t.transpose(1, 2)
+            t = torch.cat([t[:, :, :npt], apply_rot_embed_cat(t[:, :, npt:], rope, half=c.rotate_half)], dim=2)
+            return t.transpose(1, 2).to(v_dtype).contiguous()
+
+        v_dtype = q.dtype
+        return one(q), one(k)
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (f"dim={c.dim}, heads={c.num_heads}x{c.head_dim}, attn={c.attn_type}, qkv_bias={c.qkv_bias}, "
+                f"mlp={c.mlp}, norm={c.norm}(eps={c.norm_eps}), backend={self.backend}")
+
+
+def _carry_requires_grad(src: Dict[str, nn.Parameter], dst: Dict[str, nn.Parameter], ties: List[Tie],
+                         to_te: bool) -> None:
+    """Frozen parameters stay frozen across a conversion (parts of one fused tensor must agree)."""
+    for tie in ties:
+        parts = [n for n in tie.timm if n is not None and n in (src if to_te else dst)]
+        if to_te:
+            flags = {src[n].requires_grad for n in parts}
+            if len(flags) > 1:
+                raise ValueError(f"{', '.join(parts)} are fused into {tie.te} but only some of them are frozen; "
+                                 "freeze all or none of them")
+            if tie.te in dst and flags:
+                dst[tie.te].requires_grad_(flags.pop())
+        elif tie.te in src:
+            for n in parts:
+                dst[n].requires_grad_(src[tie.te].requires_grad)
+
+
+# A TE_EvaBlock is one leaf for timm's FX feature extraction (TE's modules cannot be traced).
+register_notrace_module(TE_EvaBlock)

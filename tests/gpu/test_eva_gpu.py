@@ -1,0 +1,165 @@
+"""TE_EvaBlock on the GPU: TE's fused RoPE kernel against timm's RoPE, FP8 off against timm (tight),
+FP8 against bf16 by SNR, any batch size under FP8, the k bias held at zero through FP8 training.
+
+Tolerances as in test_block_gpu.py (fp32: different kernels, 2e-3 of the output's max) and
+test_fp8_gpu.py (logits >= 20 dB, weight gradients >= 12 dB).
+"""
+
+import pytest
+import timm
+import torch
+from timm.layers.pos_embed_sincos import apply_rot_embed_cat
+
+import fp8vit
+from fp8vit import _te
+from fp8vit.eva import TE_EvaBlock, rope_angles
+from helpers import max_rel_err, rel_l2_err, snr_db
+
+pytestmark = pytest.mark.gpu
+
+# (timm name, overrides): EVA02 (q/v bias, separate q/k/v, SwiGLU + inner norm), the RoPE ViT
+# (AttentionRope, LayerScale, GELU MLP), DINOv3 (rotate-half RoPE, register tokens), EVA02-L's
+# padded SwiGLU hidden (int(72 * 8/3) = 191 -> 192).
+MODELS = {
+    "eva02_base_patch14_224": dict(embed_dim=256, num_heads=4),
+    "vit_base_patch16_rope_224": dict(embed_dim=256, num_heads=4),
+    "vit_small_patch16_dinov3": dict(embed_dim=256, num_heads=4),
+    "eva02_large_patch14_224": dict(embed_dim=144, num_heads=4),
+}
+
+
+def _model(name, depth=2):
+    torch.manual_seed(0)
+    m = timm.create_model(name, pretrained=False, depth=depth, num_classes=100, img_size=224, **MODELS[name])
+    with torch.no_grad():  # non-zero biases and LayerScale, so that every tensor counts
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return m.cuda()
+
+
+def _convert(model):
+    for i, blk in enumerate(model.blocks):
+        model.blocks[i] = TE_EvaBlock.from_timm(blk, backend="te")
+    return model
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_fused_rope_kernel_matches_timm_on_packed_views(interleaved):
+    torch.manual_seed(0)
+    B, npt, n_patch, H, D = 4, 1, 256, 4, 64
+    theta = torch.rand(n_patch, D // 2, device="cuda") * 6
+    theta = theta.repeat_interleave(2, -1) if interleaved else theta.repeat(1, 2)
+    table = torch.cat([theta.sin(), theta.cos()], -1)
+    qkv = torch.randn(B, npt + n_patch, 3, H, D, device="cuda", requires_grad=True)
+    q = qkv[:, :, 0]  # a strided view, as TE_EvaBlock hands it over
+    got = _te.fused_rope(q, rope_angles(table, npt + n_patch, npt), interleaved)
+    ref = q.transpose(1, 2)
+    ref = torch.cat([ref[:, :, :npt], apply_rot_embed_cat(ref[:, :, npt:], table, half=not interleaved)], 2)
+    ref = ref.transpose(1, 2)
+    print(f"interleaved={interleaved}: max rel err {max_rel_err(ref, got):.2e}")
+    assert torch.equal(got[:, :npt], q[:, :npt])
+    assert max_rel_err(ref, got) < 1e-5
+    g = torch.randn_like(got)
+    (dq_te,) = torch.autograd.grad(got, qkv, g)
+    (dq_ref,) = torch.autograd.grad(ref, qkv, g)
+    assert rel_l2_err(dq_ref, dq_te) < 1e-5
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fp32_logits_and_input_grad_match_timm(name):
+    model = _model(name).eval()
+    x = torch.randn(2, 3, 224, 224, device="cuda", requires_grad=True)
+    ref = model(x)
+    (dx_ref,) = torch.autograd.grad(ref.square().sum(), x)
+    te = _convert(model)
+    out = te(x)
+    (dx,) = torch.autograd.grad(out.square().sum(), x)
+    print(f"{name}: fp32 logits max rel err {max_rel_err(ref, out):.2e}, dx rel L2 {rel_l2_err(dx_ref, dx):.2e}")
+    assert max_rel_err(ref, out) < 2e-3 and rel_l2_err(dx_ref, dx) < 2e-3
+
+
+def _step(model, x, recipe, enabled=True):
+    model.zero_grad(set_to_none=True)
+    with fp8vit.fp8_context(recipe, enabled=enabled, strict=enabled):
+        out = model(x)
+    out.float().square().mean().backward()
+    return out.float().detach(), {k: p.grad.float().clone() for k, p in model.named_parameters()
+                                  if p.grad is not None}
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("batch", [16, 3])  # 3 x 257 rows: padded to a multiple of 16
+def test_fp8_snr_vs_bf16(name, recipe, batch):
+    model = _convert(_model(name)).train()
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    ref = _step(model, x, recipe, enabled=False)
+    _step(model, x, recipe)
+    test = _step(model, x, recipe)
+    snrs = {"logits": snr_db(ref[0], test[0])}
+    snrs.update({k: snr_db(ref[1][k], test[1][k]) for k in ref[1] if k.startswith("blocks.") and k.endswith("weight")})
+    worst = min(snrs, key=snrs.get)
+    print(f"{name} {recipe} batch {batch}: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB")
+    assert snrs["logits"] >= 20.0 and snrs[worst] >= 12.0
+
+
+def test_k_bias_stays_zero_under_fp8_training():
+    model = _convert(_model("eva02_base_patch14_224")).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, fused=True)
+    A = model.blocks[0].cfg.attn_dim
+    for _ in range(3):
+        with fp8vit.fp8_context("delayed"):
+            loss = model(torch.randn(8, 3, 224, 224, device="cuda")).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for b in model.blocks:
+        assert torch.count_nonzero(b.qkv.bias[A:2 * A]) == 0
+        assert torch.count_nonzero(b.qkv.bias[:A]) > 0
+
+
+def _eva_train(model, data, recipe):
+    import torch.nn.functional as F
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    losses = []
+    for x, y in data:
+        with fp8vit.fp8_context(recipe):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        losses.append(float(loss))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_per_block_graphs_train_like_eager(recipe):
+    # EVA's blocks sit in an nn.ModuleList and get the RoPE table as a keyword: one graph pair per
+    # block, the table a graph input. fused_wgrad=False: the graphs run the eager kernels exactly.
+    g = torch.Generator("cuda").manual_seed(1)
+    data = [(torch.randn(16, 3, 224, 224, device="cuda", generator=g),
+             torch.randint(0, 100, (16,), device="cuda", generator=g)) for _ in range(4)]
+    eager = _convert(_model("eva02_base_patch14_224", depth=3)).train()
+    graphed = _convert(_model("eva02_base_patch14_224", depth=3)).train()
+    handle = fp8vit.make_graphed_blocks(graphed, 16, recipe=recipe, fused_wgrad=False)
+    assert handle.per_block and handle.call_kwargs["rope"][0] == (256, 2 * 64)
+    le, lg = _eva_train(eager, data, recipe), _eva_train(graphed, data, recipe)
+    print(f"{recipe}: eager losses {le}, graphed {lg}")
+    assert handle.replays == len(data) * 3 and handle.eager_calls == 0
+    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
+        assert snr_db(a, b) > 40, n
+    A = graphed.blocks[0].cfg.attn_dim
+    assert all(torch.count_nonzero(b.qkv.bias[A:2 * A]) == 0 for b in graphed.blocks)
+
+
+def test_per_block_graphs_fall_back_on_another_rope_table():
+    from fp8vit import _warn
+    _warn._seen.clear()
+    model = _convert(_model("eva02_base_patch14_224", depth=2)).train()
+    handle = fp8vit.make_graphed_blocks(model, 16, fused_wgrad=False)
+    x = torch.randn(16, 257, 256, device="cuda")
+    rope = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)  # the capture saw fp32
+    with fp8vit.fp8_context(), pytest.warns(RuntimeWarning, match="rope is"):
+        model.blocks[0](x, rope=rope)
+    assert handle.eager_calls == 1

@@ -1,0 +1,181 @@
+"""TE_EvaBlock against timm's EvaBlock on the reference backend (CPU, fp32): logits, gradients,
+exact weights both ways, the held-at-zero k bias, RoPE with prefix tokens, every RoPE layout."""
+
+import copy
+
+import pytest
+import timm
+import torch
+from timm.models.eva import EvaBlock
+
+import fp8vit
+from fp8vit.eva import TE_EvaBlock, rope_angles
+from fp8vit.reference import rope as reference_rope
+
+# Small versions of the EVA-family models the issue names; each covers an option set:
+# q/v biases + separate q/k/v + SwiGLU with the inner norm (EVA02-B/L), packed SwiGLU (EVA02-T),
+# AttentionRope with a full qkv bias + LayerScale (RoPE ViT), per-head mixed RoPE (timm's
+# fallback path), rotate-half RoPE + register tokens + no qkv bias (DINOv3), the Perception
+# Encoder (pre-transformer norm, attention pooling), a scaled attention inner norm (EVA-CLIP-style).
+SMALL = dict(img_size=56, num_classes=5, depth=2)
+MODELS = {
+    "eva02_base_patch14_224": dict(embed_dim=64, num_heads=4),
+    # hidden int(72 * 4 * 2 / 3) = 191, not a multiple of 16 (like EVA02-L's 2730): padded exactly
+    "eva02_large_patch14_224": dict(embed_dim=72, num_heads=4),
+    "eva02_tiny_patch14_224": dict(embed_dim=48, num_heads=3),
+    "vit_base_patch16_rope_224": dict(embed_dim=64, num_heads=4),
+    "vit_base_patch16_rope_mixed_224": dict(embed_dim=64, num_heads=4),
+    "vit_small_patch16_dinov3": dict(embed_dim=64, num_heads=4),
+    "vit_pe_core_large_patch14_336": dict(embed_dim=64, num_heads=4, attn_pool_num_heads=4),
+    "eva02_base_patch14_224.scale_attn": dict(embed_dim=64, num_heads=4, scale_attn_inner=True),
+}
+
+
+def _model(key):
+    name = key.split(".")[0]
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, **SMALL, **MODELS[key]).eval()
+    with torch.no_grad():  # timm zero-inits biases and LayerScale is ~1e-5: make every tensor count
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _convert(model):
+    for i, blk in enumerate(model.blocks):
+        model.blocks[i] = TE_EvaBlock.from_timm(blk, backend="reference")
+    return model
+
+
+@pytest.mark.parametrize("key", list(MODELS))
+def test_logits_and_grads_match_timm(key):
+    model = _model(key)
+    x = torch.randn(2, 3, 56, 56)
+    ref = model(x)
+    ref.square().sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if not n.startswith("blocks.")}
+    ref_block_grads = [{n: p.grad.clone() for n, p in b.named_parameters()} for b in model.blocks]
+    te = _convert(copy.deepcopy(model))
+    te.zero_grad(set_to_none=True)
+    out = te(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.square().sum().backward()
+    for n, p in te.named_parameters():
+        if n in ref_grads:
+            torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-4, atol=1e-5, msg=n)
+    # block gradients, mapped back to timm's names through the block's own conversion
+    for blk, want in zip(te.blocks, ref_block_grads):
+        grads = {n: p.grad for n, p in blk.named_parameters()}
+        saved = {n: p.detach().clone() for n, p in blk.named_parameters()}
+        with torch.no_grad():  # push the gradients through the weight mapping like weights
+            for n, p in blk.named_parameters():
+                p.copy_(grads[n])
+        got = blk.to_timm().state_dict()
+        with torch.no_grad():
+            for n, p in blk.named_parameters():
+                p.copy_(saved[n])
+        for n, g in want.items():
+            torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("key", ["eva02_base_patch14_224", "vit_base_patch16_rope_224", "vit_small_patch16_dinov3"])
+def test_weights_round_trip_bit_exact(key):
+    model = _model(key)
+    for blk in model.blocks:
+        te = TE_EvaBlock.from_timm(blk, backend="reference")
+        back = te.to_timm()
+        assert type(back) is EvaBlock
+        want, got = blk.state_dict(), back.state_dict()
+        assert want.keys() == got.keys()
+        for k in want:
+            assert torch.equal(want[k], got[k]), k
+        if getattr(blk.attn, "k_bias", None) is not None:
+            assert torch.equal(back.attn.k_bias, torch.zeros_like(back.attn.k_bias))
+
+
+def test_k_bias_stays_zero_through_training_and_copies():
+    model = _model("eva02_base_patch14_224").train()
+    te = _convert(model)
+    blk = te.blocks[0]
+    A = blk.cfg.attn_dim
+    assert blk.cfg.qkv_bias == "qv"
+    opt = torch.optim.AdamW(te.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        if step == 1:  # a deep copy has new parameters: the k third must be held there too
+            te = copy.deepcopy(te)
+            opt = torch.optim.AdamW(te.parameters(), lr=1e-2, weight_decay=0.1)
+        te(torch.randn(2, 3, 56, 56)).square().mean().backward()
+        g = te.blocks[0].qkv.bias.grad
+        assert torch.count_nonzero(g[A:2 * A]) == 0 and torch.count_nonzero(g[:A]) > 0
+        opt.step()
+        opt.zero_grad()
+    for b in te.blocks:
+        assert torch.count_nonzero(b.qkv.bias[A:2 * A]) == 0
+
+
+def test_frozen_parameters_carried_both_ways():
+    model = _model("eva02_base_patch14_224")
+    blk = model.blocks[0]
+    for n in ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight", "norm1.weight"):
+        blk.get_parameter(n).requires_grad_(False)
+    te = TE_EvaBlock.from_timm(blk, backend="reference")
+    assert not te.qkv.weight.requires_grad and not te.qkv.layer_norm_weight.requires_grad
+    assert te.proj.weight.requires_grad
+    back = te.to_timm()
+    assert not back.attn.k_proj.weight.requires_grad and back.attn.proj.weight.requires_grad
+    blk.attn.k_proj.weight.requires_grad_(True)  # only some of the fused parts frozen: refused
+    with pytest.raises(ValueError, match="only some of them are frozen"):
+        TE_EvaBlock.from_timm(blk, backend="reference")
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_angles_reproduce_timm(interleaved):
+    """The angle table TE's kernel gets reproduces timm's sin/cos RoPE, prefix tokens untouched."""
+    from timm.layers.pos_embed_sincos import apply_rot_embed_cat
+
+    torch.manual_seed(0)
+    B, npt, n_patch, H, D = 2, 3, 10, 2, 8
+    theta = torch.rand(n_patch, D // 2) * 6
+    theta = theta.repeat_interleave(2, -1) if interleaved else theta.repeat(1, 2)
+    table = torch.cat([theta.sin(), theta.cos()], -1)  # [N_patch, 2D], timm's layout
+    x = torch.randn(B, npt + n_patch, H, D)
+    got = reference_rope(x, rope_angles(table, npt + n_patch, npt), interleaved)
+    want_patch = apply_rot_embed_cat(x[:, npt:].transpose(1, 2), table, half=not interleaved).transpose(1, 2)
+    assert torch.equal(got[:, :npt], x[:, :npt])
+    torch.testing.assert_close(got[:, npt:], want_patch, rtol=1e-6, atol=1e-6)
+    # the other pairing does not match: the layout flag matters
+    wrong = reference_rope(x, rope_angles(table, npt + n_patch, npt), not interleaved)
+    assert not torch.allclose(wrong[:, npt:], want_patch, atol=1e-3)
+
+
+def test_rope_angles_refuses_other_tables():
+    assert rope_angles(torch.zeros(4, 10, 16), 11, 1) is None  # per head
+    assert rope_angles(torch.zeros(9, 16), 11, 1) is None  # token count does not match
+
+
+def test_rejections_are_named():
+    model = timm.create_model("vit_base_patch16_rope_224", pretrained=False, embed_dim=64, num_heads=4,
+                              depth=1, img_size=32, gated_attn=True) if _has_kw("gated_attn") else None
+    if model is not None:
+        with pytest.raises(ValueError, match="gated"):
+            TE_EvaBlock.from_timm(model.blocks[0], backend="reference")
+    post = timm.create_model("eva02_tiny_patch14_224", pretrained=False, embed_dim=48, num_heads=3, depth=1,
+                             img_size=28, use_post_norm=True)
+    with pytest.raises(ValueError, match="EvaBlockPostNorm"):
+        TE_EvaBlock.from_timm(post.blocks[0], backend="reference")
+
+
+def _has_kw(name):
+    import inspect
+
+    from timm.models.eva import Eva
+    return name in inspect.signature(Eva.__init__).parameters
+
+
+def test_timm_block_keeps_no_skeleton_parameters():
+    blk = _model("vit_base_patch16_rope_224").blocks[0]
+    te = TE_EvaBlock.from_timm(blk, backend="reference")
+    names = {n for n, _ in te.named_parameters()}
+    assert not any("skeleton" in n for n in names)
+    assert sum(p.numel() for p in te.parameters()) == sum(p.numel() for p in blk.parameters())
+    assert isinstance(te, fp8vit.layers.FP8Block)
