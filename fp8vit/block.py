@@ -2,8 +2,9 @@
 
     x [B, N, C] --+-- qkv: LayerNorm+Linear (fused) -> [B, N, 3, H, D] -> q_norm/k_norm
                   |   -> DotProductAttention (bshd, no mask, bidirectional) -> [B, N, C]
-                  |   -> proj (Linear) -> ls1 -> drop_path1
-                  +-- (+) -> mlp: LayerNorm+fc1+act+fc2 (one LayerNormMLP) -> ls2 -> drop_path2 -> (+)
+                  |   -> proj (Linear; LayerNorm+Linear with scale_attn_norm) -> ls1 -> drop_path1
+                  +-- (+) -> mlp: LayerNorm+fc1+act+fc2 (one LayerNormMLP, or unfused: fp8vit.mlp)
+                             -> ls2 -> drop_path2 -> (+)
 
 Why not ``te.TransformerLayer``: its defaults are GPT's (causal mask, ``sbhd`` layout, dropout
 0.1, eps 1e-5), it has one bias flag for all GEMMs, no LayerScale, and it interleaves the QKV
@@ -17,10 +18,11 @@ import dataclasses
 import inspect
 import math
 import sys
+import weakref
 from typing import Optional
 
 import torch
-from timm.layers import DropPath, LayerScale, trunc_normal_
+from timm.layers import DropPath, LayerScale, Mlp, trunc_normal_
 from timm.models.vision_transformer import Block
 from torch import nn
 
@@ -29,9 +31,12 @@ try:
 except ImportError:  # timm < 1.0 keeps it with the FX helpers
     from timm.models._features_fx import register_notrace_module
 
+from ._warn import warn_once
 from .config import BlockConfig, config_from_timm_block
-from .layers import FP8Block, SplitQKV, UnfusedMLP, aligned_rows
-from .weights import name_pairs, te_to_timm, timm_to_te
+from .layers import FP8Block, SplitQKV, aligned_rows
+from .mlp import build_mlp, init_gates_like_timm_
+from .weights import (block_ties, name_pairs, te_requires_grad, te_to_timm, timm_requires_grad, timm_shapes,
+                      timm_to_te)
 
 __all__ = ["TE_Block"]
 
@@ -99,16 +104,18 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         self.k_norm = cfg.norm_layer(cfg.head_dim, **tdd) if cfg.qk_norm else nn.Identity()
         self.attn = m.DotProductAttention(cfg.num_heads, cfg.head_dim, attention_dropout=cfg.attn_drop,
                                           qkv_format="bshd", attn_mask_type="no_mask")
-        self.proj = m.Linear(cfg.dim, cfg.dim, bias=cfg.proj_bias, **dd)
+        if cfg.scale_attn_norm:  # BEiT3's norm over the attention output: fused into proj, exact
+            self.proj = m.LayerNormLinear(cfg.dim, cfg.dim, eps=cfg.norm_eps, bias=cfg.proj_bias,
+                                          normalization=cfg.norm, **dd)
+        else:
+            self.proj = m.Linear(cfg.dim, cfg.dim, bias=cfg.proj_bias, **dd)
         self.proj_drop = nn.Dropout(cfg.proj_drop)
         self.ls1 = LayerScale(cfg.dim, init_values=cfg.init_values, **tdd) if cfg.init_values else nn.Identity()
         self.drop_path1 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
 
-        if cfg.fused_mlp:
-            self.mlp = m.LayerNormMLP(cfg.dim, cfg.mlp_hidden, eps=cfg.norm_eps, bias=cfg.proj_bias,
-                                      normalization=cfg.norm, activation=cfg.te_activation, **dd)
-        else:
-            self.mlp = UnfusedMLP(cfg, m, dd)
+        built = build_mlp(cfg.mlp, cfg.norm, cfg.norm_eps, m, dd, tdd)
+        self.norm2 = built.norm  # None unless the MLP fuses a norm of its own (GeGluMlp)
+        self.mlp = built.mlp
         self.ls2 = LayerScale(cfg.dim, init_values=cfg.init_values, **tdd) if cfg.init_values else nn.Identity()
         self.drop_path2 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
         self._timm_aliases()
@@ -132,7 +139,7 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         new = cls.from_config(config_from_timm_block(block, exact_gelu=exact_gelu), device=ref.device,
                               dtype=ref.dtype, backend=backend, fp32_residual=fp32_residual)
         new.load_timm_state_dict(block.state_dict())
-        _copy_requires_grad(block, new, timm_to_te)
+        _copy_requires_grad(block, new, te_requires_grad, new.cfg)
         return new.train(block.training)
 
     def load_timm_state_dict(self, sd) -> None:
@@ -153,7 +160,7 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         ref = self.qkv.weight
         block = Block(**_installed_block_kwargs(self.cfg.timm_kwargs())).to(device=ref.device, dtype=ref.dtype)
         block.load_state_dict(te_to_timm(self.state_dict(), self.cfg), strict=True)
-        _copy_requires_grad(self, block, te_to_timm)
+        _copy_requires_grad(self, block, timm_requires_grad, self.cfg)
         return block.train(self.training)
 
     def init_weights(self, mode: Optional[str] = None) -> None:
@@ -169,16 +176,26 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         """
         if mode is None:
             mode = _TIMM_INIT_MODES.get(sys._getframe(1).f_code.co_name, "")
-        timm_names = {te: tm for tm, te in name_pairs(self.cfg)}
+        # Initialise timm-shaped tensors as timm does, then lay them out as TE's: concatenated
+        # GLU halves get each half's own fan-in/fan-out, padded units come out zero.
+        ties = block_ties(self.cfg)
+        params = dict(self.named_parameters())
+        holder = dict(name_pairs(ties))
         with torch.no_grad():
-            for name, p in self.named_parameters():
-                _init_like_timm(p, timm_names[name], mode, self.cfg.init_values)
+            timm_sd = {}
+            for name, shape in timm_shapes(ties, {k: p.shape for k, p in params.items()}).items():
+                ref = params[holder[name]]
+                timm_sd[name] = torch.empty(shape, device=ref.device, dtype=ref.dtype)
+                _init_like_timm(timm_sd[name], name, mode, self.cfg.init_values)
+            init_gates_like_timm_(timm_sd, self.cfg.mlp)  # GluMlp/SwiGLU.init_weights, as timm calls it
+            for name, t in timm_to_te(timm_sd, ties).items():
+                params[name].copy_(t)
 
     def _timm_aliases(self) -> None:
         """timm's ``fix_init_weight`` rescales ``attn.proj.weight`` and ``mlp.fc2.weight``: give it
         those names. Plain attributes, not submodules: no second copy in ``state_dict()``."""
         object.__setattr__(self.attn, "proj", self.proj)
-        if self.cfg.fused_mlp:
+        if self.cfg.fused_mlp:  # (padded: the zero columns stay zero under a rescale)
             object.__setattr__(self.mlp, "fc2", _WeightAlias(self.mlp, "fc2_weight"))
 
     # ------------------------------------------------------------------ forward
@@ -186,18 +203,27 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
                 is_causal: bool = False) -> torch.Tensor:
         """Args:
             x: tokens ``[B, N, C]``.
-            attn_mask: optional boolean mask broadcastable to ``[B, H, N, N]``, True where a query
-                may attend to a key (``scaled_dot_product_attention``'s convention, as timm).
+            attn_mask: optional mask broadcastable to ``[B, H, N, N]``: boolean, True where a
+                query may attend to a key (``scaled_dot_product_attention``'s convention, as
+                timm), or additive float (NaFlexViT's, ``[B, 1, N, N]`` or ``[B, 1, 1, N]``) whose
+                values are all 0 (attend) or masked (-inf, or at most half the dtype's most
+                negative value), taken as the boolean mask it is. A query whose keys are all
+                masked (NaFlexViT's padding tokens) gets an output no valid token sees: timm's
+                additive path averages every value there, a boolean mask gives zeros (reference)
+                or TE's choice.
             is_causal: causal attention, as in timm.
 
         Returns:
             ``[B, N, C]``, in the autocast dtype under autocast unless ``fp32_residual``.
+
+        Raises:
+            ValueError: a wrong ``x`` shape, a float mask with other values (TE has no
+                additive-bias attention kernel), or both a mask and ``is_causal``.
         """
         if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
             raise ValueError(f"TE_Block expects x of shape [B, N, {self.cfg.dim}], got {tuple(x.shape)}")
         if attn_mask is not None and attn_mask.dtype != torch.bool:
-            raise ValueError(f"TE_Block supports boolean attn_mask only (True = attend), got "
-                             f"{attn_mask.dtype}: TE has no additive-mask attention kernel")
+            attn_mask = _additive_to_bool(attn_mask)
         if attn_mask is not None and is_causal:
             raise ValueError("pass either attn_mask or is_causal=True to TE_Block, not both")
         return self._dispatch(x, attn_mask, is_causal)
@@ -205,7 +231,16 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
     def _forward(self, x, attn_mask, is_causal, mult: int, gelu_gemm: bool):
         x = self._stream(x)
         x = x + self._residual(self.drop_path1(self.ls1(self._attention(x, attn_mask, is_causal, mult))), x)
-        mlp = self._run_mlp(self.mlp, x, mult, gelu_gemm, fused=self.cfg.fused_mlp)
+        h = x if self.norm2 is None else self.norm2(x)
+        if mult > 1 and not self.cfg.mlp.fp8_widths_ok(mult):
+            # MXFP8 scales blocks of 32: an MLP whose widths are not multiples of it runs without FP8.
+            warn_once(f"fp8vit: {self.cfg.mlp.describe()} has widths that are not multiples of {mult}, "
+                      "which this FP8 recipe needs: that MLP runs with FP8 off (in the autocast dtype)",
+                      RuntimeWarning, stacklevel=2)
+            with self._impl.fp8_off():
+                mlp = self._run_mlp(self.mlp, h, 1, False, fused=self.cfg.fused_mlp)
+        else:
+            mlp = self._run_mlp(self.mlp, h, mult, gelu_gemm, fused=self.cfg.fused_mlp)
         x = x + self._residual(self.drop_path2(self.ls2(mlp)), x)
         return x
 
@@ -230,8 +265,9 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
 
     def extra_repr(self) -> str:
         c = self.cfg
-        return (f"dim={c.dim}, heads={c.num_heads}, mlp={c.mlp_hidden} ({c.te_activation or 'unfused'}), "
+        return (f"dim={c.dim}, heads={c.num_heads}, mlp={c.mlp.describe()}, "
                 f"norm={c.norm}(eps={c.norm_eps}), backend={self.backend}"
+                + (", scale_attn_norm=True" if c.scale_attn_norm else "")
                 + (", fp32_residual=True" if self.fp32_residual else "")
                 + (", recompute_mlp=True" if self.recompute_mlp else ""))
 
@@ -241,11 +277,12 @@ _TIMM_INIT_MODES = {"init_weights_vit_timm": "", "init_weights_vit_jax": "jax", 
 
 
 def _init_like_timm(p: torch.Tensor, timm_name: str, mode: str, init_values: Optional[float]) -> None:
-    """Initialise one ``TE_Block`` parameter as timm's init ``mode`` does its timm counterpart."""
+    """Initialise one timm-shaped tensor of a ``Block`` as timm's init ``mode`` does."""
     module, leaf = timm_name.rsplit(".", 1)
+    last = module.rsplit(".", 1)[-1]
     if leaf == "gamma":
         nn.init.constant_(p, init_values)
-    elif module.startswith("norm") or module.endswith("_norm"):
+    elif last.startswith("norm") or last.endswith("_norm"):  # norm1/2, attn.norm, q/k_norm, mlp.norm
         (nn.init.ones_ if leaf == "weight" else nn.init.zeros_)(p)
     elif leaf == "weight":  # a GEMM, [out, in]
         if mode.startswith("jax"):
@@ -282,9 +319,10 @@ register_notrace_module(TE_Block)
 
 def _installed_block_kwargs(kwargs: dict) -> dict:
     """Drop keywords the installed timm's ``Block`` lacks (``proj_bias`` before timm 1.0.10), if
-    they hold BlockConfig's default value; otherwise that timm cannot build this block."""
+    they hold timm's default value; otherwise that timm cannot build this block."""
     params = inspect.signature(Block.__init__).parameters
     defaults = {f.name: f.default for f in dataclasses.fields(BlockConfig)}
+    defaults["mlp_layer"] = Mlp
     for k, v in kwargs.items():
         if k not in params and defaults.get(k, object()) != v:
             raise ValueError(f"the installed timm's Block has no {k!r} keyword, needed for {k}={v}; "
@@ -292,9 +330,41 @@ def _installed_block_kwargs(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def _copy_requires_grad(src: nn.Module, dst: nn.Module, rename) -> None:
-    """Carry frozen parameters over a conversion: ``rename`` maps ``src`` names to ``dst`` names."""
-    frozen = {n: p.requires_grad for n, p in src.named_parameters()}
+def _copy_requires_grad(src: nn.Module, dst: nn.Module, convert, layout) -> None:
+    """Carry frozen parameters over a conversion: ``convert(flags, layout)`` maps ``src``'s
+    ``requires_grad`` flags to ``dst``'s names (raising where parts of one tensor disagree)."""
+    flags = {n: p.requires_grad for n, p in src.named_parameters()}
     dst_params = dict(dst.named_parameters())
-    for name, flag in rename(frozen, dst.cfg if isinstance(dst, TE_Block) else src.cfg).items():
+    for name, flag in convert(flags, layout).items():
         dst_params[name].requires_grad_(flag)
+
+
+# NaFlexViT passes the same mask to every block: check its values once, not once per block (the
+# check reads the mask on the host, a device sync). One entry: (the mask, its version, the result).
+_LAST_MASK: list = [None, -1, None]
+
+
+def _additive_to_bool(mask: torch.Tensor) -> torch.Tensor:
+    """An additive float mask (0 = attend, -inf or very negative = masked) -> the boolean mask
+    (True = attend) it is.
+
+    Raises:
+        ValueError: a non-float mask, or values neither 0 nor masked, naming one.
+    """
+    ref, version, result = _LAST_MASK
+    if ref is not None and ref() is mask and version == mask._version:
+        return result
+    if not mask.is_floating_point():
+        raise ValueError(f"TE_Block takes a boolean attn_mask (True = attend) or an additive float "
+                         f"padding mask; got {mask.dtype}")
+    threshold = torch.finfo(mask.dtype).min / 2
+    keep = mask == 0
+    bad = ~(keep | (mask <= threshold))  # NaN is bad too
+    if bool(bad.any()):
+        value = float(mask[bad].flatten()[0])
+        raise ValueError(f"TE_Block takes an additive float attn_mask only as a padding mask, every value "
+                         f"0 (attend) or <= {threshold:.3g} / -inf (masked); this {mask.dtype} mask holds "
+                         f"{value!r}: TE has no additive-bias attention kernel. Pass a boolean mask "
+                         "(True = attend), or keep timm's Block for this model")
+    _LAST_MASK[:] = [weakref.ref(mask), mask._version, keep]
+    return keep

@@ -2,13 +2,15 @@
 
 Every keyword of timm's ``Block`` is either honoured with timm's meaning or rejected here,
 before any TE module is built, so the checks run (and are tested) on machines without a GPU.
+The MLP's part of the config is :class:`fp8vit.mlp.MlpConfig`, shared with the other block
+families; the norm and activation resolution every family uses is here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -18,7 +20,11 @@ from timm.models.vision_transformer import Attention
 
 from ._warn import warn_once
 
-__all__ = ["BlockConfig", "config_from_timm_block", "resolve_norm", "resolve_activation", "GELU_TANH_NOTE"]
+if TYPE_CHECKING:  # mlp.py builds on the resolvers below; BlockConfig's methods import it lazily
+    from .mlp import MlpConfig
+
+__all__ = ["BlockConfig", "config_from_timm_block", "resolve_norm", "resolve_norm_module",
+           "resolve_activation", "GELU_TANH_NOTE"]
 
 # Measured once on CPU in fp32 (docs/numerics.md, tests/test_config.py checks the bound):
 # max |gelu_erf(x) - gelu_tanh(x)| over all x is below 5e-4, at |x| ~ 2.
@@ -48,7 +54,11 @@ def resolve_norm(norm_layer: Callable, dim: int) -> Tuple[str, float]:
     Raises:
         ValueError: any other norm, or one without a learnable affine (TE always has one).
     """
-    norm = _instantiate(norm_layer, dim)
+    return resolve_norm_module(_instantiate(norm_layer, dim))
+
+
+def resolve_norm_module(norm: nn.Module) -> Tuple[str, float]:
+    """A built norm -> (TE normalization name, eps); see :func:`resolve_norm`."""
     name = type(norm).__name__
     kind = name.lower().replace("fp32", "")  # the Fp32 variants compute in fp32, as TE's kernels do
     weight = getattr(norm, "weight", None)
@@ -60,35 +70,53 @@ def resolve_norm(norm_layer: Callable, dim: int) -> Tuple[str, float]:
     if kind == "rmsnorm" and weight is not None:
         eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
         return "RMSNorm", float(eps)
-    raise ValueError(f"norm_layer {name} is not supported by TE_Block: TE fuses a LayerNorm or "
+    raise ValueError(f"norm_layer {name} is not supported by fp8vit: TE fuses a LayerNorm or "
                      "RMSNorm over the last dim, with a learnable weight, into its GEMMs; use one of those")
 
 
-def resolve_activation(act_layer: Union[str, Callable], exact_gelu: bool) -> Tuple[Callable, Optional[str]]:
+# TE's gated kernels, by the activation they apply to the first half of fc1's output.
+_GATED_KERNELS = {"gelu": "geglu", "qgelu": "qgeglu", "relu": "reglu", "silu": "swiglu", "sigmoid": "glu"}
+
+
+def resolve_activation(act_layer: Union[str, Callable], exact_gelu: bool,
+                       gated: bool = False) -> Tuple[Callable, Optional[str]]:
     """``act_layer`` -> (torch activation constructor, TE kernel name or None).
 
     None means no TE kernel computes exactly this activation, and the MLP runs unfused with
     the torch activation between TE's fc1 and fc2.
+
+    Args:
+        act_layer: the activation constructor (or timm's name for it).
+        exact_gelu: keep an erf GELU exact (no TE kernel) instead of TE's tanh GELU.
+        gated: the kernel for a gated MLP: TE applies it to the first half of fc1's output and
+            multiplies by the second (``swiglu``, ``glu``, ``geglu``, ``reglu``, ``qgeglu``).
     """
     if isinstance(act_layer, str):
         act_layer = get_act_layer(act_layer)
     act = act_layer()
-    tanh_gelus = tuple(c for c in (getattr(timm_act, "GELUTanh", None),) if c is not None)
-    exact_gelus = tuple(c for c in (getattr(timm_act, "GELU", None),) if c is not None)
-    if isinstance(act, tanh_gelus) or (isinstance(act, nn.GELU) and act.approximate == "tanh"):
-        return act_layer, "gelu"
-    if isinstance(act, nn.GELU) or isinstance(act, exact_gelus):
+
+    def _of(*names):
+        return tuple(c for c in (getattr(timm_act, n, None) for n in names) if c is not None)
+
+    base = None
+    if isinstance(act, _of("GELUTanh")) or (isinstance(act, nn.GELU) and act.approximate == "tanh"):
+        base = "gelu"
+    elif isinstance(act, nn.GELU) or isinstance(act, _of("GELU")):
         if exact_gelu:
             return act_layer, None
         warn_once(f"fp8vit: {GELU_TANH_NOTE}", UserWarning, stacklevel=3)
-        return act_layer, "gelu"
-    if isinstance(act, nn.ReLU):
-        return act_layer, "relu"
-    if isinstance(act, nn.SiLU):
-        return act_layer, "silu"
-    if type(act).__name__ == "QuickGELU":  # x * sigmoid(1.702 x), TE's "qgelu"
-        return act_layer, "qgelu"
-    return act_layer, None  # no TE kernel: unfused MLP with the torch activation, exact
+        base = "gelu"
+    elif isinstance(act, nn.ReLU):
+        base = "relu"
+    elif isinstance(act, (nn.SiLU,) + _of("Swish")):
+        base = "silu"
+    elif type(act).__name__ == "QuickGELU":  # x * sigmoid(1.702 x), TE's "qgelu"
+        base = "qgelu"
+    elif isinstance(act, (nn.Sigmoid,) + _of("Sigmoid")):
+        base = "sigmoid"  # TE has it gated only ("glu")
+    if gated:
+        return act_layer, _GATED_KERNELS.get(base)
+    return act_layer, base if base != "sigmoid" else None  # None: torch activation, exact
 
 
 def _mlp_ratio(hidden: int, dim: int) -> float:
@@ -108,24 +136,29 @@ class BlockConfig:
     Attributes:
         dim: channels ``C``.
         num_heads: attention heads ``H`` (``C % H == 0``).
-        mlp_hidden: MLP hidden width, ``int(dim * mlp_ratio)`` as in timm.
+        mlp: the MLP (kind, widths, activation, TE kernel, inner norm, padding), shared with the
+            other block families.
         qkv_bias, proj_bias: biases of the QKV projection / of proj, fc1 and fc2 (timm's meaning).
         qk_norm: normalize q and k per head with ``norm_layer(head_dim)``.
+        scale_attn_norm: a norm over the attention output before proj (BEiT3), fused into proj.
+        scale_mlp_norm: timm's keyword: ``norm_layer`` is passed to the MLP (a norm over its
+            hidden units before fc2; GeGluMlp's own input norm takes its type).
         proj_drop, attn_drop: dropout after proj/fc2 and after the MLP activation / on attention
             probabilities.
         init_values: LayerScale init; None means no LayerScale.
         drop_path: stochastic-depth rate, per sample.
         norm, norm_eps: TE normalization (``"LayerNorm"``/``"RMSNorm"``) and its eps.
-        norm_layer, act_layer: the timm constructors (kept to rebuild a timm ``Block``).
-        te_activation: TE kernel for the fused MLP, or None for an unfused MLP.
+        norm_layer: the timm constructor (kept to rebuild a timm ``Block``).
     """
 
     dim: int
     num_heads: int
-    mlp_hidden: int
+    mlp: "MlpConfig"
     qkv_bias: bool = False
     proj_bias: bool = True
     qk_norm: bool = False
+    scale_attn_norm: bool = False
+    scale_mlp_norm: bool = False
     proj_drop: float = 0.0
     attn_drop: float = 0.0
     init_values: Optional[float] = None
@@ -133,17 +166,29 @@ class BlockConfig:
     norm: str = "LayerNorm"
     norm_eps: float = 1e-6
     norm_layer: Callable = LayerNorm
-    act_layer: Callable = nn.GELU
-    te_activation: Optional[str] = "gelu"
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.num_heads
 
     @property
+    def mlp_hidden(self) -> int:
+        """timm's ``hidden_features``, ``int(dim * mlp_ratio)`` (fc1's width: both halves for GluMlp)."""
+        return self.mlp.timm_hidden
+
+    @property
+    def act_layer(self) -> Callable:
+        return self.mlp.act_layer
+
+    @property
+    def te_activation(self) -> Optional[str]:
+        """TE's activation kernel in the MLP, or None (a torch activation, unfused MLP)."""
+        return self.mlp.te_activation
+
+    @property
     def fused_mlp(self) -> bool:
-        """One ``te.LayerNormMLP``; needs a TE activation kernel and no dropout inside the MLP."""
-        return self.te_activation is not None and self.proj_drop == 0.0
+        """The MLP is one ``te.LayerNormMLP`` (see :attr:`fp8vit.mlp.MlpConfig.fused`)."""
+        return self.mlp.fused
 
     @classmethod
     def from_timm_kwargs(
@@ -170,43 +215,45 @@ class BlockConfig:
     ) -> "BlockConfig":
         """Validate timm ``Block.__init__`` keywords (timm 0.9 through 1.0) into a config.
 
+        ``mlp_layer`` may be timm's ``Mlp``, ``SwiGLU``, ``GluMlp`` (``SwiGLUPacked`` and other
+        partials of it), ``GeGluMlp`` (ViTamin), or a partial of one of them: it is built on the
+        meta device, as timm's ``Block`` calls it, and read back (:mod:`fp8vit.mlp`).
         ``depth`` only matters to timm's DiffAttention, which is rejected, so it has no effect,
         as in timm's ``Block`` with standard attention.
 
         Raises:
             ValueError: a setting TE_Block cannot honour, naming it and what to do instead.
         """
+        from .mlp import mlp_config_from_kwargs
+
         if dim % num_heads:
             raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
-        if scale_attn_norm or scale_mlp_norm:
-            raise ValueError(
-                f"scale_attn_norm={scale_attn_norm}, scale_mlp_norm={scale_mlp_norm}: TE_Block has no "
-                "norm between attention and proj / between the MLP activation and fc2; keep timm's "
-                "Block for this model (convert_to_te(..., module_filter_fn=...) can skip it)")
         if not _is_timm_attention(attn_layer):
             raise ValueError(f"attn_layer={attn_layer!r} is not supported: TE_Block implements timm's "
                              "standard Attention only")
-        if mlp_layer not in (None, Mlp):
-            raise ValueError(f"mlp_layer={getattr(mlp_layer, '__name__', mlp_layer)!r} is not supported: "
-                             "TE_Block implements timm's Mlp (fc1, activation, fc2) only")
         for name, p in (("proj_drop", proj_drop), ("attn_drop", attn_drop), ("drop_path", drop_path)):
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name}={p} must be in [0, 1)")
         norm, eps = resolve_norm(norm_layer, dim)
-        act_layer, te_act = resolve_activation(act_layer, exact_gelu)
-        return cls(dim=dim, num_heads=num_heads, mlp_hidden=int(dim * mlp_ratio), qkv_bias=qkv_bias,
-                   proj_bias=proj_bias, qk_norm=qk_norm, proj_drop=float(proj_drop),
-                   attn_drop=float(attn_drop), init_values=init_values or None,
-                   drop_path=float(drop_path), norm=norm, norm_eps=eps, norm_layer=norm_layer,
-                   act_layer=act_layer, te_activation=te_act)
+        if isinstance(act_layer, str):  # timm's Block takes constructors; VisionTransformer names
+            act_layer = get_act_layer(act_layer)
+        mlp = mlp_config_from_kwargs(dim, int(dim * mlp_ratio), mlp_layer=mlp_layer or Mlp,
+                                     act_layer=act_layer, norm_layer=norm_layer if scale_mlp_norm else None,
+                                     bias=proj_bias, drop=proj_drop, exact_gelu=exact_gelu)
+        return cls(dim=dim, num_heads=num_heads, mlp=mlp, qkv_bias=qkv_bias, proj_bias=proj_bias,
+                   qk_norm=qk_norm, scale_attn_norm=bool(scale_attn_norm), scale_mlp_norm=bool(scale_mlp_norm),
+                   proj_drop=float(proj_drop), attn_drop=float(attn_drop), init_values=init_values or None,
+                   drop_path=float(drop_path), norm=norm, norm_eps=eps, norm_layer=norm_layer)
 
     def timm_kwargs(self) -> dict:
         """Keywords that build the equivalent timm ``Block``."""
         return dict(dim=self.dim, num_heads=self.num_heads,
                     mlp_ratio=_mlp_ratio(self.mlp_hidden, self.dim),
-                    qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, proj_bias=self.proj_bias,
+                    qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, scale_attn_norm=self.scale_attn_norm,
+                    scale_mlp_norm=self.scale_mlp_norm, proj_bias=self.proj_bias,
                     proj_drop=self.proj_drop, attn_drop=self.attn_drop, init_values=self.init_values,
-                    drop_path=self.drop_path, act_layer=self.act_layer, norm_layer=self.norm_layer)
+                    drop_path=self.drop_path, act_layer=self.act_layer, norm_layer=self.norm_layer,
+                    mlp_layer=self.mlp.timm_layer)
 
 
 def _reject(block: nn.Module, what: str) -> None:
@@ -216,34 +263,34 @@ def _reject(block: nn.Module, what: str) -> None:
 def config_from_timm_block(block: nn.Module, *, exact_gelu: bool = False) -> BlockConfig:
     """Read the settings of a built timm ``Block`` (the inverse of constructing one).
 
+    The MLP is read from the module (:func:`fp8vit.mlp.mlp_config_from_timm`) and must be what
+    timm's ``Block`` builds from keywords, so that :meth:`TE_Block.to_timm` can rebuild it.
+
     Raises:
         ValueError: a part of the block TE_Block does not implement, named.
     """
+    from .mlp import mlp_config_from_timm
+
     attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
     if not isinstance(attn, Attention):
         _reject(block, f"attn of type {type(attn).__name__} (only timm's Attention)")
-    if not isinstance(mlp, Mlp):
-        _reject(block, f"mlp of type {type(mlp).__name__} (only timm's Mlp)")
-    if not isinstance(getattr(attn, "norm", nn.Identity()), nn.Identity):
-        _reject(block, "a norm before the attention projection (scale_attn_norm=True)")
-    if not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity):
-        _reject(block, "a norm inside the MLP (scale_mlp_norm=True)")
     if getattr(attn, "gate", None) is not None:
         _reject(block, "a gated attention output (gated=True)")
     if attn.qkv.out_features != 3 * block.norm1.weight.shape[0]:
         _reject(block, f"attention width {attn.qkv.out_features // 3} != dim (attn_head_dim set)")
+    try:
+        mlp_cfg = mlp_config_from_timm(mlp, exact_gelu=exact_gelu)
+    except ValueError as err:
+        _reject(block, f"this MLP: {err}")
     proj_bias = attn.proj.bias is not None
-    if (mlp.fc1.bias is not None) != proj_bias or (mlp.fc2.bias is not None) != proj_bias:
-        _reject(block, "MLP biases that differ from the attention projection's (timm ties them)")
     proj_drop = attn.proj_drop.p
-    if not (mlp.drop1.p == mlp.drop2.p == proj_drop):
-        _reject(block, f"different dropouts (attn.proj_drop={proj_drop}, mlp.drop1={mlp.drop1.p}, "
-                       f"mlp.drop2={mlp.drop2.p})")
     norm1 = block.norm1
     norm_layer = functools.partial(type(norm1), eps=norm1.eps)
-    act = mlp.act
-    act_layer = (functools.partial(nn.GELU, approximate=act.approximate)
-                 if isinstance(act, nn.GELU) else type(act))
+    scale_attn_norm = not isinstance(getattr(attn, "norm", nn.Identity()), nn.Identity)
+    if scale_attn_norm and resolve_norm_module(attn.norm) != resolve_norm_module(norm1):
+        _reject(block, f"a norm before the attention projection (scale_attn_norm) of "
+                       f"{resolve_norm_module(attn.norm)} unlike norm1's {resolve_norm_module(norm1)} "
+                       "(timm's Block builds both from norm_layer)")
     init_values = None
     if isinstance(block.ls1, LayerScale):
         # Recent timm keeps the init value; older timm did not, and the current gamma stands in.
@@ -254,10 +301,21 @@ def config_from_timm_block(block: nn.Module, *, exact_gelu: bool = False) -> Blo
             init_values = 1e-5 if gamma.is_meta else (float(gamma.detach().flatten()[0]) or 1e-5)
     drop_path = block.drop_path1.drop_prob if isinstance(block.drop_path1, DropPath) else 0.0
     dim = norm1.weight.shape[0]
-    return BlockConfig.from_timm_kwargs(
-        dim=dim, num_heads=attn.num_heads, mlp_ratio=_mlp_ratio(mlp.fc1.out_features, dim),
+    kwargs = dict(
+        dim=dim, num_heads=attn.num_heads, mlp_ratio=_mlp_ratio(mlp_cfg.timm_hidden, dim),
         qkv_bias=attn.qkv.bias is not None, qk_norm=not isinstance(attn.q_norm, nn.Identity),
-        proj_bias=proj_bias, proj_drop=proj_drop, attn_drop=attn.attn_drop.p,
-        init_values=init_values, drop_path=drop_path, act_layer=act_layer, norm_layer=norm_layer,
-        exact_gelu=exact_gelu,
+        scale_attn_norm=scale_attn_norm, proj_bias=proj_bias, proj_drop=proj_drop,
+        attn_drop=attn.attn_drop.p, init_values=init_values, drop_path=drop_path,
+        act_layer=mlp_cfg.act_layer, norm_layer=norm_layer, mlp_layer=mlp_cfg.timm_layer,
     )
+    # scale_mlp_norm: a norm inside the MLP; GeGluMlp always has one (over its input), whose type
+    # follows norm_layer only with scale_mlp_norm=True: the keyword that rebuilds it wins.
+    built = None
+    for scale_mlp_norm in ((False, True) if mlp_cfg.kind == "GeGluMlp" else (mlp_cfg.norm is not None,)):
+        cfg = BlockConfig.from_timm_kwargs(**kwargs, scale_mlp_norm=scale_mlp_norm, exact_gelu=exact_gelu)
+        if cfg.mlp == mlp_cfg:  # same act_layer object: the comparison is of everything else
+            return cfg
+        built = built or cfg.mlp
+    _reject(block, f"an MLP that timm's Block does not build from its keywords (read {mlp_cfg}; "
+                   f"Block(mlp_layer={mlp_cfg.kind}, ...) builds {built}): biases, dropouts or the "
+                   "inner norm differ from the block's proj_bias, proj_drop or norm_layer")

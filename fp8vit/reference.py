@@ -1,10 +1,11 @@
-"""Pure-PyTorch stand-ins for the four TE modules a ``TE_Block`` is built from.
+"""Pure-PyTorch stand-ins for the four TE modules fp8vit's blocks are built from.
 
 Same constructor arguments (the subset fp8vit uses), same parameter names, same semantics
 (including TE's conventions: ``bshd`` attention layout, boolean masks where True means
-*masked out*, TE's activation kernels). They let a ``TE_Block`` run, train and convert
-weights where TE cannot run (no GPU, no TE), and let CPU tests check everything but the
-kernels. No FP8 here: FP8 needs TE on an FP8-capable GPU.
+*masked out*, TE's activation kernels, gated ones included: the activation applies to the FIRST
+half of fc1's output, times the second; zero-initialised biases; ``init_method``). They let a
+block run, train and convert weights where TE cannot run (no GPU, no TE), and let CPU tests
+check everything but the kernels. No FP8 here: FP8 needs TE on an FP8-capable GPU.
 """
 
 from __future__ import annotations
@@ -18,15 +19,35 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["LayerNormLinear", "Linear", "LayerNormMLP", "DotProductAttention", "ACTIVATIONS",
-           "rope", "modules"]
+           "GATED_ACTIVATIONS", "rope", "modules"]
 
-# TE activation kernel name -> the same function in PyTorch.
-ACTIVATIONS = {
-    "gelu": lambda x: F.gelu(x, approximate="tanh"),  # TE's "gelu" is the tanh approximation
-    "qgelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "relu": F.relu,
-    "silu": F.silu,
-}
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")  # TE's "gelu" is the tanh approximation
+
+
+def _qgelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _srelu(x):
+    return F.relu(x).square()
+
+
+def _gated(act):
+    """TE's gated kernel for ``act``: fc1's output ``[..., 2F]`` -> ``act(first F) * (second F)``."""
+    def fn(x):
+        a, b = x.chunk(2, dim=-1)
+        return act(a) * b
+    return fn
+
+
+# TE activation kernel name -> the same function in PyTorch (TE 2.20's LayerNormMLP list, less
+# clamped_swiglu, which takes parameters fp8vit does not use).
+ACTIVATIONS = {"gelu": _gelu_tanh, "qgelu": _qgelu, "relu": F.relu, "srelu": _srelu, "silu": F.silu}
+GATED_ACTIVATIONS = {"geglu": _gelu_tanh, "qgeglu": _qgelu, "reglu": F.relu, "sreglu": _srelu,
+                     "swiglu": F.silu, "glu": torch.sigmoid}
+ACTIVATIONS.update({name: _gated(act) for name, act in GATED_ACTIVATIONS.items()})
 
 
 def _norm(x, weight, bias, normalization: str, eps: float):
@@ -41,12 +62,15 @@ def _linear_params(module: nn.Module, prefix: str, out_f: int, in_f: int, bias: 
         module.register_parameter(f"{prefix}bias", nn.Parameter(torch.empty(out_f, **dd)))
 
 
-def _reset_linear(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-    """nn.Linear's default init."""
-    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-    if bias is not None:
-        bound = 1 / math.sqrt(weight.shape[1])
-        nn.init.uniform_(bias, -bound, bound)
+def _reset_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], init_method=None) -> None:
+    """``init_method(weight)`` (default: nn.Linear's weight init); biases zero, as TE does."""
+    with torch.no_grad():
+        if init_method is None:
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        else:
+            init_method(weight)
+        if bias is not None:
+            nn.init.zeros_(bias)
 
 
 class _NormParams(nn.Module):
@@ -71,15 +95,17 @@ def _dd(device, params_dtype) -> dict:
 class Linear(nn.Module):
     """``te.Linear``: ``weight [out, in]``, optional ``bias [out]``."""
 
-    def __init__(self, in_features, out_features, bias=True, params_dtype=None, device="cpu"):
+    def __init__(self, in_features, out_features, bias=True, params_dtype=None, device="cpu",
+                 init_method=None):
         super().__init__()
         _linear_params(self, "", out_features, in_features, bias, _dd(device, params_dtype))
         if not bias:
             self.bias = None
+        self.init_method = init_method
         self.reset_parameters()
 
     def reset_parameters(self):
-        _reset_linear(self.weight, self.bias)
+        _reset_linear(self.weight, self.bias, self.init_method)
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
@@ -89,8 +115,8 @@ class LayerNormLinear(_NormParams, Linear):
     """``te.LayerNormLinear``: norm (``layer_norm_weight/bias``) then ``weight``/``bias``."""
 
     def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
-                 params_dtype=None, device="cpu"):
-        Linear.__init__(self, in_features, out_features, bias, params_dtype, device)
+                 params_dtype=None, device="cpu", init_method=None):
+        Linear.__init__(self, in_features, out_features, bias, params_dtype, device, init_method)
         self._init_norm(in_features, normalization, eps, _dd(device, params_dtype))
 
     def forward(self, x):
@@ -98,25 +124,32 @@ class LayerNormLinear(_NormParams, Linear):
 
 
 class LayerNormMLP(_NormParams):
-    """``te.LayerNormMLP``: norm, ``fc1_weight/bias``, activation kernel, ``fc2_weight/bias``."""
+    """``te.LayerNormMLP``: norm, ``fc1_weight/bias``, activation kernel, ``fc2_weight/bias``.
+
+    Gated activations (``swiglu``, ``glu``, ``geglu``, ...): fc1 has ``2 * ffn_hidden_size`` rows,
+    the first half activated, as in TE.
+    """
 
     def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm",
-                 activation="gelu", params_dtype=None, device="cpu"):
+                 activation="gelu", params_dtype=None, device="cpu", init_method=None,
+                 output_layer_init_method=None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} not in {sorted(ACTIVATIONS)}")
         dd = _dd(device, params_dtype)
         self.activation = activation
+        self.init_method, self.output_layer_init_method = init_method, output_layer_init_method
         self._init_norm(hidden_size, normalization, eps, dd)
-        _linear_params(self, "fc1_", ffn_hidden_size, hidden_size, bias, dd)
+        fc1_rows = 2 * ffn_hidden_size if activation in GATED_ACTIVATIONS else ffn_hidden_size
+        _linear_params(self, "fc1_", fc1_rows, hidden_size, bias, dd)
         _linear_params(self, "fc2_", hidden_size, ffn_hidden_size, bias, dd)
         if not bias:
             self.fc1_bias = self.fc2_bias = None
         self.reset_parameters()
 
     def reset_parameters(self):
-        _reset_linear(self.fc1_weight, self.fc1_bias)
-        _reset_linear(self.fc2_weight, self.fc2_bias)
+        _reset_linear(self.fc1_weight, self.fc1_bias, self.init_method)
+        _reset_linear(self.fc2_weight, self.fc2_bias, self.output_layer_init_method)
 
     def forward(self, x):
         h = ACTIVATIONS[self.activation](F.linear(self._ln(x), self.fc1_weight, self.fc1_bias))

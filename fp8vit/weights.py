@@ -1,81 +1,244 @@
-"""Parameter names of one block: timm ``Block`` <-> ``TE_Block``.
+"""Parameter layouts of fp8vit's blocks: timm <-> TE, both directions, bit for bit.
+
+A block's layout is a list of :class:`Tie`\\ s, one per TE tensor. A tie says how that tensor is
+made of timm tensors: the concatenation along ``dim`` of slices (:class:`Part`) of timm tensors,
+each slice followed by ``pad`` zeros along ``dim``. That one form covers every mapping fp8vit needs:
+
+=====================================  ============================================================
+a renaming                             one part, the whole timm tensor (``rename``)
+SwiGLU's ``fc1_g``, ``fc1_x``          two timm tensors, one TE ``fc1`` (gate first: TE activates
+                                       the first half)
+GluMlp's ``fc1`` with ``gate_last``    two slices of one timm tensor, in the other order
+hidden widths padded for FP8           ``pad`` zero rows (``fc1``) or columns (``fc2``, ``dim=1``)
+=====================================  ============================================================
+
+Converting copies bits only (``cat``, ``narrow``, zeros), so a round trip is exact. TE -> timm
+checks that the padding is still zero: a padded unit that is not zero changes what the block
+computes, and dropping it silently would change the model.
 
 ``TE_Block`` keeps timm's QKV row order, ``(3, heads, head_dim)``: it composes TE's modules
-itself and splits q, k, v the way timm does, so no weight is permuted and a conversion
-is a pure renaming (exact, bit for bit). TE's ``TransformerLayer``, by contrast, interleaves
-QKV as ``(heads, 3, head_dim)`` by default.
+itself and splits q, k, v the way timm does, so no weight is permuted. TE's ``TransformerLayer``,
+by contrast, interleaves QKV as ``(heads, 3, head_dim)`` by default. The norms are fused into the
+GEMM that follows them: timm's ``norm1`` becomes ``qkv.layer_norm_*`` and ``norm2`` the MLP's
+``layer_norm_*``.
 
-The norms are fused into the GEMM that follows them: timm's ``norm1`` becomes
-``qkv.layer_norm_*`` and ``norm2`` the MLP's ``layer_norm_*``.
+The functions take a layout as a sequence of ties, or as a block config with a layout
+(:class:`~fp8vit.config.BlockConfig`: the classic ``Block``'s, see :func:`block_ties`).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Tuple
+import dataclasses
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .config import BlockConfig
 
-__all__ = ["name_pairs", "timm_to_te", "te_to_timm"]
+__all__ = ["Part", "Tie", "rename", "block_ties", "name_pairs", "timm_to_te", "te_to_timm",
+           "te_requires_grad", "timm_requires_grad", "timm_shapes"]
 
 _EXTRA = "_extra_state"
 
 
-def name_pairs(cfg: BlockConfig) -> List[Tuple[str, str]]:
-    """``(timm name, TE_Block name)`` for every tensor of a block with config ``cfg``."""
-    pairs = [("norm1.weight", "qkv.layer_norm_weight"), ("attn.qkv.weight", "qkv.weight"),
-             ("attn.proj.weight", "proj.weight")]
-    if cfg.fused_mlp:  # one te.LayerNormMLP
-        pairs += [("norm2.weight", "mlp.layer_norm_weight"), ("mlp.fc1.weight", "mlp.fc1_weight"),
-                  ("mlp.fc2.weight", "mlp.fc2_weight")]
-        mlp_biases = [("mlp.fc1.bias", "mlp.fc1_bias"), ("mlp.fc2.bias", "mlp.fc2_bias")]
-        norm2_bias = ("norm2.bias", "mlp.layer_norm_bias")
-    else:  # te.LayerNormLinear -> torch activation -> te.Linear
-        pairs += [("norm2.weight", "mlp.fc1.layer_norm_weight"), ("mlp.fc1.weight", "mlp.fc1.weight"),
-                  ("mlp.fc2.weight", "mlp.fc2.weight")]
-        mlp_biases = [("mlp.fc1.bias", "mlp.fc1.bias"), ("mlp.fc2.bias", "mlp.fc2.bias")]
-        norm2_bias = ("norm2.bias", "mlp.fc1.layer_norm_bias")
-    if cfg.norm == "LayerNorm":
-        pairs += [("norm1.bias", "qkv.layer_norm_bias"), norm2_bias]
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """A slice ``[start, start + length)`` along the tie's ``dim`` of the timm tensor ``name``.
+
+    ``length=None`` means to the end; with ``start=0``, the whole tensor.
+    """
+
+    name: str
+    start: int = 0
+    length: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Tie:
+    """TE tensor ``te`` = ``cat([part_0, zeros(pad), part_1, zeros(pad), ...], dim)``.
+
+    Attributes:
+        te: the TE parameter name.
+        parts: the timm slices, in TE's order. Parts with ``length=None`` in a tie of several
+            parts share the TE tensor equally.
+        dim: the dimension the parts are concatenated (and padded) along.
+        pad: zeros after each part along ``dim`` (hidden units padded for FP8).
+    """
+
+    te: str
+    parts: Tuple[Part, ...]
+    dim: int = 0
+    pad: int = 0
+
+
+Layout = Union[BlockConfig, Sequence[Tie]]
+
+
+def rename(timm_name: str, te_name: str) -> Tie:
+    """The tie of a tensor that only changes name."""
+    return Tie(te_name, (Part(timm_name),))
+
+
+def _ties(layout) -> Tuple[Tie, ...]:
+    return tuple(block_ties(layout)) if isinstance(layout, BlockConfig) else tuple(layout)
+
+
+def block_ties(cfg: BlockConfig) -> List[Tie]:
+    """The layout of a ``TE_Block`` (timm's classic ``Block``) with config ``cfg``."""
+    from .mlp import mlp_ties  # mlp.py builds on this module; imported when first needed
+
+    ln = cfg.norm == "LayerNorm"  # RMSNorm has no bias
+    ties = [rename("norm1.weight", "qkv.layer_norm_weight"), rename("attn.qkv.weight", "qkv.weight"),
+            rename("attn.proj.weight", "proj.weight")]
+    if ln:
+        ties.append(rename("norm1.bias", "qkv.layer_norm_bias"))
     if cfg.qkv_bias:
-        pairs.append(("attn.qkv.bias", "qkv.bias"))
+        ties.append(rename("attn.qkv.bias", "qkv.bias"))
     if cfg.proj_bias:
-        pairs += [("attn.proj.bias", "proj.bias")] + mlp_biases
+        ties.append(rename("attn.proj.bias", "proj.bias"))
+    if cfg.scale_attn_norm:  # the norm before proj is fused into proj (a LayerNormLinear)
+        ties.append(rename("attn.norm.weight", "proj.layer_norm_weight"))
+        if ln:
+            ties.append(rename("attn.norm.bias", "proj.layer_norm_bias"))
     if cfg.qk_norm:
         for t in ("q_norm", "k_norm"):
-            pairs.append((f"attn.{t}.weight", f"{t}.weight"))
-            if cfg.norm == "LayerNorm":
-                pairs.append((f"attn.{t}.bias", f"{t}.bias"))
+            ties.append(rename(f"attn.{t}.weight", f"{t}.weight"))
+            if ln:
+                ties.append(rename(f"attn.{t}.bias", f"{t}.bias"))
     if cfg.init_values is not None:
-        pairs += [("ls1.gamma", "ls1.gamma"), ("ls2.gamma", "ls2.gamma")]
-    return pairs
+        ties += [rename("ls1.gamma", "ls1.gamma"), rename("ls2.gamma", "ls2.gamma")]
+    ties += mlp_ties(cfg.mlp, cfg.norm)
+    return ties
 
 
-def _rename(sd: Mapping[str, torch.Tensor], mapping: Dict[str, str], what: str) -> Dict[str, torch.Tensor]:
-    keys = {k for k in sd if not k.endswith(_EXTRA)}
-    missing = sorted(set(mapping) - keys)
-    unexpected = sorted(keys - set(mapping))
+def name_pairs(layout: Layout) -> List[Tuple[str, str]]:
+    """``(timm name, TE name)`` for every timm tensor: the TE tensor that holds it (whole, or as
+    a part of a concatenation or padded tensor: see :func:`timm_to_te`)."""
+    pairs = {}
+    for tie in _ties(layout):
+        for p in tie.parts:
+            pairs.setdefault(p.name, tie.te)
+    return list(pairs.items())
+
+
+def _check_keys(sd_keys: Iterable[str], expected: Iterable[str], what: str) -> None:
+    keys = {k for k in sd_keys if not k.endswith(_EXTRA)}
+    expected = set(expected)
+    missing, unexpected = sorted(expected - keys), sorted(keys - expected)
     if missing or unexpected:
         raise ValueError(f"{what}: state dict does not match the block config: missing {missing}, "
-                       f"unexpected {unexpected}")
-    return {mapping[k]: sd[k] for k in mapping}
+                         f"unexpected {unexpected}")
 
 
-def timm_to_te(sd: Mapping[str, torch.Tensor], cfg: BlockConfig) -> Dict[str, torch.Tensor]:
-    """A timm ``Block`` state dict (keys relative to the block) -> ``TE_Block`` names.
+def _part_lengths(tie: Tie, te_size: int) -> List[int]:
+    """The length along ``tie.dim`` of each part, given the TE tensor's size there."""
+    n_open = sum(p.length is None for p in tie.parts)
+    rest = te_size - sum(p.length for p in tie.parts if p.length is not None) - tie.pad * len(tie.parts)
+    if rest < 0 or (n_open == 0 and rest) or (n_open and rest % n_open):
+        raise ValueError(f"{tie.te}: size {te_size} along dim {tie.dim} does not hold the parts "
+                         f"{[p.name for p in tie.parts]} with {tie.pad} padding after each")
+    return [p.length if p.length is not None else rest // n_open for p in tie.parts]
+
+
+def timm_to_te(sd: Mapping[str, torch.Tensor], layout: Layout) -> Dict[str, torch.Tensor]:
+    """A timm state dict (keys relative to the block) -> TE names and layout.
+
+    Renamed tensors are passed through (no copy); concatenated or padded ones are new tensors.
 
     Raises:
-        ValueError: keys missing or left over for ``cfg``, listed.
+        ValueError: keys missing or left over for ``layout``, listed.
     """
-    return _rename(sd, dict(name_pairs(cfg)), "timm -> TE")
+    ties = _ties(layout)
+    _check_keys(sd, (p.name for t in ties for p in t.parts), "timm -> TE")
+    out = {}
+    for tie in ties:
+        pieces = []
+        for p in tie.parts:
+            t = sd[p.name]
+            length = t.shape[tie.dim] - p.start if p.length is None else p.length
+            pieces.append(t.narrow(tie.dim, p.start, length))
+            if tie.pad:
+                shape = list(t.shape)
+                shape[tie.dim] = tie.pad
+                pieces.append(t.new_zeros(shape))
+        out[tie.te] = pieces[0] if len(pieces) == 1 and pieces[0].shape == sd[tie.parts[0].name].shape \
+            else torch.cat(pieces, tie.dim)
+    return out
 
 
-def te_to_timm(sd: Mapping[str, torch.Tensor], cfg: BlockConfig) -> Dict[str, torch.Tensor]:
-    """A ``TE_Block`` state dict -> timm ``Block`` names. FP8 scaling state (``*._extra_state``)
-    has no timm counterpart and is not carried over.
+def te_to_timm(sd: Mapping[str, torch.Tensor], layout: Layout) -> Dict[str, torch.Tensor]:
+    """A TE state dict -> timm names and layout. FP8 scaling state (``*._extra_state``) has no
+    timm counterpart and is not carried over. Slices are copied (a view would drag the whole TE
+    tensor into a saved checkpoint).
 
     Raises:
-        ValueError: keys missing or left over for ``cfg``, listed.
+        ValueError: keys missing or left over for ``layout``, listed; or padding that is not zero
+            (then the TE block computes something its timm counterpart cannot), named.
     """
-    return _rename(sd, {te: timm for timm, te in name_pairs(cfg)}, "TE -> timm")
+    ties = _ties(layout)
+    _check_keys(sd, (t.te for t in ties), "TE -> timm")
+    pieces: Dict[str, List[Tuple[int, int, torch.Tensor]]] = {}
+    for tie in ties:
+        t = sd[tie.te]
+        offset = 0
+        for p, length in zip(tie.parts, _part_lengths(tie, t.shape[tie.dim])):
+            piece = t.narrow(tie.dim, offset, length)
+            if tie.pad and bool(t.narrow(tie.dim, offset + length, tie.pad).any()):
+                raise ValueError(f"TE -> timm: the padding of {tie.te} (after {p.name}) is not zero; "
+                                 "padded hidden units must stay zero (they are, under fp8vit's init, "
+                                 "loading and any gradient-based optimizer): something wrote to them")
+            pieces.setdefault(p.name, []).append((p.start, tie.dim, piece))
+            offset += length + tie.pad
+    out = {}
+    for name, ps in pieces.items():
+        ps.sort(key=lambda e: e[0])
+        dim = ps[0][1]
+        ends = [0] + [e[0] + e[2].shape[dim] for e in ps[:-1]]
+        if [e[0] for e in ps] != ends:  # a layout bug, not a user error: the parts must tile
+            raise ValueError(f"TE -> timm: the parts of {name} do not tile it: starts "
+                             f"{[e[0] for e in ps]}, lengths {[e[2].shape[dim] for e in ps]}")
+        if len(ps) == 1 and ps[0][2].shape == sd[_holder(ties, name)].shape:
+            out[name] = ps[0][2]  # a renaming: the tensor itself, as before
+        else:
+            out[name] = torch.cat([e[2] for e in ps], dim) if len(ps) > 1 else ps[0][2].clone()
+    return out
+
+
+def _holder(ties: Sequence[Tie], timm_name: str) -> str:
+    return next(t.te for t in ties if any(p.name == timm_name for p in t.parts))
+
+
+def te_requires_grad(flags: Mapping[str, bool], layout: Layout) -> Dict[str, bool]:
+    """``requires_grad`` per timm tensor -> per TE tensor.
+
+    Raises:
+        ValueError: timm tensors that TE holds as one tensor disagree, named (a TE tensor is
+            trained or frozen as a whole).
+    """
+    out = {}
+    for tie in _ties(layout):
+        got = {p.name: bool(flags[p.name]) for p in tie.parts if p.name in flags}
+        if len(set(got.values())) > 1:
+            raise ValueError(f"requires_grad differs among {got}, which TE holds as one tensor "
+                             f"{tie.te!r}: freeze all of them or none")
+        if got:
+            out[tie.te] = next(iter(got.values()))
+    return out
+
+
+def timm_requires_grad(flags: Mapping[str, bool], layout: Layout) -> Dict[str, bool]:
+    """``requires_grad`` per TE tensor -> per timm tensor (each part takes its TE tensor's)."""
+    return {p.name: bool(flags[t.te]) for t in _ties(layout) if t.te in flags for p in t.parts}
+
+
+def timm_shapes(layout: Layout, te_shapes: Mapping[str, Sequence[int]]) -> Dict[str, Tuple[int, ...]]:
+    """The timm tensors' shapes, from the TE tensors' (to create timm-shaped tensors, e.g. to
+    initialise them as timm does), in the layout's order."""
+    ends: Dict[str, Tuple[List[int], int]] = {}
+    for tie in _ties(layout):
+        shape = list(te_shapes[tie.te])
+        for p, length in zip(tie.parts, _part_lengths(tie, shape[tie.dim])):
+            s, old = list(shape), ends.get(p.name)
+            s[tie.dim] = max(p.start + length, old[0][tie.dim] if old else 0)
+            ends[p.name] = (s, tie.dim)
+    return {name: tuple(s) for name, (s, _) in ends.items()}
