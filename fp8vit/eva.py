@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from timm.layers import DropPath
@@ -43,7 +43,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
 from .config import resolve_norm
 from .layers import FP8Block, SplitQKV, aligned_rows
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties
-from .weights import Tie, convert_state
+from .weights import Part, Tie, rename, te_requires_grad, te_to_timm, timm_requires_grad, timm_to_te
 
 __all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "rope_angles"]
 
@@ -165,37 +165,33 @@ def _check_norm(block, name: str, module: nn.Module, norm: str, eps: float) -> N
 
 
 def _ties(cfg: EvaBlockConfig) -> List[Tie]:
-    """timm ``EvaBlock`` tensors <-> ``TE_EvaBlock`` tensors (names relative to the block)."""
-    ties = [Tie("qkv.layer_norm_weight", ("norm1.weight",))]
-    if cfg.norm == "LayerNorm":
-        ties.append(Tie("qkv.layer_norm_bias", ("norm1.bias",)))
-    if cfg.qkv_fused:
-        ties.append(Tie("qkv.weight", ("attn.qkv.weight",)))
-    else:  # timm's (q, k, v) row order is the fused GEMM's
-        ties.append(Tie.cat("qkv.weight", ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight")))
+    """The weight layout (:mod:`fp8vit.weights`) of a ``TE_EvaBlock``: timm ``EvaBlock`` tensors
+    -> TE tensors, names relative to the block."""
+    ln = cfg.norm == "LayerNorm"  # RMSNorm has no bias
+    ties = [rename("norm1.weight", "qkv.layer_norm_weight")] + ([rename("norm1.bias", "qkv.layer_norm_bias")] if ln else [])
+    names = ("attn.qkv",) if cfg.qkv_fused else ("attn.q_proj", "attn.k_proj", "attn.v_proj")
+    # separate q/k/v: timm's (q, k, v) row order is the fused GEMM's
+    ties.append(Tie("qkv.weight", tuple(Part(f"{n}.weight") for n in names)))
+    A = cfg.attn_dim
     if cfg.qkv_bias == "qkv":
-        ties.append(Tie("qkv.bias", ("attn.qkv.bias",)) if cfg.qkv_fused else
-                    Tie.cat("qkv.bias", ("attn.q_proj.bias", "attn.k_proj.bias", "attn.v_proj.bias")))
-    elif cfg.qkv_bias == "qv":  # k's third is held at zero (see the module docstring)
-        names = ("attn.q_bias", None, "attn.v_bias") if cfg.qkv_fused else ("attn.q_proj.bias", None, "attn.v_proj.bias")
-        ties.append(Tie.cat("qkv.bias", names))
+        ties.append(Tie("qkv.bias", tuple(Part(f"{n}.bias") for n in names)))
+    elif cfg.qkv_bias == "qv":  # the k third is held at zero (see the module docstring)
+        q, v = ("attn.q_bias", "attn.v_bias") if cfg.qkv_fused else ("attn.q_proj.bias", "attn.v_proj.bias")
+        ties.append(Tie("qkv.bias", (Part(q), Part(None, 0, A), Part(v))))
     if cfg.qk_norm:
         for t in ("q_norm", "k_norm"):
-            ties.append(Tie(f"{t}.weight", (f"attn.{t}.weight",)))
-            if cfg.norm == "LayerNorm":
-                ties.append(Tie(f"{t}.bias", (f"attn.{t}.bias",)))
-    if cfg.inner_norm:
-        ties.append(Tie("proj.layer_norm_weight", ("attn.norm.weight",)))
-        if cfg.norm == "LayerNorm":
-            ties.append(Tie("proj.layer_norm_bias", ("attn.norm.bias",)))
-    ties.append(Tie("proj.weight", ("attn.proj.weight",)))
+            ties.append(rename(f"attn.{t}.weight", f"{t}.weight"))
+            if ln:
+                ties.append(rename(f"attn.{t}.bias", f"{t}.bias"))
+    if cfg.inner_norm:  # fused into proj (a LayerNormLinear)
+        ties.append(rename("attn.norm.weight", "proj.layer_norm_weight"))
+        if ln:
+            ties.append(rename("attn.norm.bias", "proj.layer_norm_bias"))
+    ties.append(rename("attn.proj.weight", "proj.weight"))
     if cfg.proj_bias:
-        ties.append(Tie("proj.bias", ("attn.proj.bias",)))
-    for i, on in enumerate(cfg.layer_scale, start=1):
-        if on:
-            ties.append(Tie(f"gamma_{i}", (f"gamma_{i}",)))
-    return ties + mlp_ties(cfg.mlp, timm_prefix="mlp.", te_prefix="mlp.", norm_prefix="norm2.",
-                           norm=cfg.norm)
+        ties.append(rename("attn.proj.bias", "proj.bias"))
+    ties += [rename(f"gamma_{i}", f"gamma_{i}") for i, on in enumerate(cfg.layer_scale, start=1) if on]
+    return ties + mlp_ties(cfg.mlp, cfg.norm)
 
 
 def rope_angles(rope: torch.Tensor, num_tokens: int, num_prefix_tokens: int) -> Optional[torch.Tensor]:
@@ -275,10 +271,12 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         self.proj_drop = nn.Dropout(cfg.proj_drop)
         self.gamma_1 = nn.Parameter(torch.ones(cfg.dim, **tdd)) if cfg.layer_scale[0] else None
         self.drop_path1 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
-        self.mlp = build_mlp(cfg.mlp, norm=cfg.norm, norm_eps=cfg.norm_eps, modules=m, dd=dd, tdd=tdd)
+        built = build_mlp(cfg.mlp, cfg.norm, cfg.norm_eps, m, dd, tdd)
+        self.norm2 = built.norm  # None: norm2 is fused into fc1
+        self.mlp = built.mlp
+        self._fused_mlp = built.fused
         self.gamma_2 = nn.Parameter(torch.ones(cfg.dim, **tdd)) if cfg.layer_scale[1] else None
         self.drop_path2 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
-        self._k_bias_hooked = None  # the bias Parameter the k-gradient hook sits on
 
     # ------------------------------------------------------------------ timm interop
     @classmethod
@@ -298,7 +296,9 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         new = cls(cfg, timm_skeleton=copy.deepcopy(block).to("meta"), device=ref.device, dtype=ref.dtype,
                   backend=backend, fp32_residual=fp32_residual, q_norm=qn, k_norm=kn)
         new.load_timm_state_dict(block.state_dict())
-        _carry_requires_grad(dict(block.named_parameters()), dict(new.named_parameters()), _ties(cfg), to_te=True)
+        flags = te_requires_grad({n: p.requires_grad for n, p in block.named_parameters()}, _ties(cfg))
+        for n, p in new.named_parameters():
+            p.requires_grad_(flags.get(n, p.requires_grad))
         return new.train(block.training)
 
     def load_timm_state_dict(self, sd) -> None:
@@ -307,7 +307,7 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         Raises:
             ValueError: keys that do not match this block's configuration, listed.
         """
-        res = self.load_state_dict(convert_state(sd, _ties(self.cfg), to_te=True, what="timm -> TE"), strict=False)
+        res = self.load_state_dict(timm_to_te(sd, _ties(self.cfg)), strict=False)
         missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
         if missing or res.unexpected_keys:
             raise ValueError(f"TE_EvaBlock: tensors not set {missing}, unknown {res.unexpected_keys}")
@@ -317,13 +317,13 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         mode). FP8 scaling state is dropped."""
         ref = self.qkv.weight
         block = copy.deepcopy(self._timm_skeleton).to_empty(device=ref.device)
-        sd = convert_state(self.state_dict(), _ties(self.cfg), to_te=False, what="TE -> timm")
-        block.load_state_dict(sd, strict=True)
+        block.load_state_dict(te_to_timm(self.state_dict(), _ties(self.cfg)), strict=True)
         init = getattr(block.attn, "init_non_persistent_buffers", None)
         if init is not None:  # EvaAttention's zero k_bias buffer is not in the state dict
             init()
-        _carry_requires_grad(dict(self.named_parameters()), dict(block.named_parameters()), _ties(self.cfg),
-                             to_te=False)
+        flags = timm_requires_grad({n: p.requires_grad for n, p in self.named_parameters()}, _ties(self.cfg))
+        for n, p in block.named_parameters():
+            p.requires_grad_(flags.get(n, p.requires_grad))
         return block.train(self.training)
 
     # ------------------------------------------------------------------ forward
@@ -350,12 +350,13 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         return self._dispatch(x, rope, attn_mask, is_causal)
 
     def _hook_k_bias(self) -> None:
-        # On the parameter object in use now: .to(), load_state_dict keep it; deepcopy, pickling or
-        # a sharding wrapper give a new one, which gets its hook here.
+        # Checked on the parameter in use now, every call: .to() and load_state_dict keep the
+        # parameter and its hook; deepcopy, pickling, to_empty() or a sharding wrapper give a new
+        # parameter without hooks, which gets its hook here.
         bias = self.qkv.bias if self.cfg.qkv_bias == "qv" else None
-        if bias is not None and bias is not self._k_bias_hooked and bias.requires_grad:
+        if bias is not None and bias.requires_grad and not any(
+                isinstance(h, _ZeroKBiasGrad) for h in (bias._backward_hooks or {}).values()):
             bias.register_hook(_ZeroKBiasGrad(self.cfg.attn_dim))
-            self._k_bias_hooked = bias
 
     def _forward(self, x, rope, attn_mask, is_causal, mult: int, gelu_gemm: bool):
         x = self._stream(x)
@@ -363,7 +364,8 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         if self.gamma_1 is not None:
             a = self.gamma_1 * a
         x = x + self._residual(self.drop_path1(a), x)
-        h = self._run_mlp(self.mlp, x, mult, gelu_gemm, fused=self.cfg.mlp.fused)
+        h = x if self.norm2 is None else self.norm2(x)
+        h = self._run_mlp(self.mlp, h, mult, gelu_gemm, fused=self._fused_mlp)
         if self.gamma_2 is not None:
             h = self.gamma_2 * h
         return x + self._residual(self.drop_path2(h), x)
@@ -412,23 +414,6 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         c = self.cfg
         return (f"dim={c.dim}, heads={c.num_heads}x{c.head_dim}, attn={c.attn_type}, qkv_bias={c.qkv_bias}, "
                 f"mlp={c.mlp}, norm={c.norm}(eps={c.norm_eps}), backend={self.backend}")
-
-
-def _carry_requires_grad(src: Dict[str, nn.Parameter], dst: Dict[str, nn.Parameter], ties: List[Tie],
-                         to_te: bool) -> None:
-    """Frozen parameters stay frozen across a conversion (parts of one fused tensor must agree)."""
-    for tie in ties:
-        parts = [n for n in tie.timm if n is not None and n in (src if to_te else dst)]
-        if to_te:
-            flags = {src[n].requires_grad for n in parts}
-            if len(flags) > 1:
-                raise ValueError(f"{', '.join(parts)} are fused into {tie.te} but only some of them are frozen; "
-                                 "freeze all or none of them")
-            if tie.te in dst and flags:
-                dst[tie.te].requires_grad_(flags.pop())
-        elif tie.te in src:
-            for n in parts:
-                dst[n].requires_grad_(src[tie.te].requires_grad)
 
 
 # A TE_EvaBlock is one leaf for timm's FX feature extraction (TE's modules cannot be traced).

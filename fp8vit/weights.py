@@ -45,10 +45,12 @@ _EXTRA = "_extra_state"
 class Part:
     """A slice ``[start, start + length)`` along the tie's ``dim`` of the timm tensor ``name``.
 
-    ``length=None`` means to the end; with ``start=0``, the whole tensor.
+    ``length=None`` means to the end; with ``start=0``, the whole tensor. ``name=None`` is a block
+    of ``length`` zeros that timm has no tensor for (EVA's k bias, held at zero in TE's fused
+    ``[q; k; v]`` bias); converting back checks that it is still zero.
     """
 
-    name: str
+    name: Optional[str]
     start: int = 0
     length: Optional[int] = None
 
@@ -116,9 +118,14 @@ def name_pairs(layout: Layout) -> List[Tuple[str, str]]:
     a part of a concatenation or padded tensor: see :func:`timm_to_te`)."""
     pairs = {}
     for tie in _ties(layout):
-        for p in tie.parts:
+        for p in _named(tie.parts):
             pairs.setdefault(p.name, tie.te)
     return list(pairs.items())
+
+
+def _named(parts: Sequence[Part]) -> List[Part]:
+    """The parts that are timm tensors (not zero blocks)."""
+    return [p for p in parts if p.name is not None]
 
 
 def _check_keys(sd_keys: Iterable[str], expected: Iterable[str], what: str) -> None:
@@ -149,11 +156,17 @@ def timm_to_te(sd: Mapping[str, torch.Tensor], layout: Layout) -> Dict[str, torc
         ValueError: keys missing or left over for ``layout``, listed.
     """
     ties = _ties(layout)
-    _check_keys(sd, (p.name for t in ties for p in t.parts), "timm -> TE")
+    _check_keys(sd, (p.name for t in ties for p in _named(t.parts)), "timm -> TE")
     out = {}
     for tie in ties:
         pieces = []
+        like = sd[_named(tie.parts)[0].name]
         for p in tie.parts:
+            if p.name is None:
+                shape = list(like.shape)
+                shape[tie.dim] = p.length
+                pieces.append(like.new_zeros(shape))
+                continue
             t = sd[p.name]
             length = t.shape[tie.dim] - p.start if p.length is None else p.length
             pieces.append(t.narrow(tie.dim, p.start, length))
@@ -161,7 +174,7 @@ def timm_to_te(sd: Mapping[str, torch.Tensor], layout: Layout) -> Dict[str, torc
                 shape = list(t.shape)
                 shape[tie.dim] = tie.pad
                 pieces.append(t.new_zeros(shape))
-        out[tie.te] = pieces[0] if len(pieces) == 1 and pieces[0].shape == sd[tie.parts[0].name].shape \
+        out[tie.te] = pieces[0] if len(pieces) == 1 and pieces[0].shape == like.shape \
             else torch.cat(pieces, tie.dim)
     return out
 
@@ -183,6 +196,13 @@ def te_to_timm(sd: Mapping[str, torch.Tensor], layout: Layout) -> Dict[str, torc
         offset = 0
         for p, length in zip(tie.parts, _part_lengths(tie, t.shape[tie.dim])):
             piece = t.narrow(tie.dim, offset, length)
+            if p.name is None:
+                if bool(piece.any()):
+                    raise ValueError(f"TE -> timm: {tie.te}[{offset}:{offset + length}] along dim {tie.dim} "
+                                     "is not zero; timm has no tensor for it (EVA's k bias) and it is held "
+                                     "at zero in training: something wrote to it")
+                offset += length + tie.pad
+                continue
             if tie.pad and bool(t.narrow(tie.dim, offset + length, tie.pad).any()):
                 raise ValueError(f"TE -> timm: the padding of {tie.te} (after {p.name}) is not zero; "
                                  "padded hidden units must stay zero (they are, under fp8vit's init, "
@@ -205,7 +225,7 @@ def te_to_timm(sd: Mapping[str, torch.Tensor], layout: Layout) -> Dict[str, torc
 
 
 def _holder(ties: Sequence[Tie], timm_name: str) -> str:
-    return next(t.te for t in ties if any(p.name == timm_name for p in t.parts))
+    return next(t.te for t in ties if any(p.name == timm_name for p in _named(t.parts)))
 
 
 def te_requires_grad(flags: Mapping[str, bool], layout: Layout) -> Dict[str, bool]:
@@ -217,7 +237,7 @@ def te_requires_grad(flags: Mapping[str, bool], layout: Layout) -> Dict[str, boo
     """
     out = {}
     for tie in _ties(layout):
-        got = {p.name: bool(flags[p.name]) for p in tie.parts if p.name in flags}
+        got = {p.name: bool(flags[p.name]) for p in _named(tie.parts) if p.name in flags}
         if len(set(got.values())) > 1:
             raise ValueError(f"requires_grad differs among {got}, which TE holds as one tensor "
                              f"{tie.te!r}: freeze all of them or none")
@@ -228,7 +248,7 @@ def te_requires_grad(flags: Mapping[str, bool], layout: Layout) -> Dict[str, boo
 
 def timm_requires_grad(flags: Mapping[str, bool], layout: Layout) -> Dict[str, bool]:
     """``requires_grad`` per TE tensor -> per timm tensor (each part takes its TE tensor's)."""
-    return {p.name: bool(flags[t.te]) for t in _ties(layout) if t.te in flags for p in t.parts}
+    return {p.name: bool(flags[t.te]) for t in _ties(layout) if t.te in flags for p in _named(t.parts)}
 
 
 def timm_shapes(layout: Layout, te_shapes: Mapping[str, Sequence[int]]) -> Dict[str, Tuple[int, ...]]:
@@ -238,6 +258,8 @@ def timm_shapes(layout: Layout, te_shapes: Mapping[str, Sequence[int]]) -> Dict[
     for tie in _ties(layout):
         shape = list(te_shapes[tie.te])
         for p, length in zip(tie.parts, _part_lengths(tie, shape[tie.dim])):
+            if p.name is None:
+                continue
             s, old = list(shape), ends.get(p.name)
             s[tie.dim] = max(p.start + length, old[0][tie.dim] if old else 0)
             ends[p.name] = (s, tie.dim)
