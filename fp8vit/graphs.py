@@ -304,7 +304,7 @@ def make_graphed_blocks(
         # The model calls each block itself, with keyword inputs (EVA: rope=the RoPE table): see
         # what it passes, on one image, and capture each block with those inputs.
         x_seen, call_kwargs = _first_block_call(model, blocks[0], param.device)
-        shape = (batch_size, *(x_seen[1:] if tokens is None else (tokens, x_seen[-1])))
+        shape = (batch_size, *(x_seen.shape[1:] if tokens is None else (tokens, x_seen.shape[-1])))
         in_dtype = x_seen.dtype if isinstance(x_seen, torch.Tensor) else param.dtype
     else:
         if tokens is None:

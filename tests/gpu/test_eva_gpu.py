@@ -99,7 +99,9 @@ def test_fp8_snr_vs_bf16(name, recipe, batch):
     snrs = {"logits": snr_db(ref[0], test[0])}
     snrs.update({k: snr_db(ref[1][k], test[1][k]) for k in ref[1] if k.startswith("blocks.") and k.endswith("weight")})
     worst = min(snrs, key=snrs.get)
-    print(f"{name} {recipe} batch {batch}: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB")
+    print(f"{name} {recipe} batch {batch}: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB; "
+          f"below 20 dB: {({k: round(v, 1) for k, v in snrs.items() if v < 20})}; "
+          f"norms {[(k, f'{ref[1][k].norm():.2e}', f'{test[1][k].norm():.2e}') for k in snrs if snrs[k] < 12]}")
     assert snrs["logits"] >= 20.0 and snrs[worst] >= 12.0
 
 
