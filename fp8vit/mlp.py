@@ -80,6 +80,8 @@ MLP_KINDS = ("Mlp", "SwiGLU", "GluMlp", "GeGluMlp")
 # timm's GluMlp with the gate first, as a constant so that configs compare equal.
 _GLU_GATE_FIRST = functools.partial(GluMlp, gate_last=False)
 _TIMM_LAYERS = {"Mlp": Mlp, "SwiGLU": SwiGLU, "GeGluMlp": GeGluMlp}
+# Constructors read back from built modules, as constants for the same reason.
+_GELUS = {"none": nn.GELU, "tanh": functools.partial(nn.GELU, approximate="tanh")}
 
 NormSpec = Tuple[str, float]  # (TE normalization name, eps)
 
@@ -168,8 +170,8 @@ def _layer_name(layer) -> str:
 
 def _act_constructor(act: nn.Module) -> Callable:
     """A constructor that rebuilds ``act`` exactly (class, or a copy where it holds settings)."""
-    if isinstance(act, nn.GELU):
-        return nn.GELU if act.approximate == "none" else functools.partial(nn.GELU, approximate=act.approximate)
+    if isinstance(act, nn.GELU) and act.approximate in _GELUS:
+        return _GELUS[act.approximate]
     cls = type(act)
     try:
         same = cls().extra_repr() == act.extra_repr()
