@@ -80,6 +80,8 @@ MLP_KINDS = ("Mlp", "SwiGLU", "GluMlp", "GeGluMlp")
 # timm's GluMlp with the gate first, as a constant so that configs compare equal.
 _GLU_GATE_FIRST = functools.partial(GluMlp, gate_last=False)
 _TIMM_LAYERS = {"Mlp": Mlp, "SwiGLU": SwiGLU, "GeGluMlp": GeGluMlp}
+# Constructors read back from built modules, as constants for the same reason.
+_GELUS = {"none": nn.GELU, "tanh": functools.partial(nn.GELU, approximate="tanh")}
 
 NormSpec = Tuple[str, float]  # (TE normalization name, eps)
 
@@ -94,7 +96,8 @@ class MlpConfig:
         hidden: the real hidden units ``H``, those feeding fc2 (each half of fc1 has ``H`` rows
             in the gated kinds).
         act_layer: the torch activation constructor (the unfused path runs it; timm rebuilds with it).
-        te_activation: TE's kernel (gated kinds: a gated kernel), or None: the torch activation.
+        te_activation: TE's kernel (gated kinds: a gated kernel) in the fused MLP, or None: the
+            torch activation runs (always so in the unfused MLP; an erf GELU stays exact there).
         gate_last: ``GluMlp`` only: timm's gate is the second half of fc1 (timm's default).
         bias: fc1's and fc2's bias flags.
         drop: dropout after the activation and after fc2.
@@ -168,8 +171,8 @@ def _layer_name(layer) -> str:
 
 def _act_constructor(act: nn.Module) -> Callable:
     """A constructor that rebuilds ``act`` exactly (class, or a copy where it holds settings)."""
-    if isinstance(act, nn.GELU):
-        return nn.GELU if act.approximate == "none" else functools.partial(nn.GELU, approximate=act.approximate)
+    if isinstance(act, nn.GELU) and act.approximate in _GELUS:
+        return _GELUS[act.approximate]
     cls = type(act)
     try:
         same = cls().extra_repr() == act.extra_repr()
@@ -210,7 +213,6 @@ def mlp_config_from_timm(mlp: nn.Module, *, exact_gelu: bool = False) -> MlpConf
     if any(True for _ in act.parameters()) or any(True for _ in act.buffers()):
         raise ValueError(f"activation {type(act).__name__} has parameters or buffers, which fp8vit "
                          "does not map: use a stateless activation")
-    act_layer, te_act = resolve_activation(_act_constructor(act), exact_gelu, gated=kind != "Mlp")
     norm = getattr(mlp, "norm", None)
     inner = in_norm = None
     if kind == "GeGluMlp":
@@ -219,11 +221,15 @@ def mlp_config_from_timm(mlp: nn.Module, *, exact_gelu: bool = False) -> MlpConf
         inner = resolve_norm_module(norm)
     drops = tuple(float(d.p) if d is not None else 0.0
                   for d in (getattr(mlp, "drop1", None), getattr(mlp, "drop2", None)))  # timm 1.0.29's GeGluMlp: none
-    return MlpConfig(kind=kind, in_features=fc1s[0].in_features, hidden=fc2.in_features,
-                     out_features=fc2.out_features, act_layer=act_layer, te_activation=te_act,
-                     gate_last=bool(mlp.gate_last) if kind == "GluMlp" else False,
-                     bias=(fc1s[0].bias is not None, fc2.bias is not None), drop=drops,
-                     norm=inner, in_norm=in_norm)
+    cfg = MlpConfig(kind=kind, in_features=fc1s[0].in_features, hidden=fc2.in_features,
+                    out_features=fc2.out_features, act_layer=_act_constructor(act), te_activation="",
+                    gate_last=bool(mlp.gate_last) if kind == "GluMlp" else False,
+                    bias=(fc1s[0].bias is not None, fc2.bias is not None), drop=drops,
+                    norm=inner, in_norm=in_norm)
+    if not cfg.fused:  # unfused for another reason: the torch activation runs, exact, no TE kernel
+        return dataclasses.replace(cfg, te_activation=None)
+    act_layer, te_act = resolve_activation(cfg.act_layer, exact_gelu, gated=cfg.gated)
+    return dataclasses.replace(cfg, act_layer=act_layer, te_activation=te_act)
 
 
 def mlp_config_from_kwargs(in_features: int, hidden_features: int, *, mlp_layer: Callable = Mlp,

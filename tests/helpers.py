@@ -35,6 +35,48 @@ BLOCK_CASES = {
 }
 
 
+# timm MLP kinds and options on a classic Block (keywords of timm's Block, as in BLOCK_CASES).
+# Hidden 170 (mlp_ratio 170/64; 340 at dim 128) is not a multiple of 16: padded to 176 (352).
+_TANH = functools.partial(nn.GELU, approximate="tanh")
+_PAD = 170 / 64
+
+
+def _mlp_cases():
+    from timm.layers import GluMlp, SwiGLU, SwiGLUPacked
+    from timm.models.vitamin import GeGluMlp
+
+    gate_first = functools.partial(GluMlp, gate_last=False)
+    return {
+        "swiglu": dict(mlp_layer=SwiGLU, act_layer=nn.SiLU),                            # AIMv2
+        "swiglu_no_bias_rms": dict(mlp_layer=SwiGLU, act_layer=nn.SiLU, proj_bias=False, norm_layer="rms"),
+        "swiglu_norm": dict(mlp_layer=SwiGLU, act_layer=nn.SiLU, scale_mlp_norm=True),  # EVA02 (scale_mlp)
+        "swiglu_norm_rms": dict(mlp_layer=SwiGLU, act_layer=nn.SiLU, scale_mlp_norm=True, norm_layer="rms"),
+        "swiglu_align_to": dict(mlp_layer=functools.partial(SwiGLU, align_to=48), act_layer=nn.SiLU, mlp_ratio=2.0),
+        "swiglu_dropout": dict(mlp_layer=SwiGLU, act_layer=nn.SiLU, proj_drop=0.1),
+        "glu_sigmoid": dict(mlp_layer=GluMlp, act_layer=nn.Sigmoid),                   # GluMlp's defaults
+        "glu_sigmoid_gate_first": dict(mlp_layer=gate_first, act_layer=nn.Sigmoid),
+        "glu_silu_packed": dict(mlp_layer=SwiGLUPacked, act_layer=nn.SiLU),            # DINOv2-giant
+        "glu_gelu_tanh": dict(mlp_layer=GluMlp, act_layer=_TANH),
+        "glu_gelu_exact": dict(mlp_layer=gate_first, act_layer=nn.GELU, exact_gelu=True),
+        "glu_relu_norm": dict(mlp_layer=GluMlp, act_layer=nn.ReLU, scale_mlp_norm=True),
+        "glu_mish_unfused": dict(mlp_layer=GluMlp, act_layer=nn.Mish),
+        "geglu_mlp": dict(mlp_layer=GeGluMlp, act_layer=_TANH, mlp_ratio=2.0),          # ViTamin
+        "geglu_mlp_exact": dict(mlp_layer=GeGluMlp, act_layer=nn.GELU, mlp_ratio=2.0, exact_gelu=True),
+        "mlp_norm": dict(scale_mlp_norm=True),
+        "beit3": dict(scale_attn_norm=True, scale_mlp_norm=True, norm_layer=functools.partial(nn.LayerNorm, eps=1e-5)),
+        "swiglu_padded": dict(mlp_layer=SwiGLU, act_layer=nn.SiLU, mlp_ratio=_PAD),
+        "swiglu_norm_padded": dict(mlp_layer=SwiGLU, act_layer=nn.SiLU, mlp_ratio=_PAD, scale_mlp_norm=True),
+        "glu_sigmoid_padded": dict(mlp_layer=GluMlp, act_layer=nn.Sigmoid, mlp_ratio=2 * _PAD),
+        "mlp_gelu_padded": dict(mlp_ratio=_PAD),
+        "mlp_sigmoid_padded": dict(act_layer=nn.Sigmoid, mlp_ratio=_PAD),              # act(0) != 0: sliced
+        "mlp_sigmoid_norm_padded": dict(act_layer=nn.Sigmoid, mlp_ratio=_PAD, scale_mlp_norm=True),
+    }
+
+
+MLP_CASES = _mlp_cases()
+PADDED_MLP_CASES = [k for k in MLP_CASES if k.endswith("_padded")]
+
+
 def is_forward_gelu_kernel(name: str) -> bool:
     """A GPU kernel that computes a forward GELU: TE's own activation kernel, or a cuBLASLt GEMM with
     a GELU epilogue (``..._geluauxbias_...``); not the backward dGELU kernels."""

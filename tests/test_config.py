@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 import torch
-from timm.layers import LayerNorm2d, Mlp, RmsNorm, SwiGLU
+from timm.layers import GatedMlp, LayerNorm2d, Mlp, RmsNorm, SwiGLU
 from timm.models.vision_transformer import Block
 from torch import nn
 
@@ -38,10 +38,9 @@ def test_unknown_keyword_is_named():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(scale_attn_norm=True), "scale_attn_norm=True"),
-    (dict(scale_mlp_norm=True), "scale_mlp_norm=True"),
     (dict(attn_layer="diff"), "attn_layer='diff'"),
-    (dict(mlp_layer=SwiGLU), "mlp_layer='SwiGLU'"),
+    (dict(mlp_layer=GatedMlp), "mlp_layer='GatedMlp'.*not supported"),
+    (dict(mlp_layer=SwiGLU, norm_layer=nn.BatchNorm1d, scale_mlp_norm=True), "BatchNorm1d"),
     (dict(norm_layer=nn.BatchNorm1d), "BatchNorm1d"),
     (dict(norm_layer=LayerNorm2d), "LayerNorm2d"),
     (dict(norm_layer=functools.partial(nn.LayerNorm, elementwise_affine=False)), "elementwise_affine"),
@@ -61,20 +60,35 @@ def test_unknown_keyword_is_a_type_error():
 
 
 def test_mlp_dropout_forces_unfused_mlp():
-    cfg = BlockConfig.from_timm_kwargs(dim=64, num_heads=4, proj_drop=0.1, mlp_layer=Mlp)
-    assert cfg.te_activation == "gelu" and not cfg.fused_mlp
+    # Unfused anyway: the torch activation runs, so timm's erf GELU stays exact and nothing warns.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = BlockConfig.from_timm_kwargs(dim=64, num_heads=4, proj_drop=0.1, mlp_layer=Mlp)
+    assert cfg.te_activation is None and not cfg.fused_mlp and cfg.act_layer is nn.GELU
 
 
-@pytest.mark.parametrize("act, exact, expected", [
-    (functools.partial(nn.GELU, approximate="tanh"), False, "gelu"),
-    (nn.GELU, True, None),
-    (nn.ReLU, False, "relu"),
-    (nn.SiLU, False, "silu"),
-    ("quick_gelu", False, "qgelu"),
-    (nn.Mish, False, None),
+@pytest.mark.parametrize("act, exact, expected, gated", [
+    (functools.partial(nn.GELU, approximate="tanh"), False, "gelu", "geglu"),
+    (nn.GELU, True, None, None),
+    (nn.ReLU, False, "relu", "reglu"),
+    (nn.SiLU, False, "silu", "swiglu"),
+    ("swish", False, "silu", "swiglu"),
+    ("quick_gelu", False, "qgelu", "qgeglu"),
+    (nn.Sigmoid, False, None, "glu"),  # TE has sigmoid only as a gate
+    (nn.Mish, False, None, None),
 ])
-def test_activation_mapping(act, exact, expected):
+def test_activation_mapping(act, exact, expected, gated):
     assert resolve_activation(act, exact)[1] == expected
+    assert resolve_activation(act, exact, gated=True)[1] == gated
+
+
+def test_scale_norms_and_glu_mlps_are_accepted():
+    cfg = BlockConfig.from_timm_kwargs(64, 4, scale_attn_norm=True, scale_mlp_norm=True, mlp_layer=SwiGLU)
+    assert cfg.scale_attn_norm and cfg.mlp.norm == ("LayerNorm", 1e-6) and cfg.mlp.kind == "SwiGLU"
+    kw = cfg.timm_kwargs()
+    assert kw["mlp_layer"] is SwiGLU and kw["scale_mlp_norm"] and kw["scale_attn_norm"]
 
 
 def test_exact_gelu_mapped_to_tanh_warns_once():

@@ -107,9 +107,6 @@ NETWORK_TESTS = ["test_model_inference", "test_model_load_pretrained", "test_mod
 #   process fail with "Can't redefine method: forward on class fp8vit.reference.DotProductAttention".
 #   TE backend: TE's modules are not scriptable either.
 _SCRIPT = "TorchScript cannot compile fp8vit's modules (fp8vit/reference.py; TE modules neither)"
-# NaFlexViT builds an additive float mask (0 / -inf) from patch_valid and passes it to its blocks;
-#   TE_Block accepts boolean masks only (fp8vit/block.py TE_Block.forward raises ValueError).
-_MASK = "NaFlexViT's additive float attn_mask is rejected by TE_Block.forward (boolean masks only)"
 # state_dict layout: a converted model's block keys are TE_Block's (qkv.layer_norm_weight,
 #   mlp.fc1_weight, ...), not timm's. The test writes a checkpoint from a converted model and loads it
 #   with create_model(pretrained=True), which loads before the conversion. By design:
@@ -118,9 +115,6 @@ _KEYS = "checkpoint written from a converted model has TE_Block keys; timm loads
 XFAIL: list = [
     ("test_model_forward_torchscript", ("*",), _SCRIPT),
     ("test_model_forward_fx_torchscript", ("*",), _SCRIPT),
-    ("test_naflexvit_forward_intermediates_dict_input", ("naflexvit*",), _MASK),
-    ("test_naflexvit_patch_interpolation_capability", ("naflexvit*",), _MASK),
-    ("test_naflexvit_key_only_attn_mask_output_parity", ("naflexvit*",), _MASK),
     ("test_radio_checkpoint_filter", ("*radio*",), _KEYS),
 ]
 
