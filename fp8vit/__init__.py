@@ -2,6 +2,7 @@
 
     model = timm.create_model("vit_base_patch16_224").cuda()
     fp8vit.convert_to_te(model)                   # or VisionTransformer(block_fn=fp8vit.TE_Block)
+    print(fp8vit.conversion_summary(model))       # what was fused, swapped to FP8 Linears, kept
     fp8vit.make_graphed_blocks(model, batch_size=128)   # optional: CUDA graphs (below ViT-H)
     with fp8vit.fp8_context():                    # bf16 autocast + TE FP8 where the GPU has it
         loss = criterion(model(images), labels)
@@ -20,7 +21,8 @@ from .backend import set_cudnn_layernorm
 from .block import TE_Block
 from .config import BlockConfig
 from .context import FP8State, fp8_context
-from .convert import convert_from_te, convert_to_te, set_block_fp8, set_grad_checkpointing, set_mlp_recompute
+from .convert import (FALLBACKS, convert_from_te, convert_to_te, set_block_fp8, set_grad_checkpointing,
+                      set_mlp_recompute)
 from .detect import GPUInfo, fp8_support, gpu_info
 from .diagnostics import BlockStats, DiagnosisReport, diagnose
 from .errors import Check, ConversionError, FP8UnavailableError, TEUnavailableError
@@ -28,6 +30,7 @@ from .graphs import GraphedBlocks, make_graphed_blocks
 from .guards import NonFiniteEvent, NonFiniteGuard
 from .numerics import snr_db
 from .recipes import RECIPE_NAMES, RecipeName, make_recipe
+from .summary import ConversionSummary, conversion_summary
 
 try:
     __version__ = version("fp8vit")  # one source of truth: pyproject.toml
@@ -40,6 +43,9 @@ __all__ = [
     "BlockConfig",
     "convert_to_te",
     "convert_from_te",
+    "FALLBACKS",
+    "conversion_summary",
+    "ConversionSummary",
     "set_grad_checkpointing",
     "set_mlp_recompute",
     "set_block_fp8",

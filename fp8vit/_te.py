@@ -7,6 +7,7 @@ Everything TE-specific that the rest of fp8vit needs goes through here:
 * the oldest TE it accepts (:data:`MIN_TE_VERSION`, checked with ``packaging`` before importing);
 * the TE modules fp8vit builds blocks from, subclassed so that their FP8 scaling state is
   checkpointed as plain tensors instead of a pickle (see ``_SafeExtraState``);
+* the FP8 ``Linear`` swapped in for a model's ``nn.Linear`` (:class:`SwappedLinear`);
 * readers and writers of TE's delayed-scaling state (``fp8_meta``) for diagnostics and guards;
 * CUDA-graph capture (``make_graphed_callables``) and the plain ``TransformerLayer`` (bench only).
 """
@@ -19,6 +20,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import math
 import os
 import types
 import warnings
@@ -28,11 +30,13 @@ import torch
 from packaging.version import Version
 from torch import nn
 
+from ._warn import warn_once
 from .errors import Check, TEUnavailableError
 
 __all__ = [
     "te_status", "te_version", "installed", "load_te", "preload", "clear_cache", "te_check",
     "recipe_module", "autocast", "set_cudnn_norm", "cudnn_norm", "cudnn_norm_enabled", "checkpoint", "active_fp8_recipe", "packed_attention", "fused_rope", "modules", "MODULE_NAMES",
+    "SwappedLinear", "fp8_linear_class",
     "scaling_state", "repair_amax_histories", "make_graphed_callables", "wgrad_into_main_grad", "release_main_grad",
     "transformer_layer_class", "EXTRA_STATE_FORMAT", "MIN_TE_VERSION",
 ]
@@ -381,10 +385,82 @@ def modules() -> types.SimpleNamespace:
     )
 
 
+# --------------------------------------------------------------------------- generic FP8 Linear
+class SwappedLinear:
+    """Mixin of :func:`fp8_linear_class`: TE's ``Linear`` standing in for a model's ``nn.Linear``
+    (``convert_to_te(fallback="linear")``), where nothing around it knows about TE.
+
+    * ``forward`` takes any leading dims, and under FP8 pads the rows (the product of the leading
+      dims) with zeros to the recipe's multiple, then slices them off the output: TE's FP8 GEMMs
+      need it, and the weight-gradient GEMM reduces over the rows, so padded rows change nothing.
+    * ``fp8_enabled = False`` runs it in the autocast dtype inside ``fp8_context``; so does a recipe
+      whose multiple the features are not (MXFP8 needs 32; fp8vit swaps multiples of 16), with one
+      warning.
+    * its state dict is ``nn.Linear``'s (``weight``, ``bias``), so a timm checkpoint loads as is:
+      ``_extra_state`` is saved only when it holds delayed-scaling state, and may be absent on load.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fp8_enabled = True
+
+    def forward(self, inp: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        recipe = active_fp8_recipe()
+        if recipe is None:  # outside fp8_context: TE's Linear in the autocast dtype
+            return super().forward(inp, *args, **kwargs)
+        mult = _row_multiple(recipe)
+        if not self.fp8_enabled or self.in_features % mult or self.out_features % mult:
+            if self.fp8_enabled:
+                warn_once(f"fp8vit: a swapped Linear ({self.in_features} -> {self.out_features} features) runs "
+                          f"in bf16: this FP8 recipe needs features that are multiples of {mult}", RuntimeWarning)
+            with autocast(enabled=False, recipe=None):
+                return super().forward(inp, *args, **kwargs)
+        rows = math.prod(inp.shape[:-1])
+        pad = -rows % mult
+        if pad == 0:
+            return super().forward(inp, *args, **kwargs)
+        out = super().forward(torch.nn.functional.pad(inp.reshape(rows, inp.shape[-1]), (0, 0, 0, pad)),
+                              *args, **kwargs)
+        return out[:rows].view(*inp.shape[:-1], out.shape[-1])
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "_extra_state"
+        state = destination.get(key)
+        if isinstance(state, torch.Tensor) and state.numel() == 0:  # no FP8 scaling state
+            del destination[key]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        key = prefix + "_extra_state"
+        if key in missing_keys:  # an nn.Linear checkpoint, or a stateless recipe's
+            missing_keys.remove(key)
+
+
+def _row_multiple(recipe: Any) -> int:
+    # recipes imports this module, so it is imported here, when a forward first needs it.
+    from .recipes import recipe_name, row_multiple
+
+    return row_multiple(recipe_name(recipe))
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_linear_class() -> type:
+    """``FP8Linear``: TE's ``Linear`` with :class:`SwappedLinear` and :class:`_SafeExtraState`
+    mixed in. Build it with ``device="meta"`` and assign the ``nn.Linear``'s parameters."""
+    te = load_te()
+    return type("FP8Linear", (SwappedLinear, _SafeExtraState, te.Linear),
+                {"__module__": __name__, "__qualname__": "FP8Linear"})
+
+
 def __getattr__(name: str):
     """``fp8vit._te.LayerNormLinear`` etc., built on first use (so whole-model pickles load)."""
     if name in MODULE_NAMES:
         return getattr(modules(), name)
+    if name == "FP8Linear":
+        return fp8_linear_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

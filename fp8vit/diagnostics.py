@@ -1,7 +1,7 @@
 """``diagnose``: where in a model does FP8 cost accuracy, measured on one batch.
 
 Runs the same forward/backward twice on the same weights and batch, in bf16 and in FP8, and
-compares each ``TE_Block``'s output activations and weight gradients by signal-to-noise ratio.
+compares each fp8vit block's (``TE_Block``, ...) output activations and weight gradients by signal-to-noise ratio.
 Blocks below a threshold (or with non-finite values) are recommended to stay in bf16;
 :meth:`DiagnosisReport.apply` does that without rebuilding the model.
 
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _te
-from .block import TE_Block
 from .context import fp8_context
 from .convert import set_block_fp8
+from .layers import FP8Block
 from .numerics import E4M3_MAX, E4M3_TINY, E5M2_MAX, E5M2_TINY, snr_db, underflow_fraction
 from .recipes import recipe_name
 
@@ -99,7 +99,7 @@ class DiagnosisReport:
         return lambda module, fqn: fqn not in keep
 
     def apply(self, model: nn.Module) -> List[str]:
-        """Run the recommended ``TE_Block``s of ``model`` in bf16 (FP8 off for them only).
+        """Run the recommended fp8vit blocks of ``model`` in bf16 (FP8 off for them only).
 
         Returns:
             the names switched to bf16.
@@ -197,7 +197,7 @@ def _flat(params, grads) -> torch.Tensor:
                       for p, g in zip(params, grads)])
 
 
-def _local_weight_grads(blk: TE_Block, x: torch.Tensor, grad_out: torch.Tensor, recipe) -> torch.Tensor:
+def _local_weight_grads(blk: FP8Block, x: torch.Tensor, grad_out: torch.Tensor, recipe) -> torch.Tensor:
     """``blk``'s weight gradients with FP8 off, on the FP8 run's block input ``x`` and output
     gradient ``grad_out``: the reference for the block's own weight-gradient error."""
     params = _trainable(blk)
@@ -223,13 +223,13 @@ def diagnose(
     grad_threshold_db: float = 12.0,
     warmup: int = 2,
 ) -> DiagnosisReport:
-    """Compare one FP8 forward/backward with bf16, per ``TE_Block``.
+    """Compare one FP8 forward/backward with bf16, per fp8vit block (``TE_Block``, ...).
 
     Weights are not changed (no optimizer step); gradients are cleared afterwards. With delayed
     scaling the first FP8 passes only fill the amax history, hence ``warmup`` FP8 passes first.
 
     Args:
-        model: a model containing ``TE_Block``s (after ``convert_to_te``), in train or eval mode
+        model: a model containing fp8vit blocks (after ``convert_to_te``), in train or eval mode
             (eval gives deterministic dropout).
         batch: the input, e.g. images ``[B, 3, H, W]``.
         target: labels for the default cross-entropy loss; None uses ``mean(output^2)``.
@@ -242,12 +242,13 @@ def diagnose(
         warmup: FP8 passes before the measured one.
 
     Raises:
-        ValueError: the model has no ``TE_Block``.
+        ValueError: the model has no fp8vit block.
         FP8UnavailableError: FP8 cannot run here (the reason is in the message).
     """
-    blocks = {n: m for n, m in model.named_modules() if isinstance(m, TE_Block)}
+    blocks = {n: m for n, m in model.named_modules() if isinstance(m, FP8Block)}
     if not blocks:
-        raise ValueError("diagnose: the model has no TE_Block; run fp8vit.convert_to_te(model) first")
+        raise ValueError("diagnose: the model has no fp8vit block (TE_Block, ...); run fp8vit.convert_to_te(model) "
+                         "first (blocks whose Linears were swapped are not diagnosed)")
     loss_fn = loss_fn or _default_loss
     ref_out, ref = _one_pass(model, blocks, batch, target, loss_fn, recipe, fp8=False)
     for _ in range(warmup):

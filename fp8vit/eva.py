@@ -93,6 +93,11 @@ class EvaBlockConfig:
     def attn_dim(self) -> int:
         return self.num_heads * self.head_dim
 
+    @property
+    def fused_mlp(self) -> bool:
+        """The MLP is one TE ``LayerNormMLP`` (as ``BlockConfig.fused_mlp``)."""
+        return self.mlp.fused
+
 
 def _reject(block: nn.Module, what: str) -> None:
     raise ValueError(f"{type(block).__name__} with {what} cannot be converted to TE_EvaBlock")
@@ -274,7 +279,6 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         built = build_mlp(cfg.mlp, cfg.norm, cfg.norm_eps, m, dd, tdd)
         self.norm2 = built.norm  # None: norm2 is fused into fc1
         self.mlp = built.mlp
-        self._fused_mlp = built.fused
         self.gamma_2 = nn.Parameter(torch.ones(cfg.dim, **tdd)) if cfg.layer_scale[1] else None
         self.drop_path2 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
 
@@ -365,7 +369,7 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
             a = self.gamma_1 * a
         x = x + self._residual(self.drop_path1(a), x)
         h = x if self.norm2 is None else self.norm2(x)
-        h = self._run_mlp(self.mlp, h, mult, gelu_gemm, fused=self._fused_mlp)
+        h = self._run_mlp(self.mlp, h, mult, gelu_gemm, fused=self.cfg.fused_mlp)
         if self.gamma_2 is not None:
             h = self.gamma_2 * h
         return x + self._residual(self.drop_path2(h), x)

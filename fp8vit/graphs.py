@@ -46,11 +46,10 @@ from torch import nn
 
 from . import _te
 from ._warn import warn_once
-from .block import TE_Block
-from .layers import FP8Block
 from .context import AUTOCAST_DTYPES
 from .detect import gpu_info
 from .errors import FP8UnavailableError
+from .layers import FP8Block
 from .recipes import recipe_name, resolve_recipe
 
 __all__ = ["make_graphed_blocks", "GraphedBlocks"]
@@ -131,7 +130,7 @@ class GraphedBlocks:
 
 def _switches(blocks: nn.Module) -> tuple:
     return tuple((m.fp8_enabled, m.grad_checkpointing, m.recompute_mlp, m.gelu_in_gemm)
-                 for m in blocks.modules() if isinstance(m, TE_Block))
+                 for m in blocks.modules() if isinstance(m, FP8Block))
 
 
 class _MainGradsToAutograd(torch.autograd.Function):
@@ -279,8 +278,10 @@ def make_graphed_blocks(
         raise ValueError("make_graphed_blocks: activation checkpointing is on; a CUDA graph keeps all "
                          "activations of its capture, so turn checkpointing off "
                          "(model.set_grad_checkpointing(False)) or do not graph this model")
+    # A family whose config does not say its MLP is TE's fused one is taken as unfused: refused here
+    # rather than failing inside the capture.
     unfused = [n for n, m in blocks.named_modules()
-               if isinstance(m, TE_Block) and m.recompute_mlp and not m.cfg.fused_mlp]
+               if isinstance(m, FP8Block) and m.recompute_mlp and not m.cfg.fused_mlp]
     if unfused:
         # TE's LayerNormMLP recomputes inside its own backward, which the graph captures; an
         # unfused MLP (exact_gelu=True) would need activation checkpointing, refused above.

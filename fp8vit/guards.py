@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import _te
-from .block import TE_Block
+from .layers import FP8Block
 
 __all__ = ["NonFiniteGuard", "NonFiniteEvent"]
 
@@ -61,7 +61,7 @@ def _default_blocks(model: nn.Module) -> Dict[str, nn.Module]:
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.Sequential):
         return {f"blocks.{i}": b for i, b in enumerate(blocks)}
-    return {n: m for n, m in model.named_modules() if isinstance(m, TE_Block)}
+    return {n: m for n, m in model.named_modules() if isinstance(m, FP8Block)}
 
 
 class NonFiniteGuard:
@@ -75,7 +75,7 @@ class NonFiniteGuard:
         model: the model being trained.
         optimizer: its optimizer.
         blocks: ``{name: module}`` to attribute problems to; default ``model.blocks`` (timm ViTs)
-            or every ``TE_Block``.
+            or every fp8vit block (``TE_Block``, ...).
         max_consecutive: raise ``RuntimeError`` after this many skipped steps in a row (None: never).
         repair_fp8_state: on a skip, replace non-finite values in TE delayed-scaling amax histories by
             zero, so one bad step does not freeze the FP8 scales for the whole history length.

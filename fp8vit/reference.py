@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["LayerNormLinear", "Linear", "LayerNormMLP", "DotProductAttention", "ACTIVATIONS",
-           "GATED_ACTIVATIONS", "rope", "modules"]
+           "GATED_ACTIVATIONS", "rope", "modules", "FP8Linear"]
 
 
 def _gelu_tanh(x):
@@ -202,3 +202,16 @@ def modules() -> types.SimpleNamespace:
     """The stand-ins, in the shape of ``_te.modules()``."""
     return types.SimpleNamespace(LayerNormLinear=LayerNormLinear, Linear=Linear,
                                  LayerNormMLP=LayerNormMLP, DotProductAttention=DotProductAttention)
+
+
+class FP8Linear(Linear):
+    """Twin of the TE ``FP8Linear`` swapped in for a model's ``nn.Linear`` (``fp8vit._te.SwappedLinear``):
+    ``nn.Linear``'s maths and state dict, any leading dims, and its ``fp8_enabled`` switch (no FP8 here)."""
+
+    def __init__(self, in_features, out_features, bias=True, params_dtype=None, device="cpu"):
+        super().__init__(in_features, out_features, bias, params_dtype, device)
+        self.in_features, self.out_features = in_features, out_features  # nn.Linear's (and te.Linear's)
+        self.fp8_enabled = True
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -1,0 +1,140 @@
+"""What ``convert_to_te`` made of a model: the blocks it fused, the Linears it swapped for FP8
+Linears, what it kept as it was and why, and the Linears outside every block.
+
+    fp8vit.convert_to_te(model, fallback="linear")
+    print(fp8vit.conversion_summary(model))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Tuple
+
+from torch import nn
+
+__all__ = ["ConversionSummary", "conversion_summary", "record_summary", "forget_summary", "EXCLUDED"]
+
+# The reason of the modules kept because module_filter_fn said so (no warning for those).
+EXCLUDED = "excluded by module_filter_fn"
+
+# Where convert_to_te leaves the summary: an attribute of the converted model (not in its state dict).
+_ATTR = "_fp8vit_conversion"
+
+Groups = Tuple[Tuple[str, Tuple[str, ...]], ...]
+
+
+def _count(groups: Groups) -> int:
+    return sum(len(paths) for _, paths in groups)
+
+
+def _examples(paths: Tuple[str, ...], n: int = 3) -> str:
+    shown = ", ".join(p or "<model>" for p in paths[:n])
+    return shown + (f", ... (+{len(paths) - n})" if len(paths) > n else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionSummary:
+    """What :func:`fp8vit.convert_to_te` made of a model; ``str()`` gives :meth:`table`.
+
+    Groups are ``((key, (path, ...)), ...)`` in model order; ``dict(summary.kept)`` reads one as a
+    dict. Paths are module paths in the model (``""``: the model itself).
+
+    Attributes:
+        fallback: the ``fallback`` of the conversion (``"linear"``, ``"keep"`` or ``"error"``).
+        fused: blocks replaced by fp8vit's fused blocks, keyed by fp8vit block class.
+        swapped: ``nn.Linear``s swapped for FP8 Linears, keyed by why their block was not fused.
+        kept: blocks and Linears left as they are (they run in the autocast dtype), keyed by reason.
+        outside: the ``nn.Linear``s outside every block (classifier head, embeddings), which
+            fp8vit never converts.
+    """
+
+    fallback: str
+    fused: Groups = ()
+    swapped: Groups = ()
+    kept: Groups = ()
+    outside: Tuple[str, ...] = ()
+
+    @property
+    def num_fused(self) -> int:
+        """Blocks fused."""
+        return _count(self.fused)
+
+    @property
+    def num_swapped(self) -> int:
+        """Linears swapped for FP8 Linears."""
+        return _count(self.swapped)
+
+    @property
+    def num_kept(self) -> int:
+        """Blocks and Linears kept as they were."""
+        return _count(self.kept)
+
+    @property
+    def unasked_kept(self) -> Groups:
+        """The ``kept`` groups other than those ``module_filter_fn`` asked for."""
+        return tuple((r, p) for r, p in self.kept if r != EXCLUDED)
+
+    def counts(self) -> dict:
+        """``{"fused": n, "linear": n, "kept": {reason: n}}``: the outcome in numbers (JSON-able)."""
+        return {"fused": self.num_fused, "linear": self.num_swapped,
+                "kept": {reason: len(paths) for reason, paths in self.kept}}
+
+    def to_dict(self) -> dict:
+        """Every field, JSON-able (groups as ``{key: [paths]}``)."""
+        return {"fallback": self.fallback, "fused": {k: list(p) for k, p in self.fused},
+                "swapped": {k: list(p) for k, p in self.swapped}, "kept": {k: list(p) for k, p in self.kept},
+                "outside": list(self.outside)}
+
+    def short(self) -> str:
+        """One line: the counts, and every reason for keeping something, with examples."""
+        fused = ", ".join(f"{fam} {len(p)}" for fam, p in self.fused)
+        line = (f"fp8vit.convert_to_te(fallback={self.fallback!r}): fused {self.num_fused} blocks"
+                + (f" ({fused})" if fused else "") + f", swapped {self.num_swapped} Linears for FP8 Linears")
+        if self.kept:
+            line += f", kept {self.num_kept} modules as they are: " + "; ".join(
+                f"{reason}: {len(p)} ({_examples(p, 2)})" for reason, p in self.kept)
+        return line
+
+    def table(self) -> str:
+        """Several lines: each group with its count and a few example paths."""
+        lines = [f"fp8vit conversion (fallback={self.fallback!r})"]
+
+        def section(title: str, groups: Iterable[Tuple[str, Tuple[str, ...]]], total: int) -> None:
+            groups = list(groups)
+            lines.append(f"  {title:24s} {total:5d}")
+            for key, paths in groups:
+                lines.append(f"    {len(paths):5d}  {key}: {_examples(paths)}")
+
+        section("fused fp8vit blocks", self.fused, self.num_fused)
+        section("swapped to FP8 Linears", self.swapped, self.num_swapped)
+        section("kept as they are", self.kept, self.num_kept)
+        lines.append(f"  {'Linears outside blocks':24s} {len(self.outside):5d}"
+                     + (f"  (never converted: {_examples(self.outside)})" if self.outside else ""))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def record_summary(model: nn.Module, summary: ConversionSummary) -> None:
+    """Leave ``summary`` on ``model`` for :func:`conversion_summary` (a plain attribute: it pickles
+    with the model and stays out of its state dict)."""
+    object.__setattr__(model, _ATTR, summary)
+
+
+def forget_summary(model: nn.Module) -> None:
+    """Drop the summary :func:`record_summary` left on ``model``, if any."""
+    vars(model).pop(_ATTR, None)
+
+
+def conversion_summary(model: nn.Module) -> ConversionSummary:
+    """The :class:`ConversionSummary` of the last :func:`fp8vit.convert_to_te` call on ``model``.
+
+    Raises:
+        ValueError: ``convert_to_te`` was not run on ``model`` (or ``convert_from_te`` undid it).
+    """
+    summary = vars(model).get(_ATTR)
+    if summary is None:
+        raise ValueError(f"conversion_summary: this {type(model).__name__} was not converted; run "
+                         "fp8vit.convert_to_te(model) first (it returns the model and leaves the summary on it)")
+    return summary
