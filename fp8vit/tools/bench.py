@@ -32,6 +32,7 @@ import torch
 
 from .. import _te
 from ..detect import gpu_info
+from .timing import Stopwatch, format_duration
 from .workload import (SIZES, VARIANTS, Variant, build_workload, make_optimizer, synthetic_batch, train_flops,
                        train_step_fn)
 
@@ -68,11 +69,6 @@ def unavailable(variant: str, device: str) -> str:
     return ""
 
 
-def _sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int, device: str,
                 optimizer: str = "sgd", img_size: int = 224, mlp_recompute: int = 0,
                 pipelined: bool = True) -> Dict:
@@ -95,24 +91,15 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
                          device=device)
     step = train_step_fn(wl, opt)
     x, y = synthetic_batch(batch, wl, device=device)
-    t0 = time.perf_counter()
+    watch = Stopwatch(device).start()
     for _ in range(warmup):
         loss = step(x, y)
-    _sync(device)
-    warm_s = time.perf_counter() - t0
+    warm_s = watch.elapsed_ms() / 1e3
     times = []
     for _ in range(steps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            loss = step(x, y)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            loss = step(x, y)
-            times.append((time.perf_counter() - t) * 1e3)
+        watch.start()
+        loss = step(x, y)
+        times.append(watch.elapsed_ms())  # synchronized: the host waits for each step
     q = _deciles(times)
     med = statistics.median(times)
     flops = train_flops(wl.model, batch, img_size)
