@@ -121,24 +121,35 @@ def convert_from_te(model: nn.Module) -> nn.Module:
     return model
 
 
-def set_block_fp8(model: nn.Module, names: Sequence[str], enabled: bool) -> List[str]:
+def set_block_fp8(model: nn.Module, names: "str | Sequence[str]", enabled: bool) -> List[str]:
     """Turn FP8 on or off for the named ``TE_Block``s of ``model`` (others are untouched).
 
     A block with FP8 off runs its GEMMs in the autocast dtype inside ``fp8_context``.
 
+    Args:
+        model: a converted model.
+        names: one block's name (``"blocks.0"``) or a sequence of them, as in ``model.named_modules()``.
+        enabled: FP8 on (True) or off (False) for those blocks.
+
     Returns:
-        ``names``, as a list.
+        the names, as a list.
 
     Raises:
-        ValueError: a name that is not a ``TE_Block`` of ``model``.
+        ValueError: a name that is not a ``TE_Block`` of ``model``; nothing is changed then.
     """
+    names = [names] if isinstance(names, str) else list(names)  # a str is one name, not its characters
     mods = dict(model.named_modules())
     bad = [n for n in names if not isinstance(mods.get(n), TE_Block)]
     if bad:
-        raise ValueError(f"not TE_Blocks of this model: {bad}")
+        known = [n for n, m in mods.items() if isinstance(m, TE_Block)]
+        if not known:
+            raise ValueError(f"not TE_Blocks of this model: {bad}; it has none: convert it with "
+                             "fp8vit.convert_to_te first")
+        listed = ", ".join(known) if len(known) <= 4 else f"{known[0]}, {known[1]}, ..., {known[-1]}"
+        raise ValueError(f"not TE_Blocks of this model: {bad}; its {len(known)} TE_Blocks are {listed}")
     for n in names:
         mods[n].fp8_enabled = enabled
-    return list(names)
+    return names
 
 
 def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> nn.Module:
