@@ -235,7 +235,8 @@ def make_graphed_blocks(
         a :class:`GraphedBlocks` handle (shape, replay counts, ``release()``).
 
     Raises:
-        ValueError: ``model`` has no ``nn.Sequential`` ``blocks``, is not on a GPU, uses
+        ValueError: ``model`` has no ``nn.Sequential`` ``blocks``, no ``patch_embed.num_patches``
+            and no ``tokens`` given, is not on a GPU, uses
             activation checkpointing or MLP recompute of an unfused MLP, or ``dtype`` is not an
             autocast dtype; each names the value.
         FP8UnavailableError: ``fp8`` is asked for and cannot run here.
@@ -244,6 +245,12 @@ def make_graphed_blocks(
     if not isinstance(blocks, nn.Sequential) or len(blocks) == 0:
         raise ValueError(f"make_graphed_blocks needs a timm VisionTransformer; {type(model).__name__} has "
                          f"no nn.Sequential 'blocks' (found {type(blocks).__name__})")
+    if tokens is None:
+        num_patches = getattr(getattr(model, "patch_embed", None), "num_patches", None)
+        if not isinstance(num_patches, int):
+            raise ValueError(f"make_graphed_blocks: a {type(model).__name__} has no patch_embed.num_patches to "
+                             "tell the tokens per image from; pass tokens=, the sequence length its blocks see")
+        tokens = num_patches + getattr(model, "num_prefix_tokens", 0)
     if dtype not in AUTOCAST_DTYPES:
         raise ValueError(f"make_graphed_blocks(dtype={dtype}): use one of {AUTOCAST_DTYPES}")
     param = next(blocks.parameters())
@@ -274,8 +281,6 @@ def make_graphed_blocks(
             raise FP8UnavailableError(f"make_graphed_blocks(fp8=True): FP8 cannot run here: {info.fp8.reason}; "
                                       "pass fp8=False to graph the blocks in bf16")
         te_recipe = resolve_recipe(recipe, info.recipes)
-    if tokens is None:
-        tokens = model.patch_embed.num_patches + getattr(model, "num_prefix_tokens", 0)
     shape = (batch_size, tokens, model.embed_dim)
     in_dtype = model.pos_embed.dtype if getattr(model, "pos_embed", None) is not None else param.dtype
 
