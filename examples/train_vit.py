@@ -7,12 +7,12 @@
     torchrun --nproc-per-node 2 examples/train_vit.py                   # DDP, one process per GPU
 
 The fp8vit lines are marked ``# fp8vit``; everything else is an ordinary PyTorch loop. On a machine
-without an FP8 GPU it trains a tiny ViT in bf16 autocast and says why FP8 is off.
+without an FP8 GPU it trains a tiny ViT in bf16 autocast and says why FP8 is off. The printed
+ms/step and img/s are GPU time, read once the GPU has finished the steps (``train_epoch``).
 """
 
 import argparse
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -20,9 +20,10 @@ import torch.nn.functional as F
 
 import fp8vit  # fp8vit: import first, so Transformer Engine loads before any cuDNN kernel runs
 import timm
+from fp8vit.tools.timing import Stopwatch
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a timm ViT name (default vit_base_patch16_224; "
                    "vit_tiny_patch16_224 at 32 px on CPU)")
@@ -47,8 +48,17 @@ def parse_args():
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--checkpoint", default=None, help="save model, optimizer and step here after each epoch")
     p.add_argument("--resume", action="store_true", help="load --checkpoint first")
-    p.add_argument("--log-every", type=int, default=10)
-    return p.parse_args()
+    p.add_argument("--log-every", type=int, default=None, help="print a step line every this many steps, "
+                   "and after the last (default 10, or fewer so that a short run prints about five)")
+    args = p.parse_args(argv)
+    if args.log_every is not None and args.log_every < 1:
+        p.error(f"--log-every {args.log_every}: give a number of steps, 1 or more")
+    return args
+
+
+def default_log_every(steps):
+    """Every 10 steps, or often enough that a run of ``steps`` steps prints about five step lines."""
+    return max(1, min(10, steps // 5))
 
 
 def setup_distributed():
@@ -75,8 +85,79 @@ def make_loader(args, device, world):
                          use_prefetcher=False)
 
 
-def main():
-    args = parse_args()
+def train_epoch(net, opt, batches, *, device, recipe=None, fp8=True, epoch=0, step=0, max_steps=None,
+                log_every=10, images_per_step, log=print):
+    """One pass over ``batches`` (or up to step ``max_steps``), with a step line every ``log_every``
+    steps and one after the last step.
+
+    A line's ms/step and img/s are GPU time over the steps since the previous line: a CUDA kernel
+    launch returns before the kernel runs, so the clock is read only once the GPU has finished
+    those steps (:class:`fp8vit.tools.timing.Stopwatch`), never when the host has merely queued them.
+
+    Args:
+        net: the model (or its DDP wrapper).
+        opt: its optimizer.
+        batches: ``(images, labels)`` pairs.
+        device: where the model runs.
+        recipe: the FP8 recipe name (None: the GPU's best).
+        fp8: run FP8 (False: bf16 autocast only).
+        epoch: the epoch number, for the step lines.
+        step: steps done before this call.
+        max_steps: stop after this step (None: the whole of ``batches``).
+        log_every: step-line interval.
+        images_per_step: images of one step over all processes, for img/s.
+        log: prints a step line; None: no lines and no timing (e.g. on DDP ranks other than 0).
+
+    Returns:
+        ``(step, loss, readouts)``: the last step, its loss (detached), and per step line a dict
+        with ``step``, ``loss``, ``steps`` (the steps it timed), ``ms_per_step`` and ``images_per_s``.
+    """
+    watch = Stopwatch(device).start()
+    loss, seen, readouts = torch.tensor(float("nan")), 0, []
+
+    def readout():
+        ms = watch.lap_ms() / seen  # waits for the GPU: GPU time, not the host's queueing speed
+        r = {"step": step, "loss": loss.item(), "steps": seen, "ms_per_step": ms,
+             "images_per_s": images_per_step / ms * 1e3}
+        log(f"epoch {epoch} step {step:6d}  loss {r['loss']:.4f}  {ms:7.1f} ms/step  "
+            f"{r['images_per_s']:8.1f} img/s")
+        readouts.append(r)
+
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with fp8vit.fp8_context(recipe, enabled=fp8):  # fp8vit: bf16 autocast + FP8
+            loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        loss = loss.detach()  # logged later: no autograd graph, no "requires_grad to a scalar" warning
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step, seen = step + 1, seen + 1
+        done = max_steps is not None and step >= max_steps
+        if log is not None and (step % log_every == 0 or done):
+            readout()
+            seen = 0
+        if done:
+            break
+    if log is not None and seen:  # the epoch ended between two lines: its last steps get one too
+        readout()
+    return step, loss, readouts
+
+
+def steady_state(readouts, images_per_step):
+    """The step time over the step lines after the first, whose interval holds the warm-up (TE's
+    kernel selection, the first CUDA-graph replay, the allocator growing), as one line ("" if none)."""
+    rest = readouts[1:]
+    if not rest:
+        return ""
+    n = sum(r["steps"] for r in rest)
+    ms = sum(r["ms_per_step"] * r["steps"] for r in rest) / n
+    first = rest[0]["step"] - rest[0]["steps"] + 1
+    return (f"steps {first}-{rest[-1]['step']}: {ms:.1f} ms/step, {images_per_step / ms * 1e3:.1f} img/s "
+            f"(the {readouts[0]['steps']} step(s) before are left out: warm-up)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
     rank, world, device = setup_distributed()
     cpu = device.type == "cpu"
     args.model = args.model or ("vit_tiny_patch16_224" if cpu else "vit_base_patch16_224")
@@ -121,25 +202,15 @@ def main():
                                    cudnn_layernorm=args.cudnn_layernorm)
     net = model if world == 1 else torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
     loader = make_loader(args, device, world)
+    log_every = args.log_every or default_log_every(args.steps - step if args.steps else len(loader))
 
     model.train()
-    t_last, seen, loss = time.perf_counter(), 0, torch.tensor(float("nan"))
+    loss, readouts = torch.tensor(float("nan")), []
     for epoch in range(epoch0, args.epochs):
-        for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with fp8vit.fp8_context(args.recipe, enabled=use_fp8):  # fp8vit: bf16 autocast + FP8
-                loss = F.cross_entropy(net(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step, seen = step + 1, seen + 1
-            if step % args.log_every == 0 and rank == 0:
-                dt = (time.perf_counter() - t_last) / seen
-                print(f"epoch {epoch} step {step:6d}  loss {float(loss):.4f}  {dt * 1e3:7.1f} ms/step  "
-                      f"{args.batch_size * world / dt:8.1f} img/s", flush=True)
-                t_last, seen = time.perf_counter(), 0
-            if args.steps and step >= args.steps:
-                break
+        step, loss, lines = train_epoch(net, opt, loader, device=device, recipe=args.recipe, fp8=use_fp8,
+                                        epoch=epoch, step=step, max_steps=args.steps, log_every=log_every,
+                                        images_per_step=args.batch_size * world, log=print if rank == 0 else None)
+        readouts += lines
         if args.checkpoint and rank == 0:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                         "epoch": epoch}, args.checkpoint)
@@ -147,7 +218,8 @@ def main():
         if args.steps and step >= args.steps:
             break
     if rank == 0:
-        print(f"done: {step} steps, last loss {float(loss):.4f}")
+        summary = steady_state(readouts, args.batch_size * world)
+        print(f"done: {step} steps, last loss {loss.item():.4f}" + (f"; {summary}" if summary else ""))
     if world > 1:
         dist.destroy_process_group()
 

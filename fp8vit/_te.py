@@ -45,7 +45,10 @@ __all__ = [
 # unpickle a checkpoint's FP8 state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 is set.
 MIN_TE_VERSION = "2.20"
 
-INSTALL_HINT = f"install it with: pip install 'fp8vit[te]'  (that is transformer-engine[pytorch]>={MIN_TE_VERSION})"
+# fp8vit is not on PyPI, so "pip install 'fp8vit[te]'" would fail: TE's own package name works
+# everywhere, and the extra from a clone is the same requirement.
+INSTALL_HINT = (f"install it with: pip install \"transformer-engine[pytorch]>={MIN_TE_VERSION}\"  "
+                "(or, in a clone of fp8vit: pip install '.[te]')")
 
 # Format tag of the plain-tensor FP8 scaling state written by fp8vit (see _SafeExtraState).
 EXTRA_STATE_FORMAT = "fp8vit.delayed_scaling.v1"

@@ -287,19 +287,25 @@ def convert_from_te(model: nn.Module) -> nn.Module:
     return model
 
 
-def set_block_fp8(model: nn.Module, names: Sequence[str], enabled: bool) -> List[str]:
+def set_block_fp8(model: nn.Module, names: "str | Sequence[str]", enabled: bool) -> List[str]:
     """Turn FP8 on or off for the named modules of ``model`` (others are untouched).
 
     A name may be an fp8vit block, a swapped Linear (``fallback="linear"``), or any module holding
     such (then all of those it holds). With FP8 off they run their GEMMs in the autocast dtype
     inside ``fp8_context``.
 
+    Args:
+        model: a converted model.
+        names: one block's name (``"blocks.0"``) or a sequence of them, as in ``model.named_modules()``.
+        enabled: FP8 on (True) or off (False) for those blocks.
+
     Returns:
-        ``names``, as a list.
+        the names, as a list.
 
     Raises:
-        ValueError: a name that is none of these in ``model``.
+        ValueError: a name that is none of these in ``model``; nothing is changed then.
     """
+    names = [names] if isinstance(names, str) else list(names)  # a str is one name, not its characters
     mods = dict(model.named_modules())
     targets, bad = [], []
     for n in names:
@@ -310,11 +316,17 @@ def set_block_fp8(model: nn.Module, names: Sequence[str], enabled: bool) -> List
         else:
             bad.append(n)
     if bad:
-        raise ValueError(f"set_block_fp8: {bad} are not fp8vit blocks (TE_Block, ...), swapped Linears or modules "
-                         "holding them in this model; fp8vit.conversion_summary(model) lists what was converted")
+        known = [n for n, m in mods.items() if isinstance(m, FP8Block) or is_swapped(m)]
+        if not known:
+            raise ValueError(f"set_block_fp8: {bad}: this model has no fp8vit blocks or swapped Linears; "
+                             "convert it with fp8vit.convert_to_te first")
+        listed = ", ".join(known) if len(known) <= 4 else f"{known[0]}, {known[1]}, ..., {known[-1]}"
+        raise ValueError(f"set_block_fp8: {bad} are not fp8vit blocks (TE_Block, ...), swapped Linears or "
+                         f"modules holding them in this model; its {len(known)} are {listed} "
+                         "(fp8vit.conversion_summary(model) lists what was converted)")
     for mod in targets:
         mod.fp8_enabled = enabled
-    return list(names)
+    return names
 
 
 def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> nn.Module:

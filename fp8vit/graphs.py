@@ -256,7 +256,8 @@ def make_graphed_blocks(
         a :class:`GraphedBlocks` handle (shape, replay counts, ``release()``).
 
     Raises:
-        ValueError: ``model`` has no ``nn.Sequential`` ``blocks``, is not on a GPU, uses
+        ValueError: ``model`` has no ``nn.Sequential`` ``blocks``, no ``patch_embed.num_patches``
+            and no ``tokens`` given, is not on a GPU, uses
             activation checkpointing or MLP recompute of an unfused MLP, or ``dtype`` is not an
             autocast dtype; each names the value.
         FP8UnavailableError: ``fp8`` is asked for and cannot run here.
@@ -309,7 +310,11 @@ def make_graphed_blocks(
         in_dtype = x_seen.dtype if isinstance(x_seen, torch.Tensor) else param.dtype
     else:
         if tokens is None:
-            tokens = model.patch_embed.num_patches + getattr(model, "num_prefix_tokens", 0)
+            num_patches = getattr(getattr(model, "patch_embed", None), "num_patches", None)
+            if not isinstance(num_patches, int):
+                raise ValueError(f"make_graphed_blocks: a {type(model).__name__} has no patch_embed.num_patches to "
+                                 "tell the tokens per image from; pass tokens=, the sequence length its blocks see")
+            tokens = num_patches + getattr(model, "num_prefix_tokens", 0)
         shape = (batch_size, tokens, model.embed_dim)
         in_dtype = model.pos_embed.dtype if getattr(model, "pos_embed", None) is not None else param.dtype
     samples = tuple((torch.randn(shape, device=param.device, dtype=in_dtype, requires_grad=True),)

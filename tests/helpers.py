@@ -1,6 +1,8 @@
-"""Shared test helpers: SNR, timm block/model factories."""
+"""Shared test helpers: SNR, timm block/model factories, the examples as modules."""
 
 import functools
+import importlib.util
+import os
 
 import torch
 from torch import nn
@@ -103,3 +105,15 @@ def timm_block(dim=64, num_heads=4, **kw):
             if p.dim() == 1:
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") or "gamma" in name else 0.0))
     return block, exact
+
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def load_example(name: str):
+    """``examples/<name>.py`` imported as a module (its ``main`` not run), to test its functions."""
+    path = os.path.join(EXAMPLES, f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,16 +1,21 @@
 """Benchmark and workload logic on CPU: FLOP count, table, JSON, the example's smoke run."""
 
 import json
+import logging
 import math
+import re
 import statistics
 import subprocess
 import sys
+import types
+import warnings
 
 import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from fp8vit.tools import bench
+from fp8vit.tools.console import WarningLog
 from fp8vit.tools.workload import VARIANTS, Variant, train_flops
 
 
@@ -53,17 +58,138 @@ def test_peak_lookup_prefers_longest_name():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test; GPU runs are in docs/benchmarks.md")
-def test_bench_cli_on_cpu_writes_json(tmp_path):
+def test_bench_cli_on_cpu_writes_json(tmp_path, capsys):
     out = tmp_path / "b.json"
     rc = bench.main(["--steps", "2", "--warmup", "1", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     by = {r["variant"]: r for r in data["results"]}
-    assert set(by) == set(VARIANTS)  # every variant is either measured or says why not
+    # the default set: the alternatives that matter and fp8vit's best (bf16 and eager on CPU)
+    assert list(by) == ["timm-bf16", "timm-bf16-compile", "torchao-fp8-compile", "fp8vit-bf16"]
     assert by["timm-bf16"]["median_ms"] > 0 and by["fp8vit-bf16"]["median_ms"] > 0
-    for v in ("fp8vit-fp8-delayed", "fp8vit-bf16-graphed", "te-layer-fp8", "torchao-fp8-compile"):
+    for v in ("timm-bf16-compile", "torchao-fp8-compile"):
         assert "needs a CUDA GPU" in by[v]["skipped"], v
     assert data["environment"]["device"] == "cpu"
+    text = capsys.readouterr().out
+    assert f"(--variants all: all {len(VARIANTS)})" in text
+    assert re.search(r"^\[1/4\] timm-bf16: [0-9.]+ ms \(\d+ s; about \d+ s left\)$", text, re.M), text
+    assert "[2/4] timm-bf16-compile: skipped: needs a CUDA GPU" in text
+    assert re.search(r"^\[4/4\] fp8vit-bf16: [0-9.]+ ms \(\d+ s; \d+ s in all\)$", text, re.M), text
+
+    rc = bench.main(["--steps", "1", "--warmup", "0", "--variants", "all", "--json", str(out)])
+    assert rc == 0
+    by = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(by) == list(VARIANTS)  # every variant is either measured or says why not
+    for v in ("fp8vit-fp8-delayed", "fp8vit-bf16-graphed", "te-layer-fp8", "torchao-fp8-compile"):
+        assert "needs a CUDA GPU" in by[v]["skipped"], v
+
+
+def test_default_variants_are_the_alternatives_and_fp8vits_best():
+    from fp8vit.errors import Check
+    hopper = types.SimpleNamespace(default_recipe="delayed", fp8=Check(True))
+    assert bench.default_variants(hopper, "cuda") == ["timm-bf16", "timm-bf16-compile", "torchao-fp8-compile",
+                                                      "fp8vit-fp8-delayed-graphed"]
+    blackwell = types.SimpleNamespace(default_recipe="mxfp8", fp8=Check(True))
+    assert bench.default_variants(blackwell, "cuda")[-1] == "fp8vit-fp8-mxfp8-graphed"
+    ampere = types.SimpleNamespace(default_recipe=None, fp8=Check(False, "needs sm_89"))
+    assert bench.default_variants(ampere, "cuda")[-1] == "fp8vit-bf16-graphed"
+    assert bench.default_variants(ampere, "cpu")[-1] == "fp8vit-bf16"  # graphs need CUDA
+    assert all(v in VARIANTS for v in bench.default_variants(hopper, "cuda"))
+
+
+def test_bench_all_is_given_alone(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "all", "timm-bf16"])
+    assert "--variants all timm-bf16: 'all' already names every variant; give it alone" in capsys.readouterr().err
+
+
+def test_bench_progress_estimates_the_time_left_and_keeps_warnings_for_the_end(monkeypatch, capsys):
+    # Each variant "takes" 60 s and warns, as torchao, TE and timm do: twice by warnings.warn, once
+    # by a logger without a handler of its own (Python's last-resort handler prints it).
+    def fake_run(variant, **kw):
+        warnings.warn(f"third-party warning in {variant}", UserWarning)
+        for _ in range(2):
+            warnings.warn("the same warning every step", UserWarning)
+        quiet = logging.getLogger("test_bench.thirdparty")
+        quiet.propagate = False
+        quiet.warning("logged by a library")
+        return {"variant": variant, "batch": kw["batch"], "median_ms": 12.5, "p10_ms": 12.0, "p90_ms": 13.0,
+                "images_per_s": 320.0, "tflops": None, "peak_mem_gib": None}
+
+    class Minute:
+        def __init__(self, device):
+            pass
+
+        def start(self):
+            return self
+
+        def elapsed_ms(self):
+            return 60e3
+
+    monkeypatch.setattr(bench, "run_variant", fake_run)
+    monkeypatch.setattr(bench, "Stopwatch", Minute)
+    assert bench.main(["--variants", "timm-bf16", "fp8vit-bf16", "fp8vit-fp8-delayed", "--batch-size", "4", "8"]) == 0
+    out, err = capsys.readouterr()
+    lines = [ln for ln in out.splitlines() if ln.startswith("[")]
+    # fp8vit-fp8-delayed cannot run here (a skip takes no time): 4 runs of 60 s
+    assert lines == ["[1/6] batch 4 timm-bf16: 12.5 ms (60 s; about 3.0 min left)",
+                     "[2/6] batch 4 fp8vit-bf16: 12.5 ms (60 s; about 2.0 min left)",
+                     f"[3/6] batch 4 fp8vit-fp8-delayed: skipped: {bench.unavailable('fp8vit-fp8-delayed', 'cpu')}",
+                     "[4/6] batch 8 timm-bf16: 12.5 ms (60 s; about 60 s left)",
+                     "[5/6] batch 8 fp8vit-bf16: 12.5 ms (60 s; 4.0 min in all)",
+                     f"[6/6] batch 8 fp8vit-fp8-delayed: skipped: {bench.unavailable('fp8vit-fp8-delayed', 'cpu')}"]
+    assert "third-party" not in err and "every step" not in err and "logged by" not in err  # not interleaved
+    summary = out[out.index("16 warnings, 4 distinct"):]
+    assert out.index("16 warnings") > out.rindex("vs timm")  # after the tables
+    assert "  8x in timm-bf16, fp8vit-bf16: UserWarning at tests/test_bench.py:" in summary
+    assert summary.count("the same warning every step") == 1
+    assert "  4x in timm-bf16, fp8vit-bf16: WARNING from logger test_bench.thirdparty: logged by a library" in summary
+    assert "2x in timm-bf16: UserWarning" in summary and "third-party warning in timm-bf16" in summary
+
+
+def test_warning_log_counts_and_deduplicates():
+    log = WarningLog()
+    assert log.summary() == ""
+    with log.collect("a"):
+        for _ in range(3):
+            warnings.warn("x " * 300)  # long: cut in the summary, with what is left out said
+    with pytest.raises(RuntimeError):
+        with log.collect("b"):
+            warnings.warn("before the error")
+            raise RuntimeError("a variant failed")
+    assert (log.total, log.distinct) == (4, 2)  # a failed run's warnings are kept too
+    text = log.summary()
+    assert text.splitlines()[0] == "4 warnings, 2 distinct (each once: how often, in which runs, from where):"
+    assert text.splitlines()[1].startswith("  3x in a: UserWarning at tests/test_bench.py:")
+    assert text.splitlines()[1].endswith(" [199 more characters]")
+    assert "  1x in b: UserWarning" in text and "before the error" in text
+
+
+def test_train_flops_is_none_for_a_model_it_does_not_describe():
+    with torch.device("meta"):
+        vit = VisionTransformer(embed_dim=64, depth=2, num_heads=4)
+    assert train_flops(vit, 2, 224) > 0
+    vit.patch_embed = torch.nn.Identity()  # no patch_embed.patch_size
+    assert train_flops(vit, 2, 224) is None
+    assert train_flops(torch.nn.Linear(3, 3), 2, 224) is None
+    rows = [{"variant": "timm-bf16", "median_ms": 10.0, "p10_ms": 9.0, "p90_ms": 11.0, "images_per_s": 400.0,
+             "tflops": None, "peak_mem_gib": None}]
+    assert bench._table(rows, 1000e12, None).splitlines()[2].split()[4:7] == ["n/a", "n/a", "n/a"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test")
+def test_bench_takes_any_timm_model_name(tmp_path):
+    out = tmp_path / "b.json"
+    # a timm ViT by name, and a timm CNN: no img_size argument, no patch_embed (its FLOPs: n/a)
+    assert bench.main(["--model", "test_resnet", "--img-size", "32", "--steps", "1", "--warmup", "0",
+                       "--variants", "timm-bf16", "fp8vit-bf16", "--json", str(out)]) == 0
+    cnn, converted = json.loads(out.read_text())["results"]
+    assert cnn["median_ms"] > 0 and cnn["tflops"] is None
+    assert "ConversionError: ResNet holds no timm Block" in converted["skipped"]
+    assert bench.main(["--model", "test_vit", "--img-size", "32", "--steps", "1", "--warmup", "0",
+                       "--variants", "fp8vit-bf16", "--json", str(out)]) == 0
+    (vit,) = json.loads(out.read_text())["results"]
+    assert vit["median_ms"] > 0 and vit["tflops"] > 0
 
 
 def test_bench_mlp_recompute_reaches_fp8vit_variants_only(tmp_path, capsys):
@@ -88,11 +214,21 @@ def test_bench_mlp_recompute_reaches_fp8vit_variants_only(tmp_path, capsys):
 def test_train_example_runs_on_cpu_and_says_why_fp8_is_off():
     if torch.cuda.is_available():
         pytest.skip("CPU smoke test")
-    res = subprocess.run([sys.executable, "examples/train_vit.py", "--steps", "2", "--log-every", "1"],
+    # The default CPU run, as a newcomer starts it: every warning shown, each time it is raised.
+    res = subprocess.run([sys.executable, "-W", "always", "examples/train_vit.py"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "FP8: off: no CUDA GPU" in res.stdout
-    assert "step      2  loss" in res.stdout
+    # 5 steps: a line for each (the interval adapts to the run's length), then the summary
+    assert re.findall(r"^epoch 0 step +(\d+)  loss [0-9.]+ +[0-9.]+ ms/step +[0-9.]+ img/s$", res.stdout,
+                      re.M) == ["1", "2", "3", "4", "5"], res.stdout
+    assert re.search(r"^done: 5 steps, last loss [0-9.]+; steps 2-5: [0-9.]+ ms/step", res.stdout, re.M), res.stdout
+    # No warning of the example's own making. Python prints each as "file:line: Category: message";
+    # fp8vit's own ("fp8vit: FP8 is off ...") name the example's line that called it, and are meant.
+    raised = re.findall(r"^(.+?):\d+: (\w+): (.*)$", res.stderr, re.M)
+    own = [w for w in raised if w[0].endswith("train_vit.py") and not w[2].startswith("fp8vit: ")]
+    assert not own, own
+    assert "requires_grad=True to a scalar" not in res.stderr
 
 
 def test_train_example_mlp_recompute():

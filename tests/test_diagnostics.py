@@ -142,3 +142,21 @@ def test_set_block_fp8_names_unknown_blocks():
     with pytest.raises(ValueError, match="blocks.9"):
         fp8vit.set_block_fp8(model, ["blocks.1", "blocks.9"], enabled=False)
     assert model.blocks[1].fp8_enabled  # nothing changed on error
+
+
+def test_set_block_fp8_takes_one_name_or_several():
+    model = fp8vit.convert_to_te(VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=3, num_heads=4,
+                                                   num_classes=5), backend="reference")
+    # a bare string is one block's name, not a sequence of one-character names
+    assert fp8vit.set_block_fp8(model, "blocks.0", False) == ["blocks.0"]
+    assert [b.fp8_enabled for b in model.blocks] == [False, True, True]
+    assert fp8vit.set_block_fp8(model, ("blocks.1", "blocks.2"), False) == ["blocks.1", "blocks.2"]
+    assert [b.fp8_enabled for b in model.blocks] == [False, False, False]
+    assert fp8vit.set_block_fp8(model, "blocks.1", True) == ["blocks.1"]
+    assert [b.fp8_enabled for b in model.blocks] == [False, True, False]
+    with pytest.raises(ValueError, match=r"not TE_Blocks of this model: \['blocks\.7'\]; its 3 TE_Blocks are "
+                                         r"blocks\.0, blocks\.1, blocks\.2$"):
+        fp8vit.set_block_fp8(model, "blocks.7", True)
+    with pytest.raises(ValueError, match="it has none: convert it with fp8vit.convert_to_te first"):
+        fp8vit.set_block_fp8(VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=4),
+                             "blocks.0", False)

@@ -22,6 +22,15 @@ def test_needs_the_model_on_a_gpu():
         fp8vit.make_graphed_blocks(_vit(), 8, fp8=False)
 
 
+def test_tokens_per_image_without_patch_embed_num_patches_must_be_given():
+    model = _vit()
+    model.patch_embed = torch.nn.Identity()  # a ViT-like model whose stem says nothing about tokens
+    with pytest.raises(ValueError, match="VisionTransformer has no patch_embed.num_patches .*pass tokens="):
+        fp8vit.make_graphed_blocks(model, 8, fp8=False)
+    with pytest.raises(ValueError, match="blocks are on cpu"):  # given: the next check is reached
+        fp8vit.make_graphed_blocks(model, 8, tokens=5, fp8=False)
+
+
 def test_dtype_must_be_an_autocast_dtype():
     with pytest.raises(ValueError, match="dtype=torch.float32"):
         fp8vit.make_graphed_blocks(_vit(), 8, dtype=torch.float32)

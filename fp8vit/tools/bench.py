@@ -4,10 +4,15 @@
 
 Variants (``fp8vit.tools.workload``): timm bf16 eager and compiled, torchao float8 compiled, a
 plain ``te.TransformerLayer`` (the raw-TE reference), fp8vit in bf16 and in FP8 per recipe, eager
-and with the blocks CUDA-graphed. For each: median step time with its spread (p10-p90) over the
-timed steps after warm-up, images/s, model TFLOP/s and the fraction of the GPU's dense bf16 peak,
-peak memory, speedup against timm bf16 eager measured in the same run, and optionally cost per
-million images. Ratios are only meaningful within one run (H200 step times drift ~5% between runs).
+and with the blocks CUDA-graphed. By default it runs what a user would choose between
+(:func:`default_variants`: timm eager, timm compiled, torchao, and fp8vit at its fastest here), a
+few minutes at ViT-H; ``--variants all`` runs every one, ``--variants NAME ...`` those named. For
+each: median step time with its spread (p10-p90) over the timed steps after warm-up, images/s,
+model TFLOP/s (n/a for a model the count does not describe) and the fraction of the GPU's dense
+bf16 peak, peak memory, speedup against timm bf16 eager measured in the same run, and optionally
+cost per million images. Ratios are only meaningful within one run (H200 step times drift ~5%
+between runs). A progress line follows each variant, with an estimate of the time left; warnings
+raised while the variants run are listed once each, at the end.
 
 Two step times: synchronized (the host waits for each step, so host work the GPU waits for counts)
 and pipelined (steps issued back to back, as a training loop without ``.item()`` runs them).
@@ -32,11 +37,13 @@ import torch
 
 from .. import _te
 from ..detect import gpu_info
+from .console import WarningLog
+from .timing import Stopwatch, format_duration
 from .workload import (SIZES, VARIANTS, Variant, build_workload, make_optimizer, synthetic_batch, train_flops,
                        train_step_fn)
 
-__all__ = ["main", "run_variant", "unavailable", "largest_fitting", "probe_in_fresh_process",
-           "DENSE_BF16_PEAK"]
+__all__ = ["main", "run_variant", "unavailable", "default_variants", "largest_fitting",
+           "probe_in_fresh_process", "DENSE_BF16_PEAK"]
 
 # Dense (no sparsity) bf16 tensor-core peak from the vendors' datasheets, FLOP/s, by name prefix.
 DENSE_BF16_PEAK = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "GH200": 989e12, "B200": 2250e12,
@@ -48,6 +55,24 @@ def _peak(name: str) -> Optional[float]:
         if key in name:
             return DENSE_BF16_PEAK[key]
     return None
+
+
+def _best_fp8vit(info) -> str:
+    """fp8vit's fastest precision here: FP8 in the GPU's default recipe, or bf16 without FP8."""
+    return f"fp8vit-fp8-{info.default_recipe}" if info.fp8.ok else "fp8vit-bf16"
+
+
+def default_variants(info, device: str) -> List[str]:
+    """What a user would choose between, for a run of a few minutes: timm bf16 eager and compiled,
+    torchao float8 compiled, and fp8vit at its fastest (its best precision here, blocks CUDA-graphed
+    on a GPU; eager on CPU, where graphs cannot run).
+
+    Args:
+        info: :func:`fp8vit.gpu_info`'s answer (the default recipe).
+        device: ``"cuda"`` or ``"cpu"``.
+    """
+    best = _best_fp8vit(info) + ("-graphed" if device == "cuda" else "")
+    return ["timm-bf16", "timm-bf16-compile", "torchao-fp8-compile", best]
 
 
 def unavailable(variant: str, device: str) -> str:
@@ -66,11 +91,6 @@ def unavailable(variant: str, device: str) -> str:
         except ImportError as err:
             return f"torchao is not installed ({err})"
     return ""
-
-
-def _sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int, device: str,
@@ -95,30 +115,22 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
                          device=device)
     step = train_step_fn(wl, opt)
     x, y = synthetic_batch(batch, wl, device=device)
-    t0 = time.perf_counter()
+    watch = Stopwatch(device).start()
     for _ in range(warmup):
         loss = step(x, y)
-    _sync(device)
-    warm_s = time.perf_counter() - t0
+    warm_s = watch.elapsed_ms() / 1e3
     times = []
     for _ in range(steps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            loss = step(x, y)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            loss = step(x, y)
-            times.append((time.perf_counter() - t) * 1e3)
+        watch.start()
+        loss = step(x, y)
+        times.append(watch.elapsed_ms())  # synchronized: the host waits for each step
     q = _deciles(times)
     med = statistics.median(times)
-    flops = train_flops(wl.model, batch, img_size)
+    flops = train_flops(wl.model, batch, img_size)  # None: a model the count does not describe
+    tflops = flops / (med * 1e-3) / 1e12 if flops is not None else None
     out = {"variant": variant, "batch": batch, "median_ms": med, "p10_ms": q[0], "p90_ms": q[-1],
            "min_ms": min(times), "max_ms": max(times), "images_per_s": batch / med * 1e3,
-           "tflops": flops / (med * 1e-3) / 1e12, "loss": float(loss), "warmup_s": warm_s,
+           "tflops": tflops, "loss": float(loss), "warmup_s": warm_s,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
            "free_gib_at_start": free_gib}
     if pipelined and device == "cuda":
@@ -248,7 +260,7 @@ def _recompute_for(variant: str, every: int) -> int:
 def _max_batch_variants(given: Optional[List[str]], info) -> List[str]:
     """timm-bf16 and the fp8vit FP8 variants of ``given`` (None: the default recipe, eager and graphed)."""
     if given is None:
-        best = f"fp8vit-fp8-{info.default_recipe}" if info.fp8.ok else "fp8vit-bf16"
+        best = _best_fp8vit(info)
         return ["timm-bf16", best, f"{best}-graphed"]
     fp8 = [v for v in given if Variant.parse(v).blocks == "fp8vit" and Variant.parse(v).te_fp8]
     return ["timm-bf16", *dict.fromkeys(fp8)]
@@ -285,11 +297,13 @@ def _table(rows: List[Dict], peak: Optional[float], price: Optional[float]) -> s
         if "skipped" in r:
             lines.append(f"{r['variant']:{w}s} skipped: {r['skipped']}")
             continue
-        pct = f"{100 * r['tflops'] * 1e12 / peak:6.1f}%" if peak else "    n/a"
+        has_flops = r["tflops"] is not None
+        tflops = f"{r['tflops']:8.1f}" if has_flops else "     n/a"
+        pct = f"{100 * r['tflops'] * 1e12 / peak:6.1f}%" if peak and has_flops else "    n/a"
         mem = f"{r['peak_mem_gib']:8.1f}" if r["peak_mem_gib"] is not None else "     n/a"
         speed = f"{base['median_ms'] / r['median_ms']:7.2f}x" if base and "median_ms" in base else "     n/a"
         line = (f"{r['variant']:{w}s} {r['median_ms']:10.1f} {r['p10_ms']:7.1f}-{r['p90_ms']:<7.1f} "
-                f"{r['images_per_s']:8.1f} {r['tflops']:8.1f} {pct} {mem} {speed}")
+                f"{r['images_per_s']:8.1f} {tflops} {pct} {mem} {speed}")
         if price:
             line += f" {price / 3600 / r['images_per_s'] * 1e6:9.2f}"
         if piped and "pipelined_median_ms" in r:
@@ -349,8 +363,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--img-size", type=int, default=224)
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 30 GPU, 3 CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10 GPU, 1 CPU)")
-    p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
-                   help="default: all that can run here")
+    p.add_argument("--variants", nargs="+", default=None, choices=(*VARIANTS, "all"), metavar="VARIANT",
+                   help="'all', or variant names (%(choices)s); default: timm-bf16, timm-bf16-compile, "
+                   "torchao-fp8-compile and fp8vit's fastest here (fp8vit-fp8-<the GPU's default "
+                   "recipe>-graphed), a few minutes at ViT-H")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
     p.add_argument("--price-per-hour", type=float, default=None, help="GPU price, for $ per 1M images")
     p.add_argument("--mlp-recompute", type=int, default=0, metavar="K",
@@ -367,11 +383,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     if a.mlp_recompute < 0:
         p.error(f"--mlp-recompute {a.mlp_recompute}: K is the block interval, 0 (off), 1 (all blocks) or more")
+    if a.variants is not None and "all" in a.variants and len(a.variants) > 1:
+        p.error(f"--variants {' '.join(a.variants)}: 'all' already names every variant; give it alone")
     if a.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            p.error("--plot needs matplotlib: pip install 'fp8vit[plot]' (or matplotlib)")
+            p.error("--plot needs matplotlib: pip install matplotlib")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = a.model or ("huge" if device == "cuda" else "micro")
@@ -384,33 +402,52 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"fp8vit-bench: {model}, batch {batches}, {steps} timed steps after {warmup} warm-up, "
           f"optimizer {a.optimizer}{recompute}")
     print(" ".join(f"{k}={v}" for k, v in env.items()))
-    variants = a.variants or list(VARIANTS)
+    named = list(VARIANTS) if a.variants == ["all"] else a.variants
+    variants = named or default_variants(info, device)
+    print(f"variants: {', '.join(variants)}" + ("" if named else f" (--variants all: all {len(VARIANTS)})"))
     extra = {}
     if a.max_batch and device == "cuda":
         # Before any timing: this process then holds no GPU memory that the probes would lose.
-        extra = _max_batches(_max_batch_variants(a.variants, info), model=model, start=batches[0],
+        extra = _max_batches(_max_batch_variants(named, info), model=model, start=batches[0],
                              optimizer=a.optimizer, img_size=a.img_size, mlp_recompute=a.mlp_recompute)
+    noise = WarningLog()  # third-party warnings, printed once at the end instead of between the lines
+    why = {}
+    for v in variants:
+        with noise.collect(v):  # unavailable() imports torchao, which may warn
+            why[v] = unavailable(v, device)
+    total = len(batches) * len(variants)
+    to_run = len(batches) * sum(not w for w in why.values())
+    done = ran = 0
+    spent_s = 0.0
     results = []
     for batch in batches:
         rows = []
         for v in variants:
-            why = unavailable(v, device)
-            if why:
-                rows.append({"variant": v, "batch": batch, "skipped": why})
+            done += 1
+            tag = f"[{done}/{total}] " + (f"batch {batch} " if len(batches) > 1 else "") + v
+            if why[v]:
+                rows.append({"variant": v, "batch": batch, "skipped": why[v]})
+                print(f"{tag}: skipped: {why[v]}", flush=True)
                 continue
+            watch = Stopwatch(device).start()
             try:
-                r = run_variant(v, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
-                                optimizer=a.optimizer, img_size=a.img_size, pipelined=a.pipelined,
-                                mlp_recompute=_recompute_for(v, a.mlp_recompute))
+                with noise.collect(v):
+                    r = run_variant(v, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
+                                    optimizer=a.optimizer, img_size=a.img_size, pipelined=a.pipelined,
+                                    mlp_recompute=_recompute_for(v, a.mlp_recompute))
+                what = f"{r['median_ms']:.1f} ms"
             except Exception as err:  # noqa: BLE001 - one broken variant is reported, the rest still run
-                rows.append({"variant": v, "batch": batch, "skipped": f"failed: {type(err).__name__}: {err}"[:300]})
-                print(f"  {v}: FAILED {type(err).__name__}: {err}", flush=True)
+                r = {"variant": v, "batch": batch, "skipped": f"failed: {type(err).__name__}: {err}"[:300]}
+                what = f"FAILED {type(err).__name__}: {err}"
                 gc.collect()
                 if device == "cuda":
                     torch.cuda.empty_cache()
-                continue
             rows.append(r)
-            print(f"  {v}: {r['median_ms']:.1f} ms", flush=True)
+            took_s = watch.elapsed_ms() / 1e3  # build, warm-up and timing: the GPU has finished them
+            spent_s, ran = spent_s + took_s, ran + 1
+            left = (f"about {format_duration(spent_s / ran * (to_run - ran))} left" if ran < to_run
+                    else f"{format_duration(spent_s)} in all")
+            print(f"{tag}: {what} ({format_duration(took_s)}; {left})", flush=True)
         print(f"\n{model}, batch {batch}, {env['device']}{recompute}:")
         print(_table(rows, _peak(env["device"]), a.price_per_hour))
         results.extend(rows)
@@ -426,6 +463,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.plot:
         first = [r for r in results if r["batch"] == batches[0]]
         _plot(first, a.plot, f"{model} training step, batch {batches[0]}, {env['device']}")
+    if noise.distinct:
+        print("\n" + noise.summary())
     return 0
 
 

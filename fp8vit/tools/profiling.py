@@ -20,11 +20,11 @@ import json
 import os
 import re
 import tempfile
-import time
 from typing import Dict, Iterable, List, Tuple
 
 import torch
 
+from .timing import Stopwatch
 from .workload import SIZES, VARIANTS, build_workload, make_optimizer, synthetic_batch, train_step_fn
 
 __all__ = ["CATEGORIES", "categorize", "idle_gaps", "kernel_breakdown", "kernel_table", "trace_kernels", "main"]
@@ -157,11 +157,10 @@ def main(argv=None) -> int:
         sync()
         torch.cuda.profiler.stop()
         return 0
-    t0 = time.perf_counter()
+    watch = Stopwatch(device).start()
     for _ in range(a.steps):
         step(x, y)
-    sync()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / a.steps
+    wall_ms = watch.elapsed_ms() / a.steps
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=acts) as prof:
         for _ in range(a.steps):

@@ -144,7 +144,8 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     """A randomly initialised timm ViT for one variant.
 
     Args:
-        model: a key of :data:`SIZES` or any timm model name (``vit_base_patch16_224``, ...).
+        model: a key of :data:`SIZES` or any timm model name (``vit_base_patch16_224``, ...);
+            one whose constructor takes no ``img_size`` (a CNN) is built without it.
         variant: one of :data:`VARIANTS`.
         batch_size: images per step; needed by ``-graphed`` variants (the graphs' shape).
         img_size: input resolution.
@@ -172,7 +173,13 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         net = VisionTransformer(img_size=img_size, patch_size=16, embed_dim=dim, depth=depth,
                                 num_heads=heads, num_classes=num_classes, **kw)
     else:
-        net = timm.create_model(model, pretrained=False, img_size=img_size, num_classes=num_classes, **kw)
+        try:
+            net = timm.create_model(model, pretrained=False, img_size=img_size, num_classes=num_classes, **kw)
+        except TypeError as err:
+            if "img_size" not in str(err):
+                raise
+            # A model built without an input size (a timm CNN) takes any: it still gets img_size images.
+            net = timm.create_model(model, pretrained=False, num_classes=num_classes, **kw)
     net = net.to(device)
     eager_cudnn_norm = v.cudnn_norm and not v.graphed  # graphed: only the captured graphs use it
     if eager_cudnn_norm or _te.cudnn_norm_enabled():  # a variant without the switch runs TE's kernels
@@ -232,30 +239,48 @@ def train_step_fn(wl: Workload, optimizer: torch.optim.Optimizer) -> Callable:
     return step
 
 
-def _mlp_hidden(blk: nn.Module) -> int:
-    """fc1 width of a timm ``Block``, a ``TE_Block`` or a ``te.TransformerLayer``."""
+def _mlp_hidden(blk: nn.Module) -> Optional[int]:
+    """fc1 width of a timm ``Block``, a ``TE_Block`` or a ``te.TransformerLayer`` (None for another block)."""
     if hasattr(blk, "cfg"):
         return blk.cfg.mlp_hidden
     if hasattr(blk, "layernorm_mlp"):
         return blk.layernorm_mlp.fc1_weight.shape[0]
-    return blk.mlp.fc1.out_features
+    fc1 = getattr(getattr(blk, "mlp", None), "fc1", None)
+    return fc1.out_features if isinstance(fc1, nn.Linear) else None
 
 
-def train_flops(model: nn.Module, batch: int, img_size: int) -> float:
+def _patch_size(model: nn.Module) -> Optional[tuple]:
+    """``(height, width)`` of a ViT's patches from ``patch_embed.patch_size`` (None if it has none)."""
+    size = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    if isinstance(size, int):
+        size = (size, size)
+    if isinstance(size, (tuple, list)) and len(size) == 2 and all(isinstance(v, int) and v > 0 for v in size):
+        return tuple(size)
+    return None
+
+
+def train_flops(model: nn.Module, batch: int, img_size: int) -> Optional[float]:
     """Model FLOPs of one training step (forward + backward = 3x forward), GEMMs and attention.
 
     Per block and token: ``2 * (3C^2 + C^2 + 2 * C * hidden)`` for qkv, proj and the MLP, plus
     ``4 * N * C`` for the two attention matmuls; the patch embedding and head are added.
+
+    Returns:
+        the FLOPs, or None for a model this count does not describe: one without a ViT's
+        ``patch_embed.patch_size``, ``embed_dim`` and ``blocks`` of timm ``Block``s, ``TE_Block``s
+        or ``te.TransformerLayer``s (a timm CNN, a Swin, SwiGLU MLPs).
     """
-    pe = model.patch_embed
-    n_patches = (img_size // pe.patch_size[0]) * (img_size // pe.patch_size[1])
+    patch, dim, blocks = _patch_size(model), getattr(model, "embed_dim", None), getattr(model, "blocks", None)
+    if patch is None or not isinstance(dim, int) or blocks is None:
+        return None
+    hidden = [_mlp_hidden(blk) for blk in blocks]
+    if not hidden or None in hidden:
+        return None
+    n_patches = (img_size // patch[0]) * (img_size // patch[1])
     tokens = n_patches + getattr(model, "num_prefix_tokens", 1)
-    dim = model.embed_dim
-    per_token = 0.0
-    for blk in model.blocks:
-        per_token += 2 * (4 * dim * dim + 2 * dim * _mlp_hidden(blk)) + 4 * tokens * dim
+    per_token = sum(2 * (4 * dim * dim + 2 * dim * h) + 4 * tokens * dim for h in hidden)
     fwd = batch * tokens * per_token
-    fwd += batch * n_patches * 2 * dim * 3 * pe.patch_size[0] * pe.patch_size[1]
+    fwd += batch * n_patches * 2 * dim * 3 * patch[0] * patch[1]
     head = getattr(model, "head", None)
     if isinstance(head, nn.Linear):
         fwd += batch * 2 * head.in_features * head.out_features

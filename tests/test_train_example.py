@@ -1,0 +1,62 @@
+"""examples/train_vit.py's loop in this process: which steps get a line, and what a line says."""
+
+import pytest
+import torch
+from timm.models.vision_transformer import VisionTransformer
+
+from helpers import load_example
+
+ex = load_example("train_vit")
+
+
+def _run(n_batches, log=True, **kw):
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=16, embed_dim=32, depth=1, num_heads=2, num_classes=4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    batches = [(torch.randn(2, 3, 32, 32), torch.tensor([0, 1]))] * n_batches
+    lines = []
+    step, loss, readouts = ex.train_epoch(model, opt, batches, device=torch.device("cpu"), fp8=False,
+                                          images_per_step=2, log=lines.append if log else None, **kw)
+    return step, loss, readouts, lines
+
+
+@pytest.mark.parametrize("n_batches, kw, logged", [
+    (5, dict(log_every=2), [2, 4, 5]),  # the epoch ends between two lines: its last step gets one
+    (6, dict(log_every=2, max_steps=3), [2, 3]),  # so does the run's last step
+    (4, dict(log_every=2, step=7, max_steps=10), [8, 10]),  # resumed at step 7
+])
+def test_step_lines_at_the_interval_and_after_the_last_step(n_batches, kw, logged):
+    step, loss, readouts, lines = _run(n_batches, **kw)
+    assert step == logged[-1] and [r["step"] for r in readouts] == logged
+    assert len(lines) == len(logged) and all(f"step {s:6d}  loss" in line for s, line in zip(logged, lines))
+    # each line's steps are those since the line before
+    assert [r["steps"] for r in readouts] == [b - a for a, b in zip([kw.get("step", 0)] + logged, logged)]
+    assert not loss.requires_grad and readouts[-1]["loss"] == loss.item()
+    r = readouts[-1]
+    assert r["images_per_s"] == pytest.approx(2 / r["ms_per_step"] * 1e3)
+    assert f"{r['ms_per_step']:7.1f} ms/step" in lines[-1]
+
+
+def test_no_lines_and_no_timing_without_a_log():
+    step, _, readouts, lines = _run(3, log=False, log_every=1)  # DDP ranks other than 0
+    assert step == 3 and readouts == [] and lines == []
+
+
+@pytest.mark.parametrize("steps, every", [(5, 1), (2, 1), (20, 4), (100, 10), (1000, 10)])
+def test_default_log_interval_gives_a_short_run_a_few_lines(steps, every):
+    assert ex.default_log_every(steps) == every
+
+
+def test_steady_state_leaves_out_the_first_line():
+    readouts = [{"step": 10, "steps": 10, "ms_per_step": 500.0}, {"step": 20, "steps": 10, "ms_per_step": 30.0},
+                {"step": 25, "steps": 5, "ms_per_step": 24.0}]
+    # (10 * 30 + 5 * 24) / 15 = 28 ms; 128 images per step
+    assert ex.steady_state(readouts, 128) == ("steps 11-25: 28.0 ms/step, 4571.4 img/s "
+                                              "(the 10 step(s) before are left out: warm-up)")
+    assert ex.steady_state(readouts[:1], 128) == ""
+
+
+def test_log_every_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        ex.parse_args(["--log-every", "0"])
+    assert "--log-every 0: give a number of steps, 1 or more" in capsys.readouterr().err
