@@ -195,7 +195,7 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         """timm's ``fix_init_weight`` rescales ``attn.proj.weight`` and ``mlp.fc2.weight``: give it
         those names. Plain attributes, not submodules: no second copy in ``state_dict()``."""
         object.__setattr__(self.attn, "proj", self.proj)
-        if self.cfg.fused_mlp:  # (padded: the zero columns stay zero under a rescale)
+        if self.cfg.fused_mlp:  # a rescale keeps padded zero columns zero
             object.__setattr__(self.mlp, "fc2", _WeightAlias(self.mlp, "fc2_weight"))
 
     # ------------------------------------------------------------------ forward
@@ -209,8 +209,8 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
                 values are all 0 (attend) or masked (-inf, or at most half the dtype's most
                 negative value), taken as the boolean mask it is. A query whose keys are all
                 masked (NaFlexViT's padding tokens) gets an output no valid token sees: timm's
-                additive path averages every value there, a boolean mask gives zeros (reference)
-                or TE's choice.
+                additive path averages all values there, as TE's unfused attention (the one TE
+                runs for arbitrary masks) does; the reference backend gives zeros.
             is_causal: causal attention, as in timm.
 
         Returns:
