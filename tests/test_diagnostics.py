@@ -154,9 +154,9 @@ def test_set_block_fp8_takes_one_name_or_several():
     assert [b.fp8_enabled for b in model.blocks] == [False, False, False]
     assert fp8vit.set_block_fp8(model, "blocks.1", True) == ["blocks.1"]
     assert [b.fp8_enabled for b in model.blocks] == [False, True, False]
-    with pytest.raises(ValueError, match=r"not TE_Blocks of this model: \['blocks\.7'\]; its 3 TE_Blocks are "
-                                         r"blocks\.0, blocks\.1, blocks\.2$"):
+    with pytest.raises(ValueError, match=r"\['blocks\.7'\] are not fp8vit blocks .*; its 3 are "
+                                         r"blocks\.0, blocks\.1, blocks\.2 "):
         fp8vit.set_block_fp8(model, "blocks.7", True)
-    with pytest.raises(ValueError, match="it has none: convert it with fp8vit.convert_to_te first"):
+    with pytest.raises(ValueError, match="has no fp8vit blocks or swapped Linears; convert it with fp8vit.convert_to_te first"):
         fp8vit.set_block_fp8(VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=4),
                              "blocks.0", False)
