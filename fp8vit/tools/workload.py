@@ -12,6 +12,9 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-bf16[-graphed]``          fp8vit ``TE_Block``s, bf16 autocast, FP8 off
 ``fp8vit-fp8-RECIPE[-graphed]``    fp8vit ``TE_Block``s in ``fp8_context(RECIPE)``
 ``fp8vit-fp8-RECIPE-cudnn-norm[-graphed]``  the same with :func:`fp8vit.set_cudnn_layernorm` on
+``fp8vit-fp8-RECIPE-linear``       ``convert_to_te(fallback="linear")``: blocks fp8vit has no fused
+                                   block for (Swin, BEiT, ...) get FP8 Linears (the generic path);
+                                   on a model of fused blocks only, the same as without ``-linear``
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` (``-cudnn-norm-graphed``:
@@ -34,6 +37,7 @@ from ..backend import set_cudnn_layernorm
 from ..context import fp8_context
 from ..convert import convert_to_te, set_mlp_recompute
 from ..graphs import GraphedBlocks, make_graphed_blocks
+from ..linear import is_block
 from ..recipes import RECIPE_NAMES
 
 __all__ = ["SIZES", "VARIANTS", "Variant", "Workload", "build_workload", "make_optimizer", "train_step_fn",
@@ -51,6 +55,7 @@ VARIANTS = (
     "fp8vit-bf16", "fp8vit-bf16-graphed",
     *(f"fp8vit-fp8-{r}" for r in RECIPE_NAMES), *(f"fp8vit-fp8-{r}-graphed" for r in RECIPE_NAMES),
     *(f"fp8vit-fp8-{r}-cudnn-norm{g}" for g in ("", "-graphed") for r in RECIPE_NAMES),
+    "fp8vit-fp8-delayed-linear", "fp8vit-fp8-current-linear",
 )
 
 
@@ -65,6 +70,7 @@ class Variant:
         compile: ``torch.compile`` the model.
         graphed: capture the blocks as CUDA graphs.
         cudnn_norm: TE's LayerNorm on cuDNN's kernels (:func:`fp8vit.set_cudnn_layernorm`).
+        linear: the blocks fp8vit cannot fuse get FP8 Linears (``convert_to_te(fallback="linear")``).
     """
 
     name: str
@@ -73,6 +79,7 @@ class Variant:
     compile: bool
     graphed: bool
     cudnn_norm: bool = False
+    linear: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -87,7 +94,7 @@ class Variant:
         if name.startswith("te-layer"):
             return cls(name, "te-layer", "delayed", False, graphed)
         fp8 = parts[2] if name.startswith("fp8vit-fp8") else None
-        return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm)
+        return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm, linear=parts[-1] == "linear")
 
     @property
     def te_fp8(self) -> bool:
@@ -131,11 +138,26 @@ def te_layer_block_fn() -> type:
     return TELayerBlock
 
 
+def _block_linears(model: nn.Module) -> set:
+    """Paths of the ``nn.Linear``s inside blocks (``fp8vit.linear.is_block``; not the head): the
+    Linears fp8vit's generic path considers, with no condition on their features."""
+    mods = dict(model.named_modules())
+    out = set()
+    for fqn, mod in mods.items():
+        parts = fqn.split(".")
+        if isinstance(mod, nn.Linear) and not parts[0].startswith("head") and any(
+                is_block(mods[".".join(parts[:i])]) for i in range(1, len(parts))):
+            out.add(fqn)
+    return out
+
+
 def _torchao_fp8(model: nn.Module) -> None:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    # The blocks' Linears (timm ViTs: those under blocks.), as fp8vit's generic path picks them.
+    linears = _block_linears(model)
     convert_to_float8_training(model, config=Float8LinearConfig(),
-                               module_filter_fn=lambda mod, fqn: fqn.startswith("blocks."))
+                               module_filter_fn=lambda mod, fqn: fqn in linears)
 
 
 def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, batch_size: Optional[int] = None,
@@ -178,7 +200,7 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if eager_cudnn_norm or _te.cudnn_norm_enabled():  # a variant without the switch runs TE's kernels
         set_cudnn_layernorm(eager_cudnn_norm)
     if v.blocks == "fp8vit":
-        convert_to_te(net, backend=backend)
+        convert_to_te(net, backend=backend, fallback="linear" if v.linear else "keep")
         if mlp_recompute:
             set_mlp_recompute(net, every=mlp_recompute)
     if v.fp8 == "torchao":
@@ -232,28 +254,33 @@ def train_step_fn(wl: Workload, optimizer: torch.optim.Optimizer) -> Callable:
     return step
 
 
-def _mlp_hidden(blk: nn.Module) -> int:
-    """fc1 width of a timm ``Block``, a ``TE_Block`` or a ``te.TransformerLayer``."""
+def _mlp_hidden(blk: nn.Module) -> Optional[int]:
+    """fc1 width of a timm ``Block``, an fp8vit block or a ``te.TransformerLayer`` (None: unknown)."""
     if hasattr(blk, "cfg"):
-        return blk.cfg.mlp_hidden
+        return getattr(blk.cfg, "mlp_hidden", None)
     if hasattr(blk, "layernorm_mlp"):
         return blk.layernorm_mlp.fc1_weight.shape[0]
-    return blk.mlp.fc1.out_features
+    return getattr(getattr(getattr(blk, "mlp", None), "fc1", None), "out_features", None)
 
 
 def train_flops(model: nn.Module, batch: int, img_size: int) -> float:
     """Model FLOPs of one training step (forward + backward = 3x forward), GEMMs and attention.
 
     Per block and token: ``2 * (3C^2 + C^2 + 2 * C * hidden)`` for qkv, proj and the MLP, plus
-    ``4 * N * C`` for the two attention matmuls; the patch embedding and head are added.
+    ``4 * N * C`` for the two attention matmuls; the patch embedding and head are added. NaN for a
+    model that is not such a ViT (no ``blocks``, or blocks without an ``mlp.fc1``: Swin, EVA, ...).
     """
+    blocks = getattr(model, "blocks", None)
+    hidden = [_mlp_hidden(b) for b in blocks] if isinstance(blocks, (nn.Sequential, nn.ModuleList)) else [None]
+    if not hasattr(model, "patch_embed") or not hidden or None in hidden:
+        return float("nan")
     pe = model.patch_embed
     n_patches = (img_size // pe.patch_size[0]) * (img_size // pe.patch_size[1])
     tokens = n_patches + getattr(model, "num_prefix_tokens", 1)
     dim = model.embed_dim
     per_token = 0.0
-    for blk in model.blocks:
-        per_token += 2 * (4 * dim * dim + 2 * dim * _mlp_hidden(blk)) + 4 * tokens * dim
+    for h in hidden:
+        per_token += 2 * (4 * dim * dim + 2 * dim * h) + 4 * tokens * dim
     fwd = batch * tokens * per_token
     fwd += batch * n_patches * 2 * dim * 3 * pe.patch_size[0] * pe.patch_size[1]
     head = getattr(model, "head", None)
