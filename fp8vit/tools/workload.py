@@ -254,33 +254,28 @@ def train_step_fn(wl: Workload, optimizer: torch.optim.Optimizer) -> Callable:
     return step
 
 
-def _mlp_hidden(blk: nn.Module) -> Optional[int]:
-    """fc1 width of a timm ``Block``, an fp8vit block or a ``te.TransformerLayer`` (None: unknown)."""
+def _mlp_hidden(blk: nn.Module) -> int:
+    """fc1 width of a timm ``Block``, a ``TE_Block`` or a ``te.TransformerLayer``."""
     if hasattr(blk, "cfg"):
-        return getattr(blk.cfg, "mlp_hidden", None)
+        return blk.cfg.mlp_hidden
     if hasattr(blk, "layernorm_mlp"):
         return blk.layernorm_mlp.fc1_weight.shape[0]
-    return getattr(getattr(getattr(blk, "mlp", None), "fc1", None), "out_features", None)
+    return blk.mlp.fc1.out_features
 
 
 def train_flops(model: nn.Module, batch: int, img_size: int) -> float:
     """Model FLOPs of one training step (forward + backward = 3x forward), GEMMs and attention.
 
     Per block and token: ``2 * (3C^2 + C^2 + 2 * C * hidden)`` for qkv, proj and the MLP, plus
-    ``4 * N * C`` for the two attention matmuls; the patch embedding and head are added. NaN for a
-    model that is not such a ViT (no ``blocks``, or blocks without an ``mlp.fc1``: Swin, EVA, ...).
+    ``4 * N * C`` for the two attention matmuls; the patch embedding and head are added.
     """
-    blocks = getattr(model, "blocks", None)
-    hidden = [_mlp_hidden(b) for b in blocks] if isinstance(blocks, (nn.Sequential, nn.ModuleList)) else [None]
-    if not hasattr(model, "patch_embed") or not hidden or None in hidden:
-        return float("nan")
     pe = model.patch_embed
     n_patches = (img_size // pe.patch_size[0]) * (img_size // pe.patch_size[1])
     tokens = n_patches + getattr(model, "num_prefix_tokens", 1)
     dim = model.embed_dim
     per_token = 0.0
-    for h in hidden:
-        per_token += 2 * (4 * dim * dim + 2 * dim * h) + 4 * tokens * dim
+    for blk in model.blocks:
+        per_token += 2 * (4 * dim * dim + 2 * dim * _mlp_hidden(blk)) + 4 * tokens * dim
     fwd = batch * tokens * per_token
     fwd += batch * n_patches * 2 * dim * 3 * pe.patch_size[0] * pe.patch_size[1]
     head = getattr(model, "head", None)
