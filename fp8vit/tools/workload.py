@@ -12,6 +12,9 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-bf16[-graphed]``          fp8vit ``TE_Block``s, bf16 autocast, FP8 off
 ``fp8vit-fp8-RECIPE[-graphed]``    fp8vit ``TE_Block``s in ``fp8_context(RECIPE)``
 ``fp8vit-fp8-RECIPE-cudnn-norm[-graphed]``  the same with :func:`fp8vit.set_cudnn_layernorm` on
+``fp8vit-fp8-RECIPE-linear``       ``convert_to_te(fallback="linear")``: blocks fp8vit has no fused
+                                   block for (Swin, BEiT, ...) get FP8 Linears (the generic path);
+                                   on a model of fused blocks only, the same as without ``-linear``
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` (``-cudnn-norm-graphed``:
@@ -34,6 +37,7 @@ from ..backend import set_cudnn_layernorm
 from ..context import fp8_context
 from ..convert import convert_to_te, set_mlp_recompute
 from ..graphs import GraphedBlocks, make_graphed_blocks
+from ..linear import is_block
 from ..recipes import RECIPE_NAMES
 
 __all__ = ["SIZES", "VARIANTS", "Variant", "Workload", "build_workload", "make_optimizer", "train_step_fn",
@@ -51,6 +55,7 @@ VARIANTS = (
     "fp8vit-bf16", "fp8vit-bf16-graphed",
     *(f"fp8vit-fp8-{r}" for r in RECIPE_NAMES), *(f"fp8vit-fp8-{r}-graphed" for r in RECIPE_NAMES),
     *(f"fp8vit-fp8-{r}-cudnn-norm{g}" for g in ("", "-graphed") for r in RECIPE_NAMES),
+    "fp8vit-fp8-delayed-linear", "fp8vit-fp8-current-linear",
 )
 
 
@@ -65,6 +70,7 @@ class Variant:
         compile: ``torch.compile`` the model.
         graphed: capture the blocks as CUDA graphs.
         cudnn_norm: TE's LayerNorm on cuDNN's kernels (:func:`fp8vit.set_cudnn_layernorm`).
+        linear: the blocks fp8vit cannot fuse get FP8 Linears (``convert_to_te(fallback="linear")``).
     """
 
     name: str
@@ -73,6 +79,7 @@ class Variant:
     compile: bool
     graphed: bool
     cudnn_norm: bool = False
+    linear: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -87,7 +94,7 @@ class Variant:
         if name.startswith("te-layer"):
             return cls(name, "te-layer", "delayed", False, graphed)
         fp8 = parts[2] if name.startswith("fp8vit-fp8") else None
-        return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm)
+        return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm, linear=parts[-1] == "linear")
 
     @property
     def te_fp8(self) -> bool:
@@ -131,11 +138,26 @@ def te_layer_block_fn() -> type:
     return TELayerBlock
 
 
+def _block_linears(model: nn.Module) -> set:
+    """Paths of the ``nn.Linear``s inside blocks (``fp8vit.linear.is_block``; not the head): the
+    Linears fp8vit's generic path considers, with no condition on their features."""
+    mods = dict(model.named_modules())
+    out = set()
+    for fqn, mod in mods.items():
+        parts = fqn.split(".")
+        if isinstance(mod, nn.Linear) and not parts[0].startswith("head") and any(
+                is_block(mods[".".join(parts[:i])]) for i in range(1, len(parts))):
+            out.add(fqn)
+    return out
+
+
 def _torchao_fp8(model: nn.Module) -> None:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    # The blocks' Linears (timm ViTs: those under blocks.), as fp8vit's generic path picks them.
+    linears = _block_linears(model)
     convert_to_float8_training(model, config=Float8LinearConfig(),
-                               module_filter_fn=lambda mod, fqn: fqn.startswith("blocks."))
+                               module_filter_fn=lambda mod, fqn: fqn in linears)
 
 
 def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, batch_size: Optional[int] = None,
@@ -185,7 +207,7 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if eager_cudnn_norm or _te.cudnn_norm_enabled():  # a variant without the switch runs TE's kernels
         set_cudnn_layernorm(eager_cudnn_norm)
     if v.blocks == "fp8vit":
-        convert_to_te(net, backend=backend)
+        convert_to_te(net, backend=backend, fallback="linear" if v.linear else "keep")
         if mlp_recompute:
             set_mlp_recompute(net, every=mlp_recompute)
     if v.fp8 == "torchao":

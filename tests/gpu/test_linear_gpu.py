@@ -1,0 +1,184 @@
+"""The generic path on the GPU: blocks fp8vit has no fused block for (Swin, BEiT, CaiT) with their
+``nn.Linear``s swapped for TE's FP8 Linear (``convert_to_te(fallback="linear")``), judged by
+signal-to-noise ratio against the same model in bf16 (floors as in test_fp8_gpu.py: logits
+>= 20 dB, each swapped weight's gradient >= 12 dB).
+"""
+
+import io
+import os
+
+import pytest
+import timm
+import torch
+
+import fp8vit
+from helpers import snr_db
+
+pytestmark = pytest.mark.gpu
+
+LOGITS_DB, GRAD_DB = 20.0, 12.0
+MODELS = {
+    # 197 tokens; BEiT's attention calls F.linear on qkv.weight unless switched (fp8vit.linear)
+    "beit": ("beit_base_patch16_224", dict(depth=2)),
+    # [B, H, W, C] blocks, window attention over [B * windows, 49, C]
+    "swin": ("swin_tiny_patch4_window7_224", dict(depths=(2, 2), num_heads=(3, 6))),
+}
+
+
+def _need(recipe):
+    ok, why = fp8vit.gpu_info().recipes[recipe]
+    if not ok:
+        pytest.skip(f"recipe {recipe!r} not supported here: {why}")
+
+
+def _model(key="beit", **kw):
+    name, cfg = MODELS[key]
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=100, **cfg, **kw)
+    return fp8vit.convert_to_te(model.cuda(), fallback="linear")
+
+
+def _swapped(model):
+    return {n: m for n, m in model.named_modules() if fp8vit.linear.is_swapped(m)}
+
+
+def _step(model, x, recipe, enabled=True):
+    """One forward/backward; returns (logits, {param: grad})."""
+    model.zero_grad(set_to_none=True)
+    with fp8vit.fp8_context(recipe, enabled=enabled, strict=enabled) as state:
+        out = model(x)
+    assert state.fp8 == enabled
+    out.float().square().mean().backward()
+    return out.float().detach(), {k: p.grad.float().clone() for k, p in model.named_parameters()}
+
+
+def _snrs(model, ref, test):
+    """Logits, and the gradient of every swapped Linear's weight."""
+    out = {"logits": snr_db(ref[0], test[0])}
+    for name in _swapped(model):
+        key = f"{name}.weight"
+        out[key] = snr_db(ref[1][key], test[1][key])
+    return out
+
+
+def _fp8_vs_bf16(key, recipe, batch):
+    _need(recipe)
+    model = _model(key).train()
+    swapped = _swapped(model)
+    assert swapped and len(swapped) == fp8vit.conversion_summary(model).num_swapped
+    assert all(isinstance(m, fp8vit._te.SwappedLinear) for m in swapped.values())
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    ref = _step(model, x, recipe, enabled=False)
+    assert not any(m.fp8 for m in swapped.values())  # FP8 only inside fp8_context
+    _step(model, x, recipe)  # delayed scaling: the first step only fills the amax history
+    test = _step(model, x, recipe)
+    assert all(m.fp8 for m in swapped.values()), "a swapped Linear did not run in FP8"
+    assert all(torch.isfinite(g).all() for g in test[1].values())
+    snrs = _snrs(model, ref, test)
+    worst = min(snrs, key=snrs.get)
+    print(f"{key} {recipe} batch {batch}: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB")
+    return snrs["logits"], snrs[worst]
+
+
+@pytest.mark.parametrize("key", list(MODELS))
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_swapped_model_fp8_step_snr_vs_bf16(key, recipe):
+    logits, worst_grad = _fp8_vs_bf16(key, recipe, 16)
+    assert logits >= LOGITS_DB and worst_grad >= GRAD_DB
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_odd_token_rows_train_under_fp8(recipe, batch):
+    # BEiT: batch x 197 rows, not a multiple of 16: padded by the swapped Linears
+    logits, worst_grad = _fp8_vs_bf16("beit", recipe, batch)
+    assert logits >= LOGITS_DB and worst_grad >= GRAD_DB
+
+
+def test_linear_with_odd_features_is_kept_and_the_model_trains():
+    # CaiT's talking-heads projections are heads x heads (4 x 4): not multiples of 16
+    _need("delayed")
+    torch.manual_seed(0)
+    model = timm.create_model("cait_xxs24_224", pretrained=False, depth=2, depth_token_only=1, num_classes=100)
+    fp8vit.convert_to_te(model.cuda(), fallback="linear")
+    summary = fp8vit.conversion_summary(model)
+    reason = "Linear features not multiples of 16 (FP8 GEMMs need them)"
+    kept = dict(summary.kept)[reason]
+    assert kept and all(type(model.get_submodule(p)) is torch.nn.Linear for p in kept)
+    assert all(model.get_submodule(p).in_features % 16 for p in kept)
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    ref = _step(model.train(), x, "delayed", enabled=False)
+    for _ in range(2):
+        test = _step(model, x, "delayed")
+    snrs = _snrs(model, ref, test)
+    worst = min(snrs, key=snrs.get)
+    print(f"cait: {summary.num_swapped} swapped, {len(kept)} kept; logits {snrs['logits']:.1f} dB, "
+          f"worst {worst} {snrs[worst]:.1f} dB")
+    assert snrs["logits"] >= LOGITS_DB and snrs[worst] >= GRAD_DB
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_weights_round_trip_and_training_resumes(recipe):
+    _need(recipe)
+    assert os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") != "1"
+    model = _model().train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 3, 224, 224, device="cuda")
+    for _ in range(3):
+        _step(model, x, recipe)
+        opt.step()
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)  # no pickle anywhere in the checkpoint
+    extra = [k for k in sd if k.endswith("_extra_state")]
+    assert bool(extra) == (recipe == "delayed")  # only delayed scaling has FP8 state to keep
+    resumed = _model().train()
+    resumed.load_state_dict(sd)
+    a, b = _step(model, x, recipe), _step(resumed, x, recipe)
+    assert torch.equal(a[0], b[0]), f"resumed logits differ: SNR {snr_db(a[0], b[0]):.1f} dB"
+    # back to timm: the same parameters, keys a fresh timm model loads strictly
+    params = {n: p for n, p in model.named_parameters()}
+    fp8vit.convert_from_te(model)
+    assert all(p is params[n] for n, p in model.named_parameters())
+    fresh = timm.create_model(MODELS["beit"][0], pretrained=False, num_classes=100, **MODELS["beit"][1]).cuda()
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    assert {k for k in sd if not k.endswith("_extra_state")} == set(fresh.state_dict())
+
+
+def test_outside_fp8_context_matches_timm_bf16():
+    model = _model().eval()
+    ref = timm.create_model(MODELS["beit"][0], pretrained=False, num_classes=100, **MODELS["beit"][1]).cuda().eval()
+    ref.load_state_dict(model.state_dict(), strict=True)
+    x = torch.randn(4, 3, 224, 224, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        a, b = model(x).float(), ref(x).float()
+    print(f"swapped vs timm, bf16 autocast: {snr_db(b, a):.1f} dB")
+    assert snr_db(b, a) >= 40  # the same bf16 GEMMs, other kernels
+
+
+def test_set_block_fp8_turns_swapped_linears_off():
+    _need("delayed")
+    model = _model().train()
+    fp8vit.set_block_fp8(model, ["blocks.0"], False)
+    x = torch.randn(16, 3, 224, 224, device="cuda")
+    _step(model, x, "delayed")
+    ran = {n: m.fp8 for n, m in _swapped(model).items()}
+    assert not any(v for n, v in ran.items() if n.startswith("blocks.0.")), ran
+    assert all(v for n, v in ran.items() if n.startswith("blocks.1.")), ran
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_grad_checkpointing_of_swapped_blocks_under_fp8(recipe):
+    # TE's checkpoint around blocks holding TE Linears (timm's own would recompute outside FP8)
+    _need(recipe)
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    plain, ckpt = _model("swin").train(), _model("swin").train()  # same seed: same weights
+    for model in (plain, ckpt):  # same warm-up: same FP8 scaling state
+        _step(model, x, recipe)
+    ckpt.set_grad_checkpointing(True)
+    a, b = _step(plain, x, recipe), _step(ckpt, x, recipe)
+    snrs = _snrs(ckpt, a, b)
+    worst = min(snrs, key=snrs.get)
+    print(f"swin {recipe} checkpointed vs not: worst {worst} {snrs[worst]:.1f} dB")
+    assert snrs[worst] >= 40  # the same computation, recomputed
