@@ -261,14 +261,10 @@ def train_step_fn(wl: Workload, optimizer: torch.optim.Optimizer) -> Callable:
     return step
 
 
-def _mlp_hidden(blk: nn.Module) -> Optional[int]:
-    """fc1 width of a timm ``Block``, a ``TE_Block`` or a ``te.TransformerLayer`` (None for another block)."""
-    if hasattr(blk, "cfg"):
-        return blk.cfg.mlp_hidden
-    if hasattr(blk, "layernorm_mlp"):
-        return blk.layernorm_mlp.fc1_weight.shape[0]
-    fc1 = getattr(getattr(blk, "mlp", None), "fc1", None)
-    return fc1.out_features if isinstance(fc1, nn.Linear) else None
+def _gemm_weights(blk: nn.Module) -> int:
+    """Weights of a block's GEMMs: its matrices (qkv, proj, fc1 and fc2, gates; any block kind,
+    timm's or TE's, converted or not). Norms, biases and LayerScale are vectors and left out."""
+    return sum(p.numel() for p in blk.parameters() if p.dim() == 2)
 
 
 def _patch_size(model: nn.Module) -> Optional[tuple]:
@@ -284,23 +280,22 @@ def _patch_size(model: nn.Module) -> Optional[tuple]:
 def train_flops(model: nn.Module, batch: int, img_size: int) -> Optional[float]:
     """Model FLOPs of one training step (forward + backward = 3x forward), GEMMs and attention.
 
-    Per block and token: ``2 * (3C^2 + C^2 + 2 * C * hidden)`` for qkv, proj and the MLP, plus
-    ``4 * N * C`` for the two attention matmuls; the patch embedding and head are added.
+    Per block and token: 2 FLOPs per weight of the block's GEMMs (qkv, proj, the MLP's fc1 and
+    fc2 whatever their kind: gated MLPs have three matrices' worth), plus ``4 * N * C`` for the
+    two attention matmuls; the patch embedding and head are added. Hidden units padded for FP8
+    (EVA02-L: 2730 -> 2736) count too, as the GPU runs them.
 
     Returns:
         the FLOPs, or None for a model this count does not describe: one without a ViT's
-        ``patch_embed.patch_size``, ``embed_dim`` and ``blocks`` of timm ``Block``s, ``TE_Block``s
-        or ``te.TransformerLayer``s (a timm CNN, a Swin, SwiGLU MLPs).
+        ``patch_embed.patch_size``, ``embed_dim`` and ``blocks`` (a timm CNN, a Swin).
     """
     patch, dim, blocks = _patch_size(model), getattr(model, "embed_dim", None), getattr(model, "blocks", None)
-    if patch is None or not isinstance(dim, int) or blocks is None:
-        return None
-    hidden = [_mlp_hidden(blk) for blk in blocks]
-    if not hidden or None in hidden:
+    if patch is None or not isinstance(dim, int) or not isinstance(blocks, (nn.Sequential, nn.ModuleList)) \
+            or len(blocks) == 0:
         return None
     n_patches = (img_size // patch[0]) * (img_size // patch[1])
     tokens = n_patches + getattr(model, "num_prefix_tokens", 1)
-    per_token = sum(2 * (4 * dim * dim + 2 * dim * h) + 4 * tokens * dim for h in hidden)
+    per_token = sum(2 * _gemm_weights(blk) + 4 * tokens * dim for blk in blocks)
     fwd = batch * tokens * per_token
     fwd += batch * n_patches * 2 * dim * 3 * patch[0] * patch[1]
     head = getattr(model, "head", None)
