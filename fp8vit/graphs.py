@@ -268,6 +268,10 @@ def make_graphed_blocks(
                          f"{type(model).__name__} has no nn.Sequential or nn.ModuleList 'blocks' "
                          f"(found {type(blocks).__name__})")
     per_block = not isinstance(blocks, nn.Sequential)
+    if not per_block and tokens is None and not isinstance(
+            getattr(getattr(model, "patch_embed", None), "num_patches", None), int):
+        raise ValueError(f"make_graphed_blocks: a {type(model).__name__} has no patch_embed.num_patches to "
+                         "tell the tokens per image from; pass tokens=, the sequence length its blocks see")
     if dtype not in AUTOCAST_DTYPES:
         raise ValueError(f"make_graphed_blocks(dtype={dtype}): use one of {AUTOCAST_DTYPES}")
     param = next(blocks.parameters())
@@ -310,11 +314,7 @@ def make_graphed_blocks(
         in_dtype = x_seen.dtype if isinstance(x_seen, torch.Tensor) else param.dtype
     else:
         if tokens is None:
-            num_patches = getattr(getattr(model, "patch_embed", None), "num_patches", None)
-            if not isinstance(num_patches, int):
-                raise ValueError(f"make_graphed_blocks: a {type(model).__name__} has no patch_embed.num_patches to "
-                                 "tell the tokens per image from; pass tokens=, the sequence length its blocks see")
-            tokens = num_patches + getattr(model, "num_prefix_tokens", 0)
+            tokens = model.patch_embed.num_patches + getattr(model, "num_prefix_tokens", 0)
         shape = (batch_size, tokens, model.embed_dim)
         in_dtype = model.pos_embed.dtype if getattr(model, "pos_embed", None) is not None else param.dtype
     samples = tuple((torch.randn(shape, device=param.device, dtype=in_dtype, requires_grad=True),)
