@@ -389,6 +389,20 @@ def modules() -> types.SimpleNamespace:
 
 
 # --------------------------------------------------------------------------- generic FP8 Linear
+class _OwnOutput(torch.autograd.Function):
+    """Identity whose output is not a view in autograd's eyes (``detach`` shares the memory), so it
+    may be modified in place; the gradient passes through. Safe because TE's Linear does not keep
+    its output for backward."""
+
+    @staticmethod
+    def forward(ctx, out):
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 class SwappedLinear:
     """Mixin of :func:`fp8_linear_class`: TE's ``Linear`` standing in for a model's ``nn.Linear``
     (``convert_to_te(fallback="linear")``), where nothing around it knows about TE.
@@ -408,6 +422,12 @@ class SwappedLinear:
         self.fp8_enabled = True
 
     def forward(self, inp: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        # TE returns a view made inside its autograd Function, which autograd refuses to modify in
+        # place; timm code around an nn.Linear may (BEiT: qkv += bias). _OwnOutput hands it out as
+        # a tensor of its own, without a copy.
+        return _OwnOutput.apply(self._forward(inp, *args, **kwargs))
+
+    def _forward(self, inp: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         recipe = active_fp8_recipe()
         if recipe is None:  # outside fp8_context: TE's Linear in the autocast dtype
             return super().forward(inp, *args, **kwargs)

@@ -61,7 +61,8 @@ class GraphedBlocks:
 
     Attributes:
         shape: the block input shape the graphs replay for, ``(B, N, C)``.
-        input_dtype: the block input dtype at capture.
+        input_dtype: the block input dtype at capture (per-block graphs: the first block's; each
+            later block's is what the block before it returns under the training autocast).
         autocast_dtype: torch autocast dtype at capture.
         recipe_name: the FP8 recipe captured (None: FP8 off).
         fused_wgrad: the backward graph writes weight gradients in the weights' dtype (see
@@ -96,10 +97,12 @@ class GraphedBlocks:
         _te.release_main_grad(self._main_grad_weights)
         self._blocks, self._patched, self._main_grad_weights = None, (), ()
 
-    def mismatch(self, x: torch.Tensor, kwargs: Optional[dict] = None) -> Optional[str]:
+    def mismatch(self, x: torch.Tensor, kwargs: Optional[dict] = None,
+                 input_dtype: Optional[torch.dtype] = None) -> Optional[str]:
         """Why a call with block input ``x`` (and keyword inputs ``kwargs``) cannot replay the
-        graphs (None: it can)."""
+        graphs (None: it can); ``input_dtype``: the graph's own, if not :attr:`input_dtype`."""
         kwargs = kwargs or {}
+        input_dtype = input_dtype or self.input_dtype
         if kwargs.keys() - self.call_kwargs.keys():
             return f"the call passes {sorted(kwargs.keys() - self.call_kwargs.keys())}, which the capture did not see"
         for name, want in self.call_kwargs.items():
@@ -113,8 +116,8 @@ class GraphedBlocks:
         if tuple(x.shape) != self.shape:
             return (f"the input is {list(x.shape)}, the graphs were captured for {list(self.shape)} "
                     "(the last, smaller batch of an epoch? use drop_last=True, or capture this shape)")
-        if x.dtype != self.input_dtype:
-            return f"the input is {x.dtype}, the graphs were captured for {self.input_dtype}"
+        if x.dtype != input_dtype:
+            return f"the input is {x.dtype}, the graphs were captured for {input_dtype}"
         if not torch.is_autocast_enabled("cuda") or torch.get_autocast_dtype("cuda") != self.autocast_dtype:
             return f"the graphs were captured under {self.autocast_dtype} autocast; wrap the forward in fp8_context"
         active = _te.active_fp8_recipe()
@@ -167,8 +170,10 @@ class _Dispatch:
     """
 
     def __init__(self, handle: GraphedBlocks, graphed, eager, params: Tuple[nn.Parameter, ...] = (),
-                 main_grad_weights: Tuple[nn.Parameter, ...] = (), te_grads_alias: bool = False):
+                 main_grad_weights: Tuple[nn.Parameter, ...] = (), te_grads_alias: bool = False,
+                 input_dtype: Optional[torch.dtype] = None):
         self.handle, self.graphed, self.eager, self.params = handle, graphed, eager, params
+        self.input_dtype = input_dtype
         self.main_grad_weights = main_grad_weights
         self.main_grads = tuple(w.main_grad for w in main_grad_weights)
         # data_ptr()s of the buffers that p.grad may alias: the main_grads now, TE's static
@@ -190,7 +195,7 @@ class _Dispatch:
     def __call__(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         h = self.handle
         if h._blocks.training:
-            why = h.mismatch(x, kwargs)
+            why = h.mismatch(x, kwargs, self.input_dtype)
             if why is None:
                 h.replays += 1
                 if self.params:
@@ -309,16 +314,16 @@ def make_graphed_blocks(
     if per_block:
         # The model calls each block itself, with keyword inputs (EVA: rope=the RoPE table): see
         # what it passes, on one image, and capture each block with those inputs.
-        x_seen, call_kwargs = _first_block_call(model, blocks[0], param.device)
+        seen_dtypes, x_seen, call_kwargs = _block_calls(model, blocks, param.device, dtype)
         shape = (batch_size, *(x_seen.shape[1:] if tokens is None else (tokens, x_seen.shape[-1])))
-        in_dtype = x_seen.dtype if isinstance(x_seen, torch.Tensor) else param.dtype
+        in_dtype = seen_dtypes[0]
     else:
         if tokens is None:
             tokens = model.patch_embed.num_patches + getattr(model, "num_prefix_tokens", 0)
         shape = (batch_size, tokens, model.embed_dim)
         in_dtype = model.pos_embed.dtype if getattr(model, "pos_embed", None) is not None else param.dtype
-    samples = tuple((torch.randn(shape, device=param.device, dtype=in_dtype, requires_grad=True),)
-                    for _ in targets)
+    dtypes = seen_dtypes if per_block else (in_dtype,)
+    samples = tuple((torch.randn(shape, device=param.device, dtype=dt, requires_grad=True),) for dt in dtypes)
     tensor_kwargs = tuple({k: v.clone() for k, v in call_kwargs.items() if isinstance(v, torch.Tensor)}
                           for _ in targets)
     call_spec = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for k, v in call_kwargs.items()}
@@ -345,40 +350,48 @@ def make_graphed_blocks(
                            fused_wgrad=bool(main_grad_weights), per_block=per_block, call_kwargs=call_spec,
                            _blocks=blocks, _patched=targets, _switches=_switches(blocks),
                            _main_grad_weights=main_grad_weights)
-    for t, g in zip(targets, graphed):
+    for t, g, dt in zip(targets, graphed, dtypes):
         params = tuple(p for p in t.parameters() if p.requires_grad) if grads_alias or main_grad_weights else ()
         mine = set(map(id, t.parameters()))
         weights = tuple(w for w in main_grad_weights if id(w) in mine)
-        t.forward = _Dispatch(handle, g, t.forward, params, weights, grads_alias)
+        t.forward = _Dispatch(handle, g, t.forward, params, weights, grads_alias, dt)
     return handle
 
 
 class _SeenCall(Exception):
-    """Raised by the hook of :func:`_first_block_call` once it has seen the block's inputs."""
+    """Raised by the hook of :func:`_block_calls` once it has seen the last block's inputs."""
 
 
-def _first_block_call(model: nn.Module, block: nn.Module, device) -> Tuple[torch.Tensor, dict]:
-    """The input and keyword arguments ``model`` passes to ``block``, from a forward of one random
-    image (stopped at the block, nothing after it runs)."""
-    seen = {}
+def _block_calls(model: nn.Module, blocks: nn.ModuleList, device, dtype: torch.dtype):
+    """What ``model`` passes its blocks, from a forward of one random image under the training
+    autocast (stopped at the last block, which does not run).
+
+    Returns:
+        ``(dtypes, x, kwargs)``: each block's input dtype (the first block's from the model's stem;
+        the others' from the block before them: the autocast dtype for fp8vit's blocks), the first
+        block's input, and its keyword arguments (EVA: ``rope``, ``attn_mask``, ``is_causal``).
+    """
+    seen = []
 
     def hook(mod, args, kwargs):
-        seen["x"], seen["kwargs"] = args[0].detach(), {k: (v.detach() if isinstance(v, torch.Tensor) else v)
-                                                        for k, v in kwargs.items()}
-        raise _SeenCall
+        seen.append((args[0].detach(), {k: (v.detach() if isinstance(v, torch.Tensor) else v)
+                                        for k, v in kwargs.items()}))
+        if mod is blocks[-1]:
+            raise _SeenCall
 
     pe = getattr(model, "patch_embed", None)
     size = tuple(getattr(pe, "img_size", None) or (224, 224))
     chans = getattr(model, "in_chans", 3)
-    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
             model(torch.randn(1, chans, *size, device=device, dtype=next(model.parameters()).dtype))
     except _SeenCall:
         pass
     finally:
-        handle.remove()
-    if "x" not in seen:
-        raise ValueError(f"make_graphed_blocks: a forward of {type(model).__name__} never called "
-                         f"{type(block).__name__} model.blocks[0]")
-    return seen["x"], seen["kwargs"]
+        for h in handles:
+            h.remove()
+    if len(seen) != len(blocks):
+        raise ValueError(f"make_graphed_blocks: a forward of {type(model).__name__} called {len(seen)} of its "
+                         f"{len(blocks)} model.blocks; per-block graphs need each block called once per forward")
+    return tuple(x.dtype for x, _ in seen), seen[0][0], seen[0][1]

@@ -137,7 +137,12 @@ def test_fp8_step_snr_vs_bf16(name, recipe, batch):
     model = _model(name)
     x = torch.randn(batch, 3, 224, 224, device="cuda")  # every model above at 224 px
     ref = _step(model, x, recipe, enabled=False)
-    _step(model, x, recipe)
+    # Delayed scaling quantizes a step's gradients with scales from the steps before; after one FP8
+    # step they can still be the initial 1, and gradients of ~1e-6 then flush to zero in E5M2
+    # (measured on the H200: 0.0 dB for every block-0/1 weight of DINOv3-S and AIMv2-L, 24 dB one
+    # step later; docs/results/gpu_tests_families_run1.log). Two FP8 steps first, as diagnose() does.
+    for _ in range(2):
+        _step(model, x, recipe)
     test = _step(model, x, recipe)
     assert all(torch.isfinite(g).all() for g in test[1].values())
     snrs = _snrs(ref, test)
