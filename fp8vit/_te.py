@@ -386,8 +386,17 @@ class SwappedLinear:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fp8_enabled = True
+        # TE's Linear returns a view made inside its autograd Function, which autograd forbids to
+        # modify in place; an owner that adds to the output in place (fp8vit.linear.switch_owner)
+        # gets a copy instead.
+        self.copy_output = False
+        self.restore_owner = {}  # owner settings fp8vit.linear.switch_owner changed, for convert_from_te
 
     def forward(self, inp: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        out = self._forward(inp, *args, **kwargs)
+        return out.clone() if self.copy_output else out
+
+    def _forward(self, inp: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         recipe = active_fp8_recipe()
         if recipe is None:  # outside fp8_context: TE's Linear in the autocast dtype
             return super().forward(inp, *args, **kwargs)
