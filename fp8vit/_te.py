@@ -420,6 +420,7 @@ class SwappedLinear:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fp8_enabled = True
+        self.restore_owner = {}  # owner settings fp8vit.linear.switch_owner changed, for convert_from_te
 
     def forward(self, inp: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         # TE returns a view made inside its autograd Function, which autograd refuses to modify in

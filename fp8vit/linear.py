@@ -81,7 +81,9 @@ def swap_refusal(linear: nn.Module) -> Optional[str]:
 # timm's BEiT, Swin V2 and EVA attention with separate q/v biases compute qkv as
 # F.linear(x, self.qkv.weight, bias), never calling self.qkv, unless qkv_bias_separate is set, their
 # own switch for self.qkv(x) + bias (the same sum). switch_owner sets it while qkv is swapped, else
-# the swapped qkv would never run, and restore_owner sets it back.
+# the swapped qkv would never run, and restore_owner sets it back. That path adds the bias in place
+# (qkv += bias), which TE's output (a view made inside its autograd Function) does not allow: the
+# swapped qkv then returns a copy (one [tokens, 3C] copy per attention).
 _OWNER_SWITCHES = {"qkv": ("qkv_bias_separate", True)}
 
 
@@ -99,7 +101,6 @@ def to_fp8_linear(linear: nn.Linear, backend: str) -> nn.Module:
     new.weight = linear.weight
     if linear.bias is not None:
         new.bias = linear.bias
-    new.restore_owner = {}
     return new.train(linear.training)
 
 

@@ -505,6 +505,22 @@ def test_swapped_model_pickles_with_its_summary(tmp_path):
 # --------------------------------------------------------------------------- TE's swapped Linear, on CPU
 # SwappedLinear is TE's Linear with a mixin; its row padding, FP8 switch and state dict logic are
 # plain torch, checked here on a stand-in base that records what TE's forward would be given.
+class _ViewOutLinear(torch.autograd.Function):
+    """F.linear whose output is a view made inside the Function, as TE's ``_Linear`` returns."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        out = torch.nn.functional.linear(x, w, b)
+        return out.view(out.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        return g @ w, g2.t() @ x2, g2.sum(0)
+
+
 class _FakeTELinear(fp8vit.reference.Linear):
     def __init__(self, in_features, out_features, bias=True, params_dtype=None, device="cpu"):
         super().__init__(in_features, out_features, bias, params_dtype, device)
@@ -513,7 +529,7 @@ class _FakeTELinear(fp8vit.reference.Linear):
 
     def forward(self, x):
         self.seen.append(tuple(x.shape))
-        return super().forward(x)
+        return _ViewOutLinear.apply(x, self.weight, self.bias)
 
     def get_extra_state(self):
         return self.state
@@ -585,3 +601,22 @@ def test_swapped_linear_state_dict_is_nn_linears():
     assert torch.equal(other.state["scale"], torch.ones(2))
     with pytest.raises(RuntimeError, match="Unexpected key"):
         plain.load_state_dict(sd)  # convert_from_te first to load such a checkpoint into timm
+
+
+def test_swapped_linear_output_may_be_modified_in_place(monkeypatch):
+    # BEiT with qkv_bias_separate: qkv = self.qkv(x); qkv += bias. TE's output is a view made inside
+    # its autograd Function, which autograd refuses to modify in place: the swapped Linear hands it
+    # out as a tensor of its own (no copy), and gradients still flow.
+    monkeypatch.setattr(fp8vit._te, "active_fp8_recipe", lambda: None)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    lin = _Swapped(32, 48)
+    raw = _FakeTELinear.forward(lin, x)
+    with pytest.raises(RuntimeError, match="view.*modified inplace"):
+        raw += 1  # what timm's in-place add would meet without the hand-over
+    owner = _beit().blocks[0].attn
+    fp8vit.linear.switch_owner(lin, owner, "qkv")
+    assert owner.qkv_bias_separate and lin.restore_owner == {"qkv_bias_separate": False}
+    out = lin(x)
+    out += 1
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, lin.weight.sum(0).expand_as(x))
