@@ -18,7 +18,6 @@ import dataclasses
 import inspect
 import math
 import sys
-import weakref
 from typing import Optional
 
 import torch
@@ -33,7 +32,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
 
 from ._warn import warn_once
 from .config import BlockConfig, config_from_timm_block
-from .layers import FP8Block, SplitQKV, aligned_rows
+from .layers import FP8Block, SplitQKV, aligned_rows, te_mask_kwargs
 from .mlp import build_mlp, init_gates_like_timm_
 from .weights import (block_ties, name_pairs, te_requires_grad, te_to_timm, timm_requires_grad, timm_shapes,
                       timm_to_te)
@@ -222,11 +221,7 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         """
         if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
             raise ValueError(f"TE_Block expects x of shape [B, N, {self.cfg.dim}], got {tuple(x.shape)}")
-        if attn_mask is not None and attn_mask.dtype != torch.bool:
-            attn_mask = _additive_to_bool(attn_mask)
-        if attn_mask is not None and is_causal:
-            raise ValueError("pass either attn_mask or is_causal=True to TE_Block, not both")
-        return self._dispatch(x, attn_mask, is_causal)
+        return self._dispatch(x, self._bool_mask(attn_mask, is_causal), is_causal)
 
     def _forward(self, x, attn_mask, is_causal, mult: int, gelu_gemm: bool):
         x = self._stream(x)
@@ -251,16 +246,7 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         if self.cfg.qk_norm:
             # The norm runs in fp32 under autocast; TE's attention wants one dtype (SDPA casts too).
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
-        mask_kw = {}
-        if attn_mask is not None:
-            mask = attn_mask
-            while mask.dim() < 4:
-                mask = mask.unsqueeze(0)
-            # TE's arbitrary mask is True where attention is *masked out*: the inverse of timm's.
-            mask_kw = {"attention_mask": ~mask, "attn_mask_type": "arbitrary"}
-        elif is_causal:
-            mask_kw = {"attn_mask_type": "causal"}
-        o = self._impl.attention(self.attn, q, k, v, **mask_kw)  # [B, N, H*D]
+        o = self._impl.attention(self.attn, q, k, v, **te_mask_kwargs(attn_mask, is_causal))  # [B, N, H*D]
         return self.proj_drop(aligned_rows(self.proj, o, mult))
 
     def extra_repr(self) -> str:
@@ -337,34 +323,3 @@ def _copy_requires_grad(src: nn.Module, dst: nn.Module, convert, layout) -> None
     dst_params = dict(dst.named_parameters())
     for name, flag in convert(flags, layout).items():
         dst_params[name].requires_grad_(flag)
-
-
-# NaFlexViT passes the same mask to every block: check its values once, not once per block (the
-# check reads the mask on the host, a device sync). One entry: (the mask, its version, the result).
-_LAST_MASK: list = [None, -1, None]
-
-
-def _additive_to_bool(mask: torch.Tensor) -> torch.Tensor:
-    """An additive float mask (0 = attend, -inf or very negative = masked) -> the boolean mask
-    (True = attend) it is.
-
-    Raises:
-        ValueError: a non-float mask, or values neither 0 nor masked, naming one.
-    """
-    ref, version, result = _LAST_MASK
-    if ref is not None and ref() is mask and version == mask._version:
-        return result
-    if not mask.is_floating_point():
-        raise ValueError(f"TE_Block takes a boolean attn_mask (True = attend) or an additive float "
-                         f"padding mask; got {mask.dtype}")
-    threshold = torch.finfo(mask.dtype).min / 2
-    keep = mask == 0
-    bad = ~(keep | (mask <= threshold))  # NaN is bad too
-    if bool(bad.any()):
-        value = float(mask[bad].flatten()[0])
-        raise ValueError(f"TE_Block takes an additive float attn_mask only as a padding mask, every value "
-                         f"0 (attend) or <= {threshold:.3g} / -inf (masked); this {mask.dtype} mask holds "
-                         f"{value!r}: TE has no additive-bias attention kernel. Pass a boolean mask "
-                         "(True = attend), or keep timm's Block for this model")
-    _LAST_MASK[:] = [weakref.ref(mask), mask._version, keep]
-    return keep

@@ -41,7 +41,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
     from timm.models._features_fx import register_notrace_module
 
 from .config import resolve_norm
-from .layers import FP8Block, SplitQKV, aligned_rows
+from .layers import FP8Block, SplitQKV, aligned_rows, te_mask_kwargs
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties
 from .weights import Part, Tie, rename, te_requires_grad, te_to_timm, timm_requires_grad, timm_to_te
 
@@ -336,8 +336,9 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         """Args:
             x: tokens ``[B, N, C]``.
             rope: timm's RoPE table for the patch tokens (``[N - prefix, 2 * D]`` from ``Eva``), or None.
-            attn_mask: optional boolean mask broadcastable to ``[B, H, N, N]``, True where a query
-                may attend to a key (timm's convention).
+            attn_mask: optional mask broadcastable to ``[B, H, N, N]``: boolean, True where a query
+                may attend to a key (timm's convention), or an additive float padding mask (see
+                ``TE_Block.forward``).
             is_causal: causal attention, as in timm.
 
         Returns:
@@ -345,13 +346,8 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         """
         if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
             raise ValueError(f"TE_EvaBlock expects x of shape [B, N, {self.cfg.dim}], got {tuple(x.shape)}")
-        if attn_mask is not None and attn_mask.dtype != torch.bool:
-            raise ValueError(f"TE_EvaBlock supports boolean attn_mask only (True = attend), got "
-                             f"{attn_mask.dtype}: TE has no additive-mask attention kernel")
-        if attn_mask is not None and is_causal:
-            raise ValueError("pass either attn_mask or is_causal=True to TE_EvaBlock, not both")
         self._hook_k_bias()
-        return self._dispatch(x, rope, attn_mask, is_causal)
+        return self._dispatch(x, rope, self._bool_mask(attn_mask, is_causal), is_causal)
 
     def _hook_k_bias(self) -> None:
         # Checked on the parameter in use now, every call: .to() and load_state_dict keep the
@@ -383,15 +379,7 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         if rope is not None:
             q, k = self._rope(q, k, rope)
-        mask_kw = {}
-        if attn_mask is not None:
-            mask = attn_mask
-            while mask.dim() < 4:
-                mask = mask.unsqueeze(0)
-            mask_kw = {"attention_mask": ~mask, "attn_mask_type": "arbitrary"}  # TE: True = masked out
-        elif is_causal:
-            mask_kw = {"attn_mask_type": "causal"}
-        o = self._impl.attention(self.attn, q, k, v, **mask_kw)  # [B, N, H*D]
+        o = self._impl.attention(self.attn, q, k, v, **te_mask_kwargs(attn_mask, is_causal))  # [B, N, H*D]
         return self.proj_drop(aligned_rows(self.proj, o, mult))
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor):

@@ -1,6 +1,6 @@
 """Pieces every fp8vit block family shares: the base class of the blocks (per-block switches and
 the FP8 plumbing of ``forward``), token-row alignment for FP8 GEMMs, the packed QKV split whose
-gradient comes back packed, and the unfused MLP.
+gradient comes back packed, and timm's attention masks in TE's terms.
 
 Family modules (``block.py`` for timm's classic ``Block``, ...) compose these; none of them
 touches Transformer Engine directly (the backend's modules are passed in).
@@ -9,6 +9,7 @@ touches Transformer Engine directly (the backend's modules are passed in).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Optional
 
 import torch
@@ -16,10 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backend import Backend, get_backend, resolve_backend
-from .config import BlockConfig
 from .recipes import recipe_name, row_multiple
 
-__all__ = ["FP8Block", "aligned_rows", "SplitQKV", "UnfusedMLP"]
+__all__ = ["FP8Block", "aligned_rows", "SplitQKV", "additive_to_bool", "te_mask_kwargs"]
 
 
 class FP8Block(nn.Module):
@@ -73,6 +73,20 @@ class FP8Block(nn.Module):
             if self.grad_checkpointing and torch.is_grad_enabled():
                 return impl.checkpoint(self._forward, x, *args, mult, gelu_gemm)
             return self._forward(x, *args, mult, gelu_gemm)
+
+    def _bool_mask(self, attn_mask: Optional[torch.Tensor], is_causal: bool) -> Optional[torch.Tensor]:
+        """timm's ``attn_mask`` as a boolean mask (True = attend): boolean as given, an additive
+        float padding mask converted (:func:`additive_to_bool`).
+
+        Raises:
+            ValueError: a float mask with other values than 0 and masked, or both a mask and
+                ``is_causal``.
+        """
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            attn_mask = additive_to_bool(attn_mask)
+        if attn_mask is not None and is_causal:
+            raise ValueError(f"pass either attn_mask or is_causal=True to {type(self).__name__}, not both")
+        return attn_mask
 
     def _stream(self, x: torch.Tensor) -> torch.Tensor:
         """The residual stream's dtype: the autocast dtype, unless ``fp32_residual``."""
@@ -151,18 +165,46 @@ class SplitQKV(torch.autograd.Function):
         return torch.stack((dq, dk, dv), dim=2)
 
 
-class UnfusedMLP(nn.Module):
-    """MLP for activations TE has no kernel for (or exact GELU) and for dropout, in timm's ``Mlp``
-    order: TE LayerNorm+fc1 -> torch activation -> dropout -> TE fc2 -> dropout."""
+def te_mask_kwargs(attn_mask: Optional[torch.Tensor], is_causal: bool) -> dict:
+    """``DotProductAttention`` keywords for timm's boolean ``attn_mask`` (True = attend,
+    broadcastable to ``[B, H, N, N]``) or ``is_causal``."""
+    if attn_mask is not None:
+        mask = attn_mask
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        # TE's arbitrary mask is True where attention is *masked out*: the inverse of timm's.
+        return {"attention_mask": ~mask, "attn_mask_type": "arbitrary"}
+    if is_causal:
+        return {"attn_mask_type": "causal"}
+    return {}
 
-    def __init__(self, cfg: BlockConfig, m, dd: dict):
-        super().__init__()
-        self.fc1 = m.LayerNormLinear(cfg.dim, cfg.mlp_hidden, eps=cfg.norm_eps, bias=cfg.proj_bias,
-                                     normalization=cfg.norm, **dd)
-        self.act = cfg.act_layer()
-        self.drop1 = nn.Dropout(cfg.proj_drop)
-        self.fc2 = m.Linear(cfg.mlp_hidden, cfg.dim, bias=cfg.proj_bias, **dd)
-        self.drop2 = nn.Dropout(cfg.proj_drop)
 
-    def forward(self, x):
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+# NaFlexViT passes the same mask to every block: check its values once, not once per block (the
+# check reads the mask on the host, a device sync). One entry: (the mask, its version, the result).
+_LAST_MASK: list = [None, -1, None]
+
+
+def additive_to_bool(mask: torch.Tensor) -> torch.Tensor:
+    """An additive float mask (0 = attend, -inf or very negative = masked) -> the boolean mask
+    (True = attend) it is.
+
+    Raises:
+        ValueError: a non-float mask, or values neither 0 nor masked, naming one.
+    """
+    ref, version, result = _LAST_MASK
+    if ref is not None and ref() is mask and version == mask._version:
+        return result
+    if not mask.is_floating_point():
+        raise ValueError(f"fp8vit's blocks take a boolean attn_mask (True = attend) or an additive float "
+                         f"padding mask; got {mask.dtype}")
+    threshold = torch.finfo(mask.dtype).min / 2
+    keep = mask == 0
+    bad = ~(keep | (mask <= threshold))  # NaN is bad too
+    if bool(bad.any()):
+        value = float(mask[bad].flatten()[0])
+        raise ValueError(f"fp8vit's blocks take an additive float attn_mask only as a padding mask, every value "
+                         f"0 (attend) or <= {threshold:.3g} / -inf (masked); this {mask.dtype} mask holds "
+                         f"{value!r}: TE has no additive-bias attention kernel. Pass a boolean mask "
+                         "(True = attend), or keep timm's block for this model")
+    _LAST_MASK[:] = [weakref.ref(mask), mask._version, keep]
+    return keep

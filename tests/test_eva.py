@@ -181,3 +181,16 @@ def test_timm_block_keeps_no_skeleton_parameters():
     assert not any("skeleton" in n for n in names)
     assert sum(p.numel() for p in te.parameters()) == sum(p.numel() for p in blk.parameters())
     assert isinstance(te, fp8vit.layers.FP8Block)
+
+
+def test_boolean_and_additive_padding_masks_match_timm():
+    blk = _model("vit_base_patch16_rope_224").blocks[0]
+    te = TE_EvaBlock.from_timm(blk, backend="reference", exact_gelu=True)
+    x = torch.randn(2, 17, 64)
+    keep = torch.ones(2, 1, 1, 17, dtype=torch.bool)
+    keep[1, ..., 12:] = False  # the second image's last 5 tokens are padding
+    additive = torch.zeros(2, 1, 1, 17).masked_fill(~keep, float("-inf"))
+    for mask in (keep, additive):
+        torch.testing.assert_close(te(x, attn_mask=mask), blk(x, attn_mask=mask), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="padding mask"):
+        te(x, attn_mask=additive + 0.5)
