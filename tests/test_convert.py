@@ -518,7 +518,7 @@ class _ViewOutLinear(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-        return g @ w, g2.t() @ x2, g2.sum(0)
+        return g @ w, g2.t() @ x2, None if ctx.needs_input_grad[2] is False else g2.sum(0)
 
 
 class _FakeTELinear(fp8vit.reference.Linear):
