@@ -111,7 +111,7 @@ def test_linear_with_odd_features_is_kept_and_the_model_trains():
     assert all(model.get_submodule(p).in_features % 16 for p in kept)
     x = torch.randn(8, 3, 224, 224, device="cuda")
     ref = _step(model.train(), x, "delayed", enabled=False)
-    for _ in range(2):
+    for _ in range(3):  # measured on the third: two FP8 steps first, as the other SNR tests
         test = _step(model, x, "delayed")
     snrs = _snrs(model, ref, test)
     worst = min(snrs, key=snrs.get)
