@@ -64,6 +64,7 @@ CONVERTED_MODELS = [
     "pit_ti_224",                        # pit.PoolingVisionTransformer         (4.9M)
     "crossvit_tiny_240",                 # crossvit.CrossVit                    (7M)
     "mobilevit_xxs",                     # byobnet MobileViT (Block inside MobileVitBlock) (1.3M)
+    "eva02_tiny_patch14_224",            # eva.Eva: EvaBlock -> TE_EvaBlock, RoPE, SwiGLU (5.5M)
 ]
 # Models without a timm Block: convert_to_te must leave them alone.
 PASSTHROUGH_MODELS = [
