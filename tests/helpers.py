@@ -117,3 +117,20 @@ def load_example(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def fp8_step(model, x, recipe, enabled=True):
+    """One forward/backward inside ``fp8_context`` (FP8 on or off), loss ``mean(logits^2)``.
+
+    Returns:
+        (logits in fp32, {parameter name: gradient in fp32}) for the SNR comparisons.
+    """
+    import fp8vit
+
+    model.zero_grad(set_to_none=True)
+    with fp8vit.fp8_context(recipe, enabled=enabled, strict=enabled) as state:
+        out = model(x)
+    assert state.fp8 == enabled
+    out.float().square().mean().backward()
+    return out.float().detach(), {k: p.grad.float().clone() for k, p in model.named_parameters()
+                                  if p.grad is not None}

@@ -13,7 +13,7 @@ from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 import fp8vit
 from fp8vit import _te
 from fp8vit.eva import TE_EvaBlock, rope_angles
-from helpers import max_rel_err, rel_l2_err, snr_db
+from helpers import fp8_step, max_rel_err, rel_l2_err, snr_db
 
 pytestmark = pytest.mark.gpu
 
@@ -78,13 +78,6 @@ def test_fp32_logits_and_input_grad_match_timm(name):
     assert max_rel_err(ref, out) < 2e-3 and rel_l2_err(dx_ref, dx) < 2e-3
 
 
-def _step(model, x, recipe, enabled=True):
-    model.zero_grad(set_to_none=True)
-    with fp8vit.fp8_context(recipe, enabled=enabled, strict=enabled):
-        out = model(x)
-    out.float().square().mean().backward()
-    return out.float().detach(), {k: p.grad.float().clone() for k, p in model.named_parameters()
-                                  if p.grad is not None}
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
@@ -93,14 +86,14 @@ def _step(model, x, recipe, enabled=True):
 def test_fp8_snr_vs_bf16(name, recipe, batch):
     model = _convert(_model(name)).train()
     x = torch.randn(batch, 3, 224, 224, device="cuda")
-    ref = _step(model, x, recipe, enabled=False)
+    ref = fp8_step(model, x, recipe, enabled=False)
     # Delayed scaling quantizes a step's gradients with scales from the steps before; after one FP8
     # step they can still be the initial 1, and gradients of ~1e-6 then flush to zero in E5M2
     # (measured on the H200: 0.0 dB for every block-0/1 weight of DINOv3-S and AIMv2-L, 24 dB one
     # step later; docs/results/gpu_tests_families_run1.log). Two FP8 steps first, as diagnose() does.
     for _ in range(2):
-        _step(model, x, recipe)
-    test = _step(model, x, recipe)
+        fp8_step(model, x, recipe)
+    test = fp8_step(model, x, recipe)
     snrs = {"logits": snr_db(ref[0], test[0])}
     snrs.update({k: snr_db(ref[1][k], test[1][k]) for k in ref[1] if k.startswith("blocks.") and k.endswith("weight")})
     worst = min(snrs, key=snrs.get)
@@ -108,7 +101,7 @@ def test_fp8_snr_vs_bf16(name, recipe, batch):
           f"below 20 dB: {({k: round(v, 1) for k, v in snrs.items() if v < 20})}; "
           f"norms {[(k, f'{ref[1][k].norm():.2e}', f'{test[1][k].norm():.2e}') for k in snrs if snrs[k] < 12]}")
     if snrs[worst] < 12.0:  # diagnostic: does one more FP8 step (a longer amax history) change it?
-        again = _step(model, x, recipe)
+        again = fp8_step(model, x, recipe)
         print(f"  one step later: {worst} {snr_db(ref[1][worst], again[1][worst]):.1f} dB, "
               f"input grad of the blocks {[(n, f'{p.grad.norm():.2e}') for n, p in model.named_parameters() if 'patch_embed' in n]}")
     assert snrs["logits"] >= 20.0 and snrs[worst] >= 12.0

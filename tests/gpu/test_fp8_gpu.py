@@ -16,7 +16,7 @@ import timm
 import torch
 
 import fp8vit
-from helpers import is_forward_gelu_kernel, snr_db
+from helpers import fp8_step, is_forward_gelu_kernel, snr_db
 
 pytestmark = pytest.mark.gpu
 
@@ -36,14 +36,6 @@ def _vit(depth=2, **kw):
     return fp8vit.convert_to_te(model.cuda())
 
 
-def _step(model, x, recipe, enabled=True):
-    """One forward/backward; returns (logits, {param: grad})."""
-    model.zero_grad(set_to_none=True)
-    with fp8vit.fp8_context(recipe, enabled=enabled, strict=enabled) as state:
-        out = model(x)
-    assert state.fp8 == enabled
-    out.float().square().mean().backward()
-    return out.float().detach(), {k: p.grad.float().clone() for k, p in model.named_parameters()}
 
 
 def _snrs(ref, test):
@@ -69,9 +61,9 @@ def _fp8_vs_bf16(recipe, batch):
     _need(recipe)
     model = _vit().train()
     x = torch.randn(batch, 3, 224, 224, device="cuda")
-    ref = _step(model, x, recipe, enabled=False)
-    _step(model, x, recipe)
-    test = _step(model, x, recipe)
+    ref = fp8_step(model, x, recipe, enabled=False)
+    fp8_step(model, x, recipe)
+    test = fp8_step(model, x, recipe)
     assert all(torch.isfinite(g).all() for g in test[1].values())
     snrs = _snrs(ref, test)
     worst = min(snrs, key=snrs.get)
@@ -98,10 +90,10 @@ def test_grad_checkpointing_under_fp8(recipe):
     x = torch.randn(8, 3, 224, 224, device="cuda")
     plain, ckpt = _vit(depth=3).train(), _vit(depth=3).train()  # same seed: same weights
     for model in (plain, ckpt):  # same warm-up: same FP8 scaling state
-        _step(model, x, recipe)
+        fp8_step(model, x, recipe)
     ckpt.set_grad_checkpointing(True)
     assert all(b.grad_checkpointing for b in ckpt.blocks) and not ckpt.grad_checkpointing
-    a, b = _step(plain, x, recipe), _step(ckpt, x, recipe)
+    a, b = fp8_step(plain, x, recipe), fp8_step(ckpt, x, recipe)
     snrs = _snrs(a, b)
     worst = min(snrs, key=snrs.get)
     print(f"{recipe} checkpointed vs not: worst {worst} {snrs[worst]:.1f} dB")
@@ -116,7 +108,7 @@ def test_state_dict_round_trip_resumes_training(recipe):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(16, 3, 224, 224, device="cuda")
     for _ in range(3):
-        _step(model, x, recipe)
+        fp8_step(model, x, recipe)
         opt.step()
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
@@ -130,7 +122,7 @@ def test_state_dict_round_trip_resumes_training(recipe):
                 for key in ("scaling_fwd", "scaling_bwd"):
                     assert torch.equal(a.fp8_meta[key].scale, b.fp8_meta[key].scale), n
                     assert torch.equal(a.fp8_meta[key].amax_history, b.fp8_meta[key].amax_history), n
-    a, b = _step(model, x, recipe), _step(resumed, x, recipe)
+    a, b = fp8_step(model, x, recipe), fp8_step(resumed, x, recipe)
     assert torch.equal(a[0], b[0]), f"resumed logits differ: SNR {snr_db(a[0], b[0]):.1f} dB"
 
 
@@ -147,7 +139,7 @@ def test_mlp_recompute_same_step_less_memory(exact_gelu):
 
     plain, recomputed, first_only = model(), model(), model()
     for m in (plain, recomputed, first_only):  # same warm-up: same FP8 scaling state
-        _step(m, x, "delayed")
+        fp8_step(m, x, "delayed")
     fp8vit.set_mlp_recompute(recomputed)
     fp8vit.set_mlp_recompute(first_only, module_filter_fn=lambda m, fqn: fqn == "blocks.0")
     assert [b.recompute_mlp for b in first_only.blocks] == [True, False, False]
@@ -156,7 +148,7 @@ def test_mlp_recompute_same_step_less_memory(exact_gelu):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        results.append(_step(m, x, "delayed"))
+        results.append(fp8_step(m, x, "delayed"))
         peaks.append(torch.cuda.max_memory_allocated() - base)
     for name, run in (("all blocks", results[1]), ("block 0 only", results[2])):
         snrs = _snrs(results[0], run)
@@ -189,15 +181,15 @@ def test_cudnn_layernorm_runs_cudnn_kernels_as_accurately(recipe):
     _need(recipe)
     x = torch.randn(32, 3, 224, 224, device="cuda")
     plain, cudnn = (_vit(embed_dim=1280, num_heads=16).train() for _ in range(2))
-    ref = _step(plain, x, recipe, enabled=False)
+    ref = fp8_step(plain, x, recipe, enabled=False)
     for _ in range(2):  # delayed scaling: fill the amax history first
-        _step(plain, x, recipe)
-    te_run, te_kernels = _kernel_names(lambda: _step(plain, x, recipe))
+        fp8_step(plain, x, recipe)
+    te_run, te_kernels = _kernel_names(lambda: fp8_step(plain, x, recipe))
     old = fp8vit.set_cudnn_layernorm(True)
     try:
         for _ in range(2):
-            _step(cudnn, x, recipe)
-        cudnn_run, cudnn_kernels = _kernel_names(lambda: _step(cudnn, x, recipe))
+            fp8_step(cudnn, x, recipe)
+        cudnn_run, cudnn_kernels = _kernel_names(lambda: fp8_step(cudnn, x, recipe))
     finally:
         assert fp8vit.set_cudnn_layernorm(old) is True
     te_norm = {k for k in te_kernels if "normalization::ln_" in k}
@@ -228,12 +220,12 @@ def test_gelu_in_fc1_gemm_epilogue(recipe):
     assert all(b.gelu_in_gemm for b in fused.blocks)  # the default
     for b in plain.blocks:
         b.gelu_in_gemm = False
-    ref = _step(plain, x, recipe, enabled=False)
+    ref = fp8_step(plain, x, recipe, enabled=False)
     runs = {}
     for name, model in (("fused", fused), ("plain", plain)):
         for _ in range(2):  # delayed scaling: fill the amax history first
-            _step(model, x, recipe)
-        runs[name] = _kernel_names(lambda: _step(model, x, recipe))
+            fp8_step(model, x, recipe)
+        runs[name] = _kernel_names(lambda: fp8_step(model, x, recipe))
     gelu_kernels = {name: sorted(k[:60] for k in kernels if is_forward_gelu_kernel(k))
                     for name, (_, kernels) in runs.items()}
     print(f"{recipe}: forward GELU kernels {gelu_kernels}")

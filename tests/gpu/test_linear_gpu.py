@@ -12,7 +12,7 @@ import timm
 import torch
 
 import fp8vit
-from helpers import snr_db
+from helpers import fp8_step, snr_db
 
 pytestmark = pytest.mark.gpu
 
@@ -43,14 +43,6 @@ def _swapped(model):
     return {n: m for n, m in model.named_modules() if fp8vit.linear.is_swapped(m)}
 
 
-def _step(model, x, recipe, enabled=True):
-    """One forward/backward; returns (logits, {param: grad})."""
-    model.zero_grad(set_to_none=True)
-    with fp8vit.fp8_context(recipe, enabled=enabled, strict=enabled) as state:
-        out = model(x)
-    assert state.fp8 == enabled
-    out.float().square().mean().backward()
-    return out.float().detach(), {k: p.grad.float().clone() for k, p in model.named_parameters()}
 
 
 def _snrs(model, ref, test):
@@ -69,11 +61,11 @@ def _fp8_vs_bf16(key, recipe, batch):
     assert swapped and len(swapped) == fp8vit.conversion_summary(model).num_swapped
     assert all(isinstance(m, fp8vit._te.SwappedLinear) for m in swapped.values())
     x = torch.randn(batch, 3, 224, 224, device="cuda")
-    ref = _step(model, x, recipe, enabled=False)
+    ref = fp8_step(model, x, recipe, enabled=False)
     assert not any(m.fp8 for m in swapped.values())  # FP8 only inside fp8_context
     for _ in range(2):  # delayed scaling: gradient scales need two FP8 steps (see test_eva_gpu.py)
-        _step(model, x, recipe)
-    test = _step(model, x, recipe)
+        fp8_step(model, x, recipe)
+    test = fp8_step(model, x, recipe)
     assert all(m.fp8 for m in swapped.values()), "a swapped Linear did not run in FP8"
     assert all(torch.isfinite(g).all() for g in test[1].values())
     snrs = _snrs(model, ref, test)
@@ -110,9 +102,9 @@ def test_linear_with_odd_features_is_kept_and_the_model_trains():
     assert kept and all(type(model.get_submodule(p)) is torch.nn.Linear for p in kept)
     assert all(model.get_submodule(p).in_features % 16 for p in kept)
     x = torch.randn(8, 3, 224, 224, device="cuda")
-    ref = _step(model.train(), x, "delayed", enabled=False)
+    ref = fp8_step(model.train(), x, "delayed", enabled=False)
     for _ in range(3):  # measured on the third: two FP8 steps first, as the other SNR tests
-        test = _step(model, x, "delayed")
+        test = fp8_step(model, x, "delayed")
     snrs = _snrs(model, ref, test)
     worst = min(snrs, key=snrs.get)
     assert all(m.fp8 for m in _swapped(model).values()), "a swapped Linear did not run in FP8"
@@ -131,7 +123,7 @@ def test_weights_round_trip_and_training_resumes(recipe):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(16, 3, 224, 224, device="cuda")
     for _ in range(3):
-        _step(model, x, recipe)
+        fp8_step(model, x, recipe)
         opt.step()
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
@@ -141,7 +133,7 @@ def test_weights_round_trip_and_training_resumes(recipe):
     assert bool(extra) == (recipe == "delayed")  # only delayed scaling has FP8 state to keep
     resumed = _model().train()
     resumed.load_state_dict(sd)
-    a, b = _step(model, x, recipe), _step(resumed, x, recipe)
+    a, b = fp8_step(model, x, recipe), fp8_step(resumed, x, recipe)
     assert torch.equal(a[0], b[0]), f"resumed logits differ: SNR {snr_db(a[0], b[0]):.1f} dB"
     # back to timm: the same parameters, keys a fresh timm model loads strictly
     params = {n: p for n, p in model.named_parameters()}
@@ -169,7 +161,7 @@ def test_set_block_fp8_turns_swapped_linears_off():
     model = _model().train()
     fp8vit.set_block_fp8(model, ["blocks.0"], False)
     x = torch.randn(16, 3, 224, 224, device="cuda")
-    _step(model, x, "delayed")
+    fp8_step(model, x, "delayed")
     ran = {n: m.fp8 for n, m in _swapped(model).items()}
     assert not any(v for n, v in ran.items() if n.startswith("blocks.0.")), ran
     assert all(v for n, v in ran.items() if n.startswith("blocks.1.")), ran
@@ -182,9 +174,9 @@ def test_grad_checkpointing_of_swapped_blocks_under_fp8(recipe):
     x = torch.randn(8, 3, 224, 224, device="cuda")
     plain, ckpt = _model("swin").train(), _model("swin").train()  # same seed: same weights
     for model in (plain, ckpt):  # same warm-up: same FP8 scaling state
-        _step(model, x, recipe)
+        fp8_step(model, x, recipe)
     ckpt.set_grad_checkpointing(True)
-    a, b = _step(plain, x, recipe), _step(ckpt, x, recipe)
+    a, b = fp8_step(plain, x, recipe), fp8_step(ckpt, x, recipe)
     snrs = _snrs(ckpt, a, b)
     worst = min(snrs, key=snrs.get)
     print(f"swin {recipe} checkpointed vs not: worst {worst} {snrs[worst]:.1f} dB")

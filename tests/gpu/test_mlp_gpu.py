@@ -24,7 +24,7 @@ from torch import nn
 
 import fp8vit
 from fp8vit.weights import te_to_timm
-from helpers import MLP_CASES, max_rel_err, rel_l2_err, snr_db, timm_block
+from helpers import MLP_CASES, fp8_step, max_rel_err, rel_l2_err, snr_db, timm_block
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:fp8vit. timm's exact")]
 
@@ -112,13 +112,6 @@ def _model(name):
     return fp8vit.convert_to_te(_MODELS[name]().cuda()).train()
 
 
-def _step(model, x, recipe, enabled=True):
-    model.zero_grad(set_to_none=True)
-    with fp8vit.fp8_context(recipe, enabled=enabled, strict=enabled) as state:
-        out = model(x)
-    assert state.fp8 == enabled
-    out.float().square().mean().backward()
-    return out.float().detach(), {k: p.grad.float().clone() for k, p in model.named_parameters()}
 
 
 def _snrs(ref, test):
@@ -136,14 +129,14 @@ def test_fp8_step_snr_vs_bf16(name, recipe, batch):
     _need(recipe)
     model = _model(name)
     x = torch.randn(batch, 3, 224, 224, device="cuda")  # every model above at 224 px
-    ref = _step(model, x, recipe, enabled=False)
+    ref = fp8_step(model, x, recipe, enabled=False)
     # Delayed scaling quantizes a step's gradients with scales from the steps before; after one FP8
     # step they can still be the initial 1, and gradients of ~1e-6 then flush to zero in E5M2
     # (measured on the H200: 0.0 dB for every block-0/1 weight of DINOv3-S and AIMv2-L, 24 dB one
     # step later; docs/results/gpu_tests_families_run1.log). Two FP8 steps first, as diagnose() does.
     for _ in range(2):
-        _step(model, x, recipe)
-    test = _step(model, x, recipe)
+        fp8_step(model, x, recipe)
+    test = fp8_step(model, x, recipe)
     assert all(torch.isfinite(g).all() for g in test[1].values())
     snrs = _snrs(ref, test)
     worst = min(snrs, key=snrs.get)
@@ -214,7 +207,7 @@ def test_padded_mlp_under_mxfp8_runs_without_fp8_and_says_so():
     model = _model("eva02_large_mlp")
     x = torch.randn(4, 3, 224, 224, device="cuda")
     with pytest.warns(RuntimeWarning, match="not multiples of 32"):
-        _step(model, x, "mxfp8")
+        fp8_step(model, x, "mxfp8")
 
 
 @pytest.mark.parametrize("case", ["swiglu", "swiglu_norm_padded"])
@@ -229,10 +222,10 @@ def test_mlp_recompute_of_glu_mlps_keeps_the_step(case):
                               **kw)
         m = fp8vit.convert_to_te(m.cuda()).train()
         x = torch.randn(16, 3, 224, 224, device="cuda")
-        _step(m, x, "delayed")
+        fp8_step(m, x, "delayed")
         if recompute:
             fp8vit.set_mlp_recompute(m)
-        runs.append(_step(m, x, "delayed"))
+        runs.append(fp8_step(m, x, "delayed"))
     snrs = _snrs(*runs)
     worst = min(snrs, key=snrs.get)
     print(f"{case}: MLP recompute vs not, worst {worst} {snrs[worst]:.1f} dB")
