@@ -134,3 +134,31 @@ def fp8_step(model, x, recipe, enabled=True):
     out.float().square().mean().backward()
     return out.float().detach(), {k: p.grad.float().clone() for k, p in model.named_parameters()
                                   if p.grad is not None}
+
+
+def block_pair(case_kw: dict, *, backend: str, dim: int = 64, num_heads: int = 4, device: str = "cpu"):
+    """A timm Block with options ``case_kw`` (a ``BLOCK_CASES``/``MLP_CASES`` entry; seed 0) in eval
+    mode on ``device``, and the ``TE_Block`` converted from it on ``backend``."""
+    import fp8vit
+
+    torch.manual_seed(0)
+    block, exact = timm_block(dim=dim, num_heads=num_heads, **case_kw)
+    block = block.to(device).eval()
+    return block, fp8vit.TE_Block.from_timm(block, exact_gelu=exact, backend=backend)
+
+
+def padded_masks(block) -> dict:
+    """``{parameter: boolean mask of its padded entries}`` of a TE_Block's MLP (hidden units
+    padded for FP8: fc1's rows of each half, fc2's columns)."""
+    c = block.cfg.mlp
+    out = {}
+    for name, p in block.mlp.named_parameters():
+        mask = torch.zeros_like(p, dtype=torch.bool)
+        if name in ("fc1_weight", "fc1_bias", "fc1.weight", "fc1.bias"):
+            for half in range(2 if c.gated else 1):
+                mask[half * c.hidden_padded + c.hidden:(half + 1) * c.hidden_padded] = True
+        elif name in ("fc2_weight", "fc2.weight"):
+            mask[:, c.hidden:] = True
+        if mask.any():
+            out[name] = mask
+    return out

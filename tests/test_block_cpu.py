@@ -11,14 +11,13 @@ import torch
 import fp8vit
 from fp8vit.layers import aligned_rows
 from fp8vit.weights import te_to_timm, timm_to_te
-from helpers import BLOCK_CASES, timm_block
+from helpers import BLOCK_CASES, block_pair
 
 torch.manual_seed(0)
 
 
 def _pair(case):
-    block, exact = timm_block(**BLOCK_CASES[case])
-    return block.eval(), fp8vit.TE_Block.from_timm(block, exact_gelu=exact, backend="reference")
+    return block_pair(BLOCK_CASES[case], backend="reference")
 
 
 @pytest.mark.parametrize("case", list(BLOCK_CASES))

@@ -21,31 +21,15 @@ from fp8vit.config import BlockConfig
 from fp8vit.mlp import (HIDDEN_MULTIPLE, build_mlp, mlp_config_from_kwargs, mlp_config_from_timm, mlp_ties,
                         torch_norm)
 from fp8vit.weights import te_to_timm, timm_to_te
-from helpers import MLP_CASES, PADDED_MLP_CASES, timm_block
+from helpers import MLP_CASES, PADDED_MLP_CASES, block_pair, padded_masks
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp8vit. timm's exact")
 
 
 def _pair(case, dim=64):
-    torch.manual_seed(0)
-    block, exact = timm_block(dim=dim, num_heads=4, **MLP_CASES[case])
-    return block.eval(), fp8vit.TE_Block.from_timm(block, exact_gelu=exact, backend="reference")
+    return block_pair(MLP_CASES[case], backend="reference", dim=dim)
 
 
-def _padding(te):
-    """``{TE parameter: boolean mask of its padded entries}`` of a padded TE_Block."""
-    c = te.cfg.mlp
-    out = {}
-    for name, p in te.mlp.named_parameters():
-        mask = torch.zeros_like(p, dtype=torch.bool)
-        if name in ("fc1_weight", "fc1_bias", "fc1.weight", "fc1.bias"):
-            for half in range(2 if c.gated else 1):
-                mask[half * c.hidden_padded + c.hidden:(half + 1) * c.hidden_padded] = True
-        elif name in ("fc2_weight", "fc2.weight"):
-            mask[:, c.hidden:] = True
-        if mask.any():
-            out[name] = mask
-    return out
 
 
 @pytest.mark.parametrize("case", list(MLP_CASES))
@@ -115,7 +99,7 @@ def test_padded_units_stay_zero_under_adamw(case):
     block, te = _pair(case)
     c = te.cfg.mlp
     assert c.hidden == 170 and c.hidden_padded == 176 and c.hidden_padded % HIDDEN_MULTIPLE == 0
-    pads = _padding(te)
+    pads = padded_masks(te)
     params = dict(te.mlp.named_parameters())
     assert pads and all(torch.count_nonzero(params[k][m]) == 0 for k, m in pads.items())
     opt = torch.optim.AdamW(te.parameters(), lr=1e-2, weight_decay=0.1)
@@ -168,7 +152,7 @@ def test_reset_parameters_keeps_the_padding_zero():
             if hasattr(m, "reset_parameters") and not isinstance(m, (nn.SiLU, nn.Sigmoid)):
                 m.reset_parameters()
         params = dict(te.mlp.named_parameters())
-        for k, m in _padding(te).items():
+        for k, m in padded_masks(te).items():
             assert torch.count_nonzero(params[k][m]) == 0, (case, k)
         assert float(params["fc1_weight" if te.cfg.fused_mlp else "fc1.weight"].detach().std()) > 0.01
 

@@ -16,16 +16,13 @@ import torch
 
 import fp8vit
 from fp8vit.layers import aligned_rows
-from helpers import BLOCK_CASES, max_rel_err, rel_l2_err, snr_db, timm_block
+from helpers import BLOCK_CASES, block_pair, max_rel_err, rel_l2_err, snr_db
 
 pytestmark = pytest.mark.gpu
 
 
 def _pair(case, dim=128, heads=4):
-    torch.manual_seed(0)
-    block, exact = timm_block(dim=dim, num_heads=heads, **BLOCK_CASES[case])
-    block = block.cuda().eval()
-    return block, fp8vit.TE_Block.from_timm(block, exact_gelu=exact, backend="te")
+    return block_pair(BLOCK_CASES[case], backend="te", dim=dim, num_heads=heads, device="cuda")
 
 
 @pytest.mark.parametrize("case", list(BLOCK_CASES))

@@ -24,7 +24,7 @@ from torch import nn
 
 import fp8vit
 from fp8vit.weights import te_to_timm
-from helpers import MLP_CASES, fp8_step, max_rel_err, rel_l2_err, snr_db, timm_block
+from helpers import MLP_CASES, block_pair, fp8_step, max_rel_err, padded_masks, rel_l2_err, snr_db
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:fp8vit. timm's exact")]
 
@@ -39,10 +39,7 @@ def _need(recipe):
 
 
 def _pair(case, dim=128, heads=4):
-    torch.manual_seed(0)
-    block, exact = timm_block(dim=dim, num_heads=heads, **MLP_CASES[case])
-    block = block.cuda().eval()
-    return block, fp8vit.TE_Block.from_timm(block, exact_gelu=exact, backend="te")
+    return block_pair(MLP_CASES[case], backend="te", dim=dim, num_heads=heads, device="cuda")
 
 
 @pytest.mark.parametrize("case", list(MLP_CASES))
@@ -145,20 +142,6 @@ def test_fp8_step_snr_vs_bf16(name, recipe, batch):
     assert snrs["logits"] >= LOGITS_DB and snrs[worst] >= GRAD_DB, worst
 
 
-def _padded_masks(block):
-    """``{parameter: boolean mask of its padded entries}`` of a TE_Block's MLP."""
-    c = block.cfg.mlp
-    out = {}
-    for name, p in block.mlp.named_parameters():
-        mask = torch.zeros_like(p, dtype=torch.bool)
-        if name in ("fc1_weight", "fc1_bias", "fc1.weight", "fc1.bias"):
-            for half in range(2 if c.gated else 1):
-                mask[half * c.hidden_padded + c.hidden:(half + 1) * c.hidden_padded] = True
-        elif name in ("fc2_weight", "fc2.weight"):
-            mask[:, c.hidden:] = True
-        if mask.any():
-            out[name] = mask
-    return out
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
@@ -186,14 +169,14 @@ def test_padded_mlp_trains_under_fp8_with_padding_exactly_zero(name, recipe):
         loss.backward()
         for b in model.blocks:
             params = dict(b.mlp.named_parameters())
-            for k, m in _padded_masks(b).items():
+            for k, m in padded_masks(b).items():
                 assert torch.count_nonzero(params[k].grad[m]) == 0, k
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
     for b in model.blocks:
         params = dict(b.mlp.named_parameters())
-        for k, m in _padded_masks(b).items():
+        for k, m in padded_masks(b).items():
             assert torch.count_nonzero(params[k][m]) == 0, k
         te_to_timm(b.state_dict(), b.cfg)  # converts back: the padding is zero
     print(f"{name} {recipe}: losses {[round(v, 3) for v in losses]}")
