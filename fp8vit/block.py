@@ -34,7 +34,7 @@ from ._warn import warn_once
 from .config import BlockConfig, config_from_timm_block
 from .layers import FP8Block, SplitQKV, aligned_rows, te_mask_kwargs
 from .mlp import build_mlp, init_gates_like_timm_
-from .weights import (block_ties, name_pairs, te_requires_grad, te_to_timm, timm_requires_grad, timm_shapes,
+from .weights import (block_ties, copy_requires_grad, name_pairs, te_requires_grad, te_to_timm, timm_requires_grad, timm_shapes,
                       timm_to_te)
 
 __all__ = ["TE_Block"]
@@ -138,7 +138,7 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         new = cls.from_config(config_from_timm_block(block, exact_gelu=exact_gelu), device=ref.device,
                               dtype=ref.dtype, backend=backend, fp32_residual=fp32_residual)
         new.load_timm_state_dict(block.state_dict())
-        _copy_requires_grad(block, new, te_requires_grad, new.cfg)
+        copy_requires_grad(block, new, te_requires_grad, new.cfg)
         return new.train(block.training)
 
     def load_timm_state_dict(self, sd) -> None:
@@ -159,7 +159,7 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         ref = self.qkv.weight
         block = Block(**_installed_block_kwargs(self.cfg.timm_kwargs())).to(device=ref.device, dtype=ref.dtype)
         block.load_state_dict(te_to_timm(self.state_dict(), self.cfg), strict=True)
-        _copy_requires_grad(self, block, timm_requires_grad, self.cfg)
+        copy_requires_grad(self, block, timm_requires_grad, self.cfg)
         return block.train(self.training)
 
     def init_weights(self, mode: Optional[str] = None) -> None:
@@ -233,9 +233,9 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
                       "which this FP8 recipe needs: that MLP runs with FP8 off (in the autocast dtype)",
                       RuntimeWarning, stacklevel=2)
             with self._impl.fp8_off():
-                mlp = self._run_mlp(self.mlp, h, 1, False, fused=self.cfg.fused_mlp)
+                mlp = self._run_mlp(self.mlp, h, 1, False)
         else:
-            mlp = self._run_mlp(self.mlp, h, mult, gelu_gemm, fused=self.cfg.fused_mlp)
+            mlp = self._run_mlp(self.mlp, h, mult, gelu_gemm)
         x = x + self._residual(self.drop_path2(self.ls2(mlp)), x)
         return x
 
@@ -314,12 +314,3 @@ def _installed_block_kwargs(kwargs: dict) -> dict:
             raise ValueError(f"the installed timm's Block has no {k!r} keyword, needed for {k}={v}; "
                              "upgrade timm")
     return {k: v for k, v in kwargs.items() if k in params}
-
-
-def _copy_requires_grad(src: nn.Module, dst: nn.Module, convert, layout) -> None:
-    """Carry frozen parameters over a conversion: ``convert(flags, layout)`` maps ``src``'s
-    ``requires_grad`` flags to ``dst``'s names (raising where parts of one tensor disagree)."""
-    flags = {n: p.requires_grad for n, p in src.named_parameters()}
-    dst_params = dict(dst.named_parameters())
-    for name, flag in convert(flags, layout).items():
-        dst_params[name].requires_grad_(flag)

@@ -43,7 +43,8 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
 from .config import resolve_norm
 from .layers import FP8Block, SplitQKV, aligned_rows, te_mask_kwargs
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties
-from .weights import Part, Tie, rename, te_requires_grad, te_to_timm, timm_requires_grad, timm_to_te
+from .weights import (Part, Tie, copy_requires_grad, rename, te_requires_grad, te_to_timm, timm_requires_grad,
+                      timm_to_te)
 
 __all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "rope_angles"]
 
@@ -300,9 +301,7 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         new = cls(cfg, timm_skeleton=copy.deepcopy(block).to("meta"), device=ref.device, dtype=ref.dtype,
                   backend=backend, fp32_residual=fp32_residual, q_norm=qn, k_norm=kn)
         new.load_timm_state_dict(block.state_dict())
-        flags = te_requires_grad({n: p.requires_grad for n, p in block.named_parameters()}, _ties(cfg))
-        for n, p in new.named_parameters():
-            p.requires_grad_(flags.get(n, p.requires_grad))
+        copy_requires_grad(block, new, te_requires_grad, _ties(cfg))
         return new.train(block.training)
 
     def load_timm_state_dict(self, sd) -> None:
@@ -325,9 +324,7 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         init = getattr(block.attn, "init_non_persistent_buffers", None)
         if init is not None:  # EvaAttention's zero k_bias buffer is not in the state dict
             init()
-        flags = timm_requires_grad({n: p.requires_grad for n, p in self.named_parameters()}, _ties(self.cfg))
-        for n, p in block.named_parameters():
-            p.requires_grad_(flags.get(n, p.requires_grad))
+        copy_requires_grad(self, block, timm_requires_grad, _ties(self.cfg))
         return block.train(self.training)
 
     # ------------------------------------------------------------------ forward
@@ -365,7 +362,7 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
             a = self.gamma_1 * a
         x = x + self._residual(self.drop_path1(a), x)
         h = x if self.norm2 is None else self.norm2(x)
-        h = self._run_mlp(self.mlp, h, mult, gelu_gemm, fused=self.cfg.fused_mlp)
+        h = self._run_mlp(self.mlp, h, mult, gelu_gemm)
         if self.gamma_2 is not None:
             h = self.gamma_2 * h
         return x + self._residual(self.drop_path2(h), x)

@@ -288,8 +288,6 @@ def make_graphed_blocks(
         raise ValueError("make_graphed_blocks: activation checkpointing is on; a CUDA graph keeps all "
                          "activations of its capture, so turn checkpointing off "
                          "(model.set_grad_checkpointing(False)) or do not graph this model")
-    # A family whose config does not say its MLP is TE's fused one is taken as unfused: refused here
-    # rather than failing inside the capture.
     unfused = [n for n, m in blocks.named_modules()
                if isinstance(m, FP8Block) and m.recompute_mlp and not m.cfg.fused_mlp]
     if unfused:

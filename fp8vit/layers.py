@@ -25,10 +25,10 @@ __all__ = ["FP8Block", "aligned_rows", "SplitQKV", "additive_to_bool", "te_mask_
 class FP8Block(nn.Module):
     """Base class of fp8vit's blocks: the switches every block has, and the FP8 plumbing of forward.
 
-    A family's block (``TE_Block``, ...) sets ``self.cfg``, builds its modules and implements
-    ``_forward(x, *args, mult, gelu_gemm)``, where ``mult`` is the token-row multiple the active
-    recipe needs (1 with FP8 off) and ``gelu_gemm`` says whether fc1's FP8 GEMM computes GELU in
-    its epilogue. Its ``forward`` calls :meth:`_dispatch`.
+    A family's block (``TE_Block``, ...) sets ``self.cfg`` (with a ``fused_mlp`` property), builds
+    its modules and implements ``_forward(x, *args, mult, gelu_gemm)``, where ``mult`` is the
+    token-row multiple the active recipe needs (1 with FP8 off) and ``gelu_gemm`` says whether
+    fc1's FP8 GEMM computes GELU in its epilogue. Its ``forward`` calls :meth:`_dispatch`.
 
     Attributes:
         backend: ``"te"`` or ``"reference"``.
@@ -99,17 +99,15 @@ class FP8Block(nn.Module):
         # LayerScale's fp32 gamma promotes the branch to fp32; keep the stream in x's dtype.
         return y if self.fp32_residual or y.dtype == x.dtype else y.to(x.dtype)
 
-    def _run_mlp(self, mlp: nn.Module, x: torch.Tensor, mult: int, gelu_gemm: bool, fused: bool) -> torch.Tensor:
+    def _run_mlp(self, mlp: nn.Module, x: torch.Tensor, mult: int, gelu_gemm: bool) -> torch.Tensor:
         """``mlp(x)`` over aligned rows, with this block's MLP recompute and GELU-in-GEMM switches.
-
-        Args:
-            fused: ``mlp`` is one TE ``LayerNormMLP`` (it recomputes natively and takes the GELU switch).
-        """
+        ``self.cfg.fused_mlp`` says whether ``mlp`` is one TE ``LayerNormMLP`` (it recomputes
+        natively and takes the GELU switch)."""
         # Selective recompute (set_mlp_recompute): the MLP holds most of a block's saved activations
         # (fc1's output and the activation's, 4C per token each). Inside a checkpointed block the
         # whole block is recomputed anyway.
         recompute = self.recompute_mlp and not self.grad_checkpointing
-        if self._impl.fp8 and fused:
+        if self._impl.fp8 and self.cfg.fused_mlp:
             # TE's LayerNormMLP does it natively: it saves its input and reruns LayerNorm, fc1 and
             # the activation in backward (not fc2), with the forward's FP8 scales.
             if mlp.checkpoint != recompute:  # a plain read on the hot path; set on change only

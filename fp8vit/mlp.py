@@ -4,7 +4,7 @@ Shared by the block families: a family reads an :class:`MlpConfig` from its timm
 (:func:`mlp_config_from_timm`) or from the keywords timm would build it with
 (:func:`mlp_config_from_kwargs`), builds the modules with :func:`build_mlp` (given the block's
 pre-MLP norm, which TE fuses into fc1, and the backend's modules), runs them with
-``FP8Block._run_mlp(built.mlp, x, mult, gelu_gemm, fused=built.fused)``, and maps weights with
+``FP8Block._run_mlp(built.mlp, x, mult, gelu_gemm)``, and maps weights with
 :func:`mlp_ties` (in :mod:`fp8vit.weights`' form).
 
 timm's MLPs (``C`` in features, ``H`` hidden units feeding fc2) and what runs for them:
@@ -318,13 +318,12 @@ class BuiltMlp(NamedTuple):
         norm: the block's pre-MLP norm as a torch module, when the MLP fuses a norm of its own
             into fc1 (``GeGluMlp``); the block applies it before the MLP. None: the block's norm
             is fused into fc1.
-        mlp: the MLP module, ``[..., C] -> [..., out]``.
-        fused: ``mlp`` is one TE ``LayerNormMLP`` (``FP8Block._run_mlp``'s ``fused=``).
+        mlp: the MLP module, ``[..., C] -> [..., out]``: one TE ``LayerNormMLP`` exactly when
+            ``cfg.fused``.
     """
 
     norm: Optional[nn.Module]
     mlp: nn.Module
-    fused: bool
 
 
 def build_mlp(cfg: MlpConfig, norm: str, norm_eps: float, modules, dd: dict, tdd: dict) -> BuiltMlp:
@@ -340,12 +339,12 @@ def build_mlp(cfg: MlpConfig, norm: str, norm_eps: float, modules, dd: dict, tdd
     if cfg.in_norm is not None:  # two norms in a row: TE fuses the one next to fc1
         pre, fc1_norm = torch_norm(norm, norm_eps, cfg.in_features, **tdd), cfg.in_norm
     if not cfg.fused:
-        return BuiltMlp(pre, UnfusedMlp(cfg, fc1_norm, modules, dd, tdd), False)
+        return BuiltMlp(pre, UnfusedMlp(cfg, fc1_norm, modules, dd, tdd))
     init1, init2 = _fc_inits(cfg)
     inits = {**init1, **({"output_layer_init_method": init2["init_method"]} if init2 else {})}
     mlp = modules.LayerNormMLP(cfg.in_features, cfg.hidden_padded, eps=fc1_norm[1], bias=cfg.bias[0],
                                normalization=fc1_norm[0], activation=cfg.te_activation, **inits, **dd)
-    return BuiltMlp(pre, mlp, True)
+    return BuiltMlp(pre, mlp)
 
 
 class UnfusedMlp(nn.Module):

@@ -36,7 +36,7 @@ import torch
 from .config import BlockConfig
 
 __all__ = ["Part", "Tie", "rename", "block_ties", "name_pairs", "timm_to_te", "te_to_timm",
-           "te_requires_grad", "timm_requires_grad", "timm_shapes"]
+           "te_requires_grad", "timm_requires_grad", "copy_requires_grad", "timm_shapes"]
 
 _EXTRA = "_extra_state"
 
@@ -249,6 +249,16 @@ def te_requires_grad(flags: Mapping[str, bool], layout: Layout) -> Dict[str, boo
 def timm_requires_grad(flags: Mapping[str, bool], layout: Layout) -> Dict[str, bool]:
     """``requires_grad`` per TE tensor -> per timm tensor (each part takes its TE tensor's)."""
     return {p.name: bool(flags[t.te]) for t in _ties(layout) if t.te in flags for p in _named(t.parts)}
+
+
+def copy_requires_grad(src, dst, convert, layout: Layout) -> None:
+    """Carry frozen parameters over a conversion: ``convert`` (:func:`te_requires_grad` or
+    :func:`timm_requires_grad`) maps the ``requires_grad`` flags of ``src``'s parameters to names of
+    ``dst``'s (raising where parts of one tensor disagree), which are set."""
+    flags = {n: p.requires_grad for n, p in src.named_parameters()}
+    dst_params = dict(dst.named_parameters())
+    for name, flag in convert(flags, layout).items():
+        dst_params[name].requires_grad_(flag)
 
 
 def timm_shapes(layout: Layout, te_shapes: Mapping[str, Sequence[int]]) -> Dict[str, Tuple[int, ...]]:
