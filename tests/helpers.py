@@ -162,3 +162,43 @@ def padded_masks(block) -> dict:
         if mask.any():
             out[name] = mask
     return out
+
+
+def fp32_against_timm(block, te, x: torch.Tensor) -> dict:
+    """Run timm's ``block`` and its ``TE_Block`` twin ``te`` in fp32 on input ``x`` [B, N, C] with one
+    random cotangent; both must have been built by ``block_pair``.
+
+    Returns:
+        ``out`` (max relative error of the output), ``dx`` (relative L2 error of the input gradient),
+        ``grads`` ({timm parameter: relative L2 error of its gradient, floored at 1% of the block's
+        largest gradient norm: some gradients are analytically zero, k_norm.bias's for one, and hold
+        only rounding noise}) and ``kink_dx``: the dx error of timm's own block with its weights
+        multiplied by (1 + 1e-4 * noise), the size of the kernel differences TE's fp32 kernels measure
+        (tests/gpu/test_block_gpu.py). With ReLU, pre-activations within that of 0 flip the kink;
+        ``kink_dx`` is what such flips do to dx in this block, on this input.
+    """
+    import copy
+
+    import fp8vit
+
+    def grad_of(module):
+        xi = x.detach().clone().requires_grad_(True)
+        module(xi).backward(g)
+        return xi.grad
+
+    with torch.no_grad():
+        y = block(x)
+        g = torch.randn_like(y)
+        bumped = copy.deepcopy(block)
+        for p in bumped.parameters():
+            p.mul_(1 + 1e-4 * torch.randn_like(p))
+    block.zero_grad(set_to_none=True), te.zero_grad(set_to_none=True)
+    dx = grad_of(block)
+    with torch.no_grad():
+        out = max_rel_err(y, te(x))
+    dx_te = grad_of(te)
+    te_grads = fp8vit.weights.te_to_timm({k: p.grad for k, p in te.named_parameters()}, te.cfg)
+    floor = 1e-2 * max(float(p.grad.norm()) for p in block.parameters())
+    grads = {k: float((p.grad - te_grads[k]).norm()) / max(float(p.grad.norm()), floor)
+             for k, p in block.named_parameters()}
+    return dict(out=out, dx=rel_l2_err(dx, dx_te), grads=grads, kink_dx=rel_l2_err(dx, grad_of(bumped)))

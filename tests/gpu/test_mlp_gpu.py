@@ -2,7 +2,7 @@
 
 FP8 off: the tolerances of tests/gpu/test_block_gpu.py (its module docstring gives the reasons):
 fp32 output within 2e-3 of timm relative to its max, the input gradient within 1e-3 in relative L2
-(5e-3 where a ReLU kink can flip), weight gradients within 2e-3 in relative L2 with a floor at 1%
+(with ReLU, whose kink flips, 2x what 1e-4 weight noise does to timm's own block), weight gradients within 2e-3 in relative L2 with a floor at 1%
 of the block's largest gradient norm (2.5e-2 with ReLU). bf16: TE no further from fp32 timm than
 2x timm's own bf16 result (plus 1e-3).
 
@@ -24,7 +24,7 @@ from torch import nn
 
 import fp8vit
 from fp8vit.weights import te_to_timm
-from helpers import MLP_CASES, block_pair, fp8_step, max_rel_err, padded_masks, rel_l2_err, snr_db
+from helpers import MLP_CASES, block_pair, fp32_against_timm, fp8_step, max_rel_err, padded_masks, snr_db
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:fp8vit. timm's exact")]
 
@@ -55,22 +55,13 @@ def test_te_parameters_match_reference_backend(case):
 @pytest.mark.parametrize("case", list(MLP_CASES))
 def test_fp32_forward_and_grads_match_timm(case):
     block, te = _pair(case)
-    x = torch.randn(4, 197, 128, device="cuda", requires_grad=True)
-    x2 = x.detach().clone().requires_grad_(True)
-    y, y2 = block(x), te(x2)
-    g = torch.randn_like(y)
-    y.backward(g), y2.backward(g)
-    err_y, err_g = max_rel_err(y, y2), rel_l2_err(x.grad, x2.grad)
+    e = fp32_against_timm(block, te, torch.randn(4, 197, 128, device="cuda"))
+    worst = max(e["grads"], key=e["grads"].get)
+    print(f"{case}: fp32 max rel err out {e['out']:.2e}, rel L2 err dx {e['dx']:.2e} "
+          f"(kink sensitivity {e['kink_dx']:.2e}), worst weight-grad {worst} {e['grads'][worst]:.2e}")
     kinked = case in _KINKED
-    print(f"{case}: fp32 max rel err out {err_y:.2e}, rel L2 err dx {err_g:.2e}")
-    assert err_y < 2e-3 and err_g < (5e-3 if kinked else 1e-3)
-    te_grads = te_to_timm({k: p.grad for k, p in te.named_parameters()}, te.cfg)  # padding grads: zero
-    floor = 1e-2 * max(float(p.grad.norm()) for p in block.parameters())
-    errs = {k: float((p.grad - te_grads[k]).norm()) / max(float(p.grad.norm()), floor)
-            for k, p in block.named_parameters()}
-    worst = max(errs, key=errs.get)
-    print(f"{case}: worst weight-grad rel L2 err {worst} {errs[worst]:.2e}")
-    assert errs[worst] < (2.5e-2 if kinked else 2e-3), worst
+    assert e["out"] < 2e-3 and e["dx"] < (max(1e-3, 2 * e["kink_dx"]) if kinked else 1e-3)
+    assert e["grads"][worst] < (2.5e-2 if kinked else 2e-3), worst
 
 
 @pytest.mark.parametrize("case", ["swiglu", "glu_sigmoid", "glu_silu_packed", "geglu_mlp", "beit3",
