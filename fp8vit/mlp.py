@@ -96,8 +96,9 @@ class MlpConfig:
         hidden: the real hidden units ``H``, those feeding fc2 (each half of fc1 has ``H`` rows
             in the gated kinds).
         act_layer: the torch activation constructor (the unfused path runs it; timm rebuilds with it).
-        te_activation: TE's kernel (gated kinds: a gated kernel) in the fused MLP, or None: the
-            torch activation runs (always so in the unfused MLP; an erf GELU stays exact there).
+        te_activation: TE's kernel (gated kinds: a gated kernel), or None: the torch activation
+            runs. The unfused MLP runs only gated kernels, and only exact ones (an erf GELU stays
+            torch's there).
         gate_last: ``GluMlp`` only: timm's gate is the second half of fc1 (timm's default).
         bias: fc1's and fc2's bias flags.
         drop: dropout after the activation and after fc2.
@@ -226,8 +227,12 @@ def mlp_config_from_timm(mlp: nn.Module, *, exact_gelu: bool = False) -> MlpConf
                     gate_last=bool(mlp.gate_last) if kind == "GluMlp" else False,
                     bias=(fc1s[0].bias is not None, fc2.bias is not None), drop=drops,
                     norm=inner, in_norm=in_norm)
-    if not cfg.fused:  # unfused for another reason: the torch activation runs, exact, no TE kernel
-        return dataclasses.replace(cfg, te_activation=None)
+    if not cfg.fused:
+        # Unfused for another reason (a norm or dropout inside, ...). Gated: TE's kernel where it
+        # computes exactly timm's activation (SiLU, ReLU, sigmoid, tanh and quick GELU; an erf GELU
+        # stays torch's), one contiguous kernel for torch's three strided ones (lever 18).
+        te_act = resolve_activation(cfg.act_layer, exact_gelu=True, gated=True)[1] if cfg.gated else None
+        return dataclasses.replace(cfg, te_activation=te_act)
     act_layer, te_act = resolve_activation(cfg.act_layer, exact_gelu, gated=cfg.gated)
     return dataclasses.replace(cfg, act_layer=act_layer, te_activation=te_act)
 
@@ -351,7 +356,8 @@ class UnfusedMlp(nn.Module):
     """An MLP TE cannot run as one ``LayerNormMLP``, in timm's order:
 
         x -> fc1: TE LayerNormLinear (the norm before the MLP + fc1) -> [..., (2x) Hp]
-          -> activation in torch (gated: act(first half) * second half) -> drop1
+          -> activation (gated: act(first half) * second half, in TE's kernel where it has an
+             exact one, else torch's) -> drop1
           -> inner norm: fused into fc2 (TE LayerNormLinear) if nothing is padded, else torch on
              the real units, zero-padded back -> fc2 (TE Linear) -> drop2
 
@@ -369,6 +375,8 @@ class UnfusedMlp(nn.Module):
         self.fc1 = modules.LayerNormLinear(cfg.in_features, width, eps=fc1_norm[1], bias=cfg.bias[0],
                                            normalization=fc1_norm[0], **init1, **dd)
         self.act = cfg.act_layer()
+        # [..., 2Hp] -> [..., Hp]: TE's gated kernel (first half activated), or None: torch's act.
+        self.gated_act = modules.gated_activation(cfg.te_activation) if cfg.gated and cfg.te_activation else None
         self.drop1 = nn.Dropout(cfg.drop[0])
         self.norm = None
         if cfg.norm is not None and not cfg.pad:
@@ -386,7 +394,9 @@ class UnfusedMlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
-        if self.gated:
+        if self.gated_act is not None:
+            h = self.gated_act(h)
+        elif self.gated:
             gate, value = h.chunk(2, dim=-1)  # TE's order: the activated half first
             h = self.act(gate) * value
         else:

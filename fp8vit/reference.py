@@ -201,7 +201,8 @@ def rope(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tens
 def modules() -> types.SimpleNamespace:
     """The stand-ins, in the shape of ``_te.modules()``."""
     return types.SimpleNamespace(LayerNormLinear=LayerNormLinear, Linear=Linear,
-                                 LayerNormMLP=LayerNormMLP, DotProductAttention=DotProductAttention)
+                                 LayerNormMLP=LayerNormMLP, DotProductAttention=DotProductAttention,
+                                 gated_activation=ACTIVATIONS.__getitem__)
 
 
 class FP8Linear(Linear):

@@ -81,6 +81,17 @@ def test_fused_or_unfused_per_kind():
     assert _pair("geglu_mlp")[1].norm2 is not None  # two norms in a row: the block's runs in torch
 
 
+def test_unfused_gated_mlps_run_te_kernels_only_where_exact():
+    # Unfused (norm or dropout inside): the gated activation still runs in TE's kernel where that
+    # kernel is timm's activation exactly; an erf GELU and Mish run in torch.
+    expected = {"swiglu_norm_padded": "swiglu", "glu_relu_norm": "reglu", "glu_gelu_exact": None,
+                "glu_mish_unfused": None, "geglu_mlp_exact": None, "beit3": None}
+    for case, kernel in expected.items():
+        _, te = _pair(case)
+        assert not te.cfg.fused_mlp and te.cfg.mlp.te_activation == kernel, (case, te.cfg.mlp.te_activation)
+        assert (te.mlp.gated_act is not None) == (kernel is not None), case
+
+
 def test_gate_comes_first_in_te_fc1():
     # TE activates the first half of fc1: timm's gate rows must be there, whatever timm's order.
     for case, gate in (("swiglu", "mlp.fc1_g.weight"), ("geglu_mlp", "mlp.w0.weight")):
