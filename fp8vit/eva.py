@@ -41,7 +41,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
     from timm.models._features_fx import register_notrace_module
 
 from .config import resolve_norm
-from .layers import FP8Block, SplitQKV, aligned_rows, te_mask_kwargs
+from .layers import FP8Block
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties
 from .weights import (Part, Tie, copy_requires_grad, rename, te_requires_grad, te_to_timm, timm_requires_grad,
                       timm_to_te)
@@ -357,7 +357,7 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
 
     def _forward(self, x, rope, attn_mask, is_causal, mult: int, gelu_gemm: bool):
         x = self._stream(x)
-        a = self._attention(x, rope, attn_mask, is_causal, mult)
+        a = self._attention(x, attn_mask, is_causal, mult, rope)
         if self.gamma_1 is not None:
             a = self.gamma_1 * a
         x = x + self._residual(self.drop_path1(a), x)
@@ -366,18 +366,6 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         if self.gamma_2 is not None:
             h = self.gamma_2 * h
         return x + self._residual(self.drop_path2(h), x)
-
-    def _attention(self, x, rope, attn_mask, is_causal, mult: int):
-        B, N, _ = x.shape
-        c = self.cfg
-        qkv = aligned_rows(self.qkv, x, mult).view(B, N, 3, c.num_heads, c.head_dim)  # timm's order
-        q, k, v = SplitQKV.apply(qkv)  # each [B, N, H, D] (TE's "bshd"), views of qkv
-        if c.qk_norm:
-            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
-        if rope is not None:
-            q, k = self._rope(q, k, rope)
-        o = self._impl.attention(self.attn, q, k, v, **te_mask_kwargs(attn_mask, is_causal))  # [B, N, H*D]
-        return self.proj_drop(aligned_rows(self.proj, o, mult))
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor):
         """RoPE on q and k ``[B, N, H, D]`` of the patch tokens, as timm's ``apply_rot_embed_cat``."""
