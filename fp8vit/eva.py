@@ -17,7 +17,8 @@ What differs from the classic ViT block (``block.py``), and how it is kept exact
   patch tokens only. TE's fused RoPE kernel takes angles ``[N, 1, 1, D]``; the table becomes angles
   with zero angles for the prefix (class/register) tokens, which the kernel then leaves exactly as
   they are. Interleaved pairs (timm's default) and rotate-half (``rotate_half=True``) both map to
-  the kernel. Other tables (per head, per batch: mixed RoPE, patch dropout) run timm's own RoPE code.
+  the kernel. The angles are computed once per table, not once per block (:func:`forward_rope_angles`).
+  Other tables (per head, per batch: mixed RoPE, patch dropout) run timm's own RoPE code.
 * timm's separate ``q_proj``/``k_proj``/``v_proj`` (``qkv_fused=False``) become the one fused GEMM:
   their weights are concatenated in timm's ``(q, k, v)`` order, exactly.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -46,7 +48,7 @@ from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties
 from .weights import (Part, Tie, copy_requires_grad, rename, te_requires_grad, te_to_timm, timm_requires_grad,
                       timm_to_te)
 
-__all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "rope_angles"]
+__all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "rope_angles", "forward_rope_angles"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +223,46 @@ def rope_angles(rope: torch.Tensor, num_tokens: int, num_prefix_tokens: int) -> 
     return angles[:, None, None, :].contiguous()
 
 
+# timm's Eva hands one RoPE table to every block of a forward (often the same tensor every forward:
+# RotaryEmbeddingCat's precomputed buffer), so its angles (atan2 + cat, [N, 1, 1, D]) are computed
+# once and reused. One entry: (a weak reference to the table, the table's version, the key, the
+# angles). The weak reference's callback drops the entry when the table is freed, so at most one
+# angles tensor is held, and none past its table.
+_LAST_ANGLES: list = [None, -1, None, None]
+
+
+def _forget_angles(ref: weakref.ref) -> None:
+    if _LAST_ANGLES[0] is ref:
+        _LAST_ANGLES[:] = [None, -1, None, None]
+
+
+def forward_rope_angles(rope: torch.Tensor, num_tokens: int, num_prefix_tokens: int) -> Optional[torch.Tensor]:
+    """:func:`rope_angles`, computed once per RoPE table: the blocks of one forward share its result.
+
+    A table is the same while it is the same tensor object at the same ``_version`` (an in-place
+    change recomputes). Computed afresh every call, uncached:
+
+    * while a CUDA graph is being captured: the graph must compute the angles from its own input
+      (``make_graphed_blocks`` replays with each step's table copied into that input), not read
+      a tensor of an eager forward whose memory the graph does not own;
+    * for a table that requires grad: cached angles would carry a graph that the first backward
+      frees, and a second forward with the same table (gradient accumulation) would backpropagate
+      through it again.
+
+    Angles computed under ``torch.inference_mode`` are inference tensors, which autograd cannot
+    save: they serve inference-mode calls only.
+    """
+    if rope.requires_grad or (rope.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return rope_angles(rope, num_tokens, num_prefix_tokens)
+    key = (num_tokens, num_prefix_tokens, torch.is_inference_mode_enabled())
+    ref, version, last_key, angles = _LAST_ANGLES
+    if ref is not None and ref() is rope and version == rope._version and last_key == key:
+        return angles
+    angles = rope_angles(rope, num_tokens, num_prefix_tokens)
+    _LAST_ANGLES[:] = [weakref.ref(rope, _forget_angles), rope._version, key, angles]
+    return angles
+
+
 class _ZeroKBiasGrad:
     """Tensor hook on the fused QKV bias ``[3A]``: the k third's gradient is zero (EVA has no k bias).
     An object, not a closure, so that the module pickles."""
@@ -370,7 +412,7 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
     def _rope(self, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor):
         """RoPE on q and k ``[B, N, H, D]`` of the patch tokens, as timm's ``apply_rot_embed_cat``."""
         c = self.cfg
-        angles = rope_angles(rope, q.shape[1], c.num_prefix_tokens)
+        angles = forward_rope_angles(rope, q.shape[1], c.num_prefix_tokens)
         if angles is not None:
             interleaved = not c.rotate_half
             return (self._impl.rope(q, angles, interleaved=interleaved),

@@ -31,11 +31,12 @@ MODELS = {
 }
 
 
-def _model(key):
+def _model(key, **overrides):
     name = key.split(".")[0]
     torch.manual_seed(0)
     patch = 16 if "patch16" in name else 14
-    model = timm.create_model(name, pretrained=False, img_size=4 * patch, **SMALL, **MODELS[key]).eval()
+    kwargs = {**SMALL, **MODELS[key], **overrides}
+    model = timm.create_model(name, pretrained=False, img_size=4 * patch, **kwargs).eval()
     with torch.no_grad():  # timm zero-inits biases and LayerScale is ~1e-5: make every tensor count
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -148,6 +149,74 @@ def test_rope_angles_reproduce_timm(interleaved):
     # the other pairing does not match: the layout flag matters
     wrong = reference_rope(x, rope_angles(table, npt + n_patch, npt), not interleaved)
     assert not torch.allclose(wrong[:, npt:], want_patch, atol=1e-3)
+
+
+def _count_angle_computations(monkeypatch) -> list:
+    """Each call of fp8vit.eva.rope_angles (the atan2 + cat) appends its arguments to the list returned."""
+    calls = []
+    uncounted = fp8vit.eva.rope_angles
+
+    def counted(*args):
+        calls.append(args)
+        return uncounted(*args)
+
+    monkeypatch.setattr(fp8vit.eva, "rope_angles", counted)
+    return calls
+
+
+def test_rope_angles_once_per_forward_bit_identical_to_uncached(monkeypatch):
+    model = _convert(_model("vit_base_patch16_rope_224", depth=4))
+    x = torch.randn(2, 3, *model.patch_embed.img_size)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        out.square().sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    calls = _count_angle_computations(monkeypatch)
+    cached = step()
+    assert len(calls) == 1  # one table for 4 blocks
+    # the uncached path: every block computes its own angles
+    monkeypatch.setattr(fp8vit.eva, "forward_rope_angles", lambda *args: fp8vit.eva.rope_angles(*args))
+    del calls[:]
+    uncached = step()
+    assert len(calls) == 4
+    assert torch.equal(cached[0], uncached[0])
+    for n, g in cached[1].items():
+        assert torch.equal(g, uncached[1][n]), n
+
+
+def test_rope_angles_cache_keys(monkeypatch):
+    """Recomputed for another table, an in-place change, another token count or inference mode, a
+    table that requires grad, and during CUDA-graph capture; never past the table's life."""
+    from fp8vit.eva import forward_rope_angles
+
+    calls = _count_angle_computations(monkeypatch)
+    table = torch.rand(16, 8)
+    first = forward_rope_angles(table, 17, 1)
+    assert forward_rope_angles(table, 17, 1) is first and len(calls) == 1
+    table.mul_(1.0)  # same values, new version: recomputed
+    assert torch.equal(forward_rope_angles(table, 17, 1), first) and len(calls) == 2
+    forward_rope_angles(table, 18, 2)
+    forward_rope_angles(table.clone(), 18, 2)
+    assert len(calls) == 4
+    with torch.inference_mode():
+        inferred = forward_rope_angles(table, 18, 2)
+        assert forward_rope_angles(table, 18, 2) is inferred and len(calls) == 5
+    assert not forward_rope_angles(table, 18, 2).is_inference() and len(calls) == 6
+    trained = table.clone().requires_grad_()
+    forward_rope_angles(trained, 17, 1)
+    forward_rope_angles(trained, 17, 1)
+    assert len(calls) == 8
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    forward_rope_angles(table, 18, 2)
+    forward_rope_angles(table, 18, 2)
+    assert len(calls) == 10
+    monkeypatch.undo()
+    del calls[:], table  # the cache's entry goes with its table
+    assert fp8vit.eva._LAST_ANGLES[0] is None
 
 
 def test_rope_angles_refuses_other_tables():
