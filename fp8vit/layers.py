@@ -94,12 +94,15 @@ class FP8Block(nn.Module):
                    rope: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The attention branch of a timm block, on the backend's modules:
 
-            x [B, N, C] -> qkv (norm1 + Linear, fused) -> [B, N, 3, H, D], timm's row order
-              -> q, k, v [B, N, H, D] (TE's "bshd": views of the packed buffer) -> q_norm/k_norm
-              -> :meth:`_rope` -> DotProductAttention -> [B, N, H*D] -> proj -> proj_drop
+            x [B, N, C] -> qkv (norm1 + Linear, fused) -> [B, N, 3 * H * D], timm's row order
+              -> :meth:`_split_qkv`: q, k, v [B, N, H, D] (TE's "bshd": views of the GEMM output)
+              -> q_norm/k_norm -> :meth:`_rope` -> DotProductAttention -> [B, N, H*D]
+              -> (gated: gate_norm(o) * sigmoid(gate)) -> proj -> proj_drop
 
         The family's block provides ``qkv``, ``q_norm``, ``k_norm`` (used if ``cfg.qk_norm``),
-        ``attn``, ``proj``, ``proj_drop`` and ``cfg.num_heads``/``cfg.head_dim``.
+        ``attn``, ``proj``, ``proj_drop`` and ``cfg.num_heads``/``cfg.head_dim``; one whose
+        :meth:`_split_qkv` returns a gate also provides ``gate_norm``, the norm between the
+        attention and the gate (``nn.Identity`` for none).
 
         Args:
             x: the block input ``[B, N, C]`` (the residual stream).
@@ -108,17 +111,25 @@ class FP8Block(nn.Module):
             mult: the token-row multiple of the FP8 GEMMs (:func:`aligned_rows`).
             rope: the family's position table, handed to :meth:`_rope` (None: no RoPE).
         """
-        B, N, _ = x.shape
-        c = self.cfg
-        qkv = aligned_rows(self.qkv, x, mult).view(B, N, 3, c.num_heads, c.head_dim)
-        q, k, v = SplitQKV.apply(qkv)  # each [B, N, H, D], views of qkv
-        if c.qk_norm:
+        q, k, v, gate = self._split_qkv(aligned_rows(self.qkv, x, mult))
+        if self.cfg.qk_norm:
             # The norm runs in fp32 under autocast; TE's attention wants one dtype (SDPA casts too).
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         if rope is not None:
             q, k = self._rope(q, k, rope)
         o = self._impl.attention(self.attn, q, k, v, **te_mask_kwargs(attn_mask, is_causal))  # [B, N, H*D]
+        if gate is not None:  # timm's order: the (inner) norm, then the gate, then proj
+            o = self.gate_norm(o) * torch.sigmoid(gate)
         return self.proj_drop(aligned_rows(self.proj, o, mult))
+
+    def _split_qkv(self, qkv: torch.Tensor):
+        """Hook of :meth:`_attention`: the qkv GEMM's output ``[B, N, 3 * H * D]`` (timm's
+        ``(3, H, D)`` row order) -> q, k, v ``[B, N, H, D]`` (views, whose gradient comes back
+        packed: :class:`SplitQKV`) and the gate's input (None: no gate). A family with other
+        layouts (grouped-query attention, a gate) overrides it."""
+        B, N, _ = qkv.shape
+        q, k, v = SplitQKV.apply(qkv.view(B, N, 3, self.cfg.num_heads, self.cfg.head_dim))
+        return q, k, v, None
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor):
         """Hook of :meth:`_attention`: rotary position embedding on q and k ``[B, N, H, D]``.
