@@ -32,7 +32,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
 
 from ._warn import warn_once
 from .config import BlockConfig, config_from_timm_block
-from .layers import FP8Block, SplitQKV, aligned_rows, te_mask_kwargs
+from .layers import FP8Block
 from .mlp import build_mlp, init_gates_like_timm_
 from .weights import (block_ties, copy_requires_grad, name_pairs, te_requires_grad, te_to_timm, timm_requires_grad, timm_shapes,
                       timm_to_te)
@@ -238,16 +238,6 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
             mlp = self._run_mlp(self.mlp, h, mult, gelu_gemm)
         x = x + self._residual(self.drop_path2(self.ls2(mlp)), x)
         return x
-
-    def _attention(self, x, attn_mask, is_causal, mult: int):
-        B, N, _ = x.shape
-        qkv = aligned_rows(self.qkv, x, mult).view(B, N, 3, self.cfg.num_heads, self.cfg.head_dim)  # timm's order
-        q, k, v = SplitQKV.apply(qkv)  # each [B, N, H, D] (TE's "bshd"), views of qkv
-        if self.cfg.qk_norm:
-            # The norm runs in fp32 under autocast; TE's attention wants one dtype (SDPA casts too).
-            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
-        o = self._impl.attention(self.attn, q, k, v, **te_mask_kwargs(attn_mask, is_causal))  # [B, N, H*D]
-        return self.proj_drop(aligned_rows(self.proj, o, mult))
 
     def extra_repr(self) -> str:
         c = self.cfg

@@ -1,11 +1,15 @@
 """``TE_EvaBlock``: timm's ``EvaBlock`` (EVA02, EVA-CLIP, Perception Encoder, the RoPE ViTs, DINOv3,
-...) built from Transformer Engine modules.
+Sapiens2, ...) and ``EvaBlockPostNorm`` built from Transformer Engine modules.
 
-    x [B, N, C] --+-- qkv: norm1 + Linear (fused) -> [B, N, 3, H, D] -> q_norm/k_norm
+    x [B, N, C] --+-- qkv: norm1 + Linear (fused) -> [B, N, (H + 2 Hkv) * D (+ A gate)] -> q_norm/k_norm
                   |   -> RoPE on q and k of the patch tokens (TE's fused kernel) -> DotProductAttention (bshd)
-                  |   -> [B, N, H*D] -> (inner norm +) proj -> gamma_1 -> drop_path1
+                  |   -> [B, N, A = H*D] -> (inner norm +) proj (gated: inner norm, * sigmoid(gate), proj)
+                  |   -> gamma_1 -> drop_path1
                   +-- (+) -> mlp: norm2 fused into fc1; GELU, SwiGLU or GLU; optional norm before fc2
                   |   -> gamma_2 -> drop_path2 -> (+)
+
+``EvaBlockPostNorm`` (``cfg.post_norm``): qkv is a plain Linear, norm1 follows proj and norm2 the
+MLP (torch norms), and the MLP runs unfused (TE's ``LayerNormMLP`` always normalizes its input).
 
 What differs from the classic ViT block (``block.py``), and how it is kept exact:
 
@@ -17,22 +21,26 @@ What differs from the classic ViT block (``block.py``), and how it is kept exact
   patch tokens only. TE's fused RoPE kernel takes angles ``[N, 1, 1, D]``; the table becomes angles
   with zero angles for the prefix (class/register) tokens, which the kernel then leaves exactly as
   they are. Interleaved pairs (timm's default) and rotate-half (``rotate_half=True``) both map to
-  the kernel. Other tables (per head, per batch: mixed RoPE, patch dropout) run timm's own RoPE code.
+  the kernel. The angles are computed once per table, not once per block (:func:`forward_rope_angles`).
+  Other tables (per head, per batch: mixed RoPE, patch dropout) run timm's own RoPE code.
 * timm's separate ``q_proj``/``k_proj``/``v_proj`` (``qkv_fused=False``) become the one fused GEMM:
-  their weights are concatenated in timm's ``(q, k, v)`` order, exactly.
+  their weights are concatenated in timm's ``(q, k, v)`` order, exactly; so do k/v projections
+  with fewer heads (grouped-query attention: TE's ``num_gqa_groups``) and the gate of a gated
+  attention output (a Linear of the same input as q, k, v).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
 from timm.layers import DropPath
 from timm.layers.attention import AttentionRope
 from timm.layers.pos_embed_sincos import apply_rot_embed_cat
-from timm.models.eva import EvaAttention, EvaBlock
+from timm.models.eva import EvaAttention, EvaBlock, EvaBlockPostNorm
 from torch import nn
 
 try:
@@ -41,12 +49,12 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
     from timm.models._features_fx import register_notrace_module
 
 from .config import resolve_norm
-from .layers import FP8Block, SplitQKV, aligned_rows, te_mask_kwargs
-from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties
+from .layers import FP8Block
+from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties, torch_norm
 from .weights import (Part, Tie, copy_requires_grad, rename, te_requires_grad, te_to_timm, timm_requires_grad,
                       timm_to_te)
 
-__all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "rope_angles"]
+__all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "rope_angles", "forward_rope_angles"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +65,19 @@ class EvaBlockConfig:
         dim: channels ``C``.
         num_heads, head_dim: attention heads ``H`` and their width ``D`` (``H * D`` may differ
             from ``C``: timm's ``attn_head_dim``).
+        num_kv_heads: key/value heads ``Hkv``; fewer than ``H`` is grouped-query attention
+            (``AttentionRope``'s ``num_kv_heads``: query head ``h`` uses k/v head ``h // (H / Hkv)``).
         qkv_bias: ``"none"``, ``"qv"`` (EVA: q and v biases, k held at zero) or ``"qkv"``.
         qkv_fused: timm holds one ``qkv`` Linear (True) or ``q_proj``/``k_proj``/``v_proj``.
         attn_type: ``"eva"`` (``EvaAttention``) or ``"rope"`` (``AttentionRope``).
         proj_bias: the output projection has a bias.
         qk_norm: q and k are normalized per head (timm's ``q_norm``/``k_norm`` modules kept).
-        inner_norm: a norm over ``H * D`` before proj (timm's ``scale_attn_inner``), fused into proj.
+        inner_norm: a norm over ``H * D`` before proj (timm's ``scale_attn_inner``), fused into proj
+            unless ``gated``.
+        gated: timm's ``gated_attn``: the attention output (after the inner norm) is multiplied by
+            ``sigmoid(gate(x))`` before proj, ``gate`` a Linear of the attention's input.
+        post_norm: timm's ``EvaBlockPostNorm``: ``x + norm1(attn(x))``, ``x + norm2(mlp(x))``
+            instead of ``x + attn(norm1(x))``, ``x + mlp(norm2(x))``.
         rotate_half: RoPE rotates the two halves of each head (else interleaved pairs).
         num_prefix_tokens: leading tokens RoPE leaves alone (class and register tokens).
         attn_drop, proj_drop, drop_path: dropout rates as in timm.
@@ -89,10 +104,31 @@ class EvaBlockConfig:
     norm: str
     norm_eps: float
     mlp: MlpConfig
+    num_kv_heads: int
+    gated: bool
+    post_norm: bool
 
     @property
     def attn_dim(self) -> int:
+        """``A = H * D``: the width of q, of the attention output and of the gate."""
         return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """``Hkv * D``: the width of k and of v."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def qkv_width(self) -> int:
+        """Rows of the fused GEMM: q, k, v, then the gate's (timm's gate is a Linear of the same
+        input, so it joins the GEMM)."""
+        return self.attn_dim + 2 * self.kv_dim + (self.attn_dim if self.gated else 0)
+
+    @property
+    def fused_inner_norm(self) -> bool:
+        """The inner norm runs fused into proj (TE ``LayerNormLinear``); with a gate between the
+        two it cannot, and runs in torch."""
+        return self.inner_norm and not self.gated
 
     @property
     def fused_mlp(self) -> bool:
@@ -110,15 +146,12 @@ def eva_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> EvaBl
     Raises:
         ValueError: a part of the block TE_EvaBlock does not implement, named.
     """
-    if type(block) is not EvaBlock:
-        _reject(block, f"class {type(block).__module__}.{type(block).__name__} (only timm's pre-norm EvaBlock)")
+    if type(block) not in (EvaBlock, EvaBlockPostNorm):
+        _reject(block, f"class {type(block).__module__}.{type(block).__name__} (only timm's EvaBlock and "
+                       "EvaBlockPostNorm)")
     attn = block.attn
     if not isinstance(attn, (EvaAttention, AttentionRope)):
         _reject(block, f"attn of type {type(attn).__name__} (EvaAttention or AttentionRope)")
-    if getattr(attn, "gate", None) is not None:
-        _reject(block, "a gated attention output (gated_attn=True)")
-    if getattr(attn, "num_kv_heads", attn.num_heads) != attn.num_heads:
-        _reject(block, f"grouped-query attention (num_kv_heads={attn.num_kv_heads}, num_heads={attn.num_heads})")
     if not isinstance(attn.attn_drop, nn.Dropout) or not isinstance(attn.proj_drop, nn.Dropout):
         _reject(block, "attention dropout modules other than nn.Dropout")
     norm, eps = resolve_norm(lambda d, **kw: _same_norm(block.norm1), block.norm1.weight.shape[0])
@@ -147,6 +180,17 @@ def eva_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> EvaBl
         for name in ("q_norm", "k_norm"):
             if not isinstance(getattr(attn, name), nn.Module):
                 _reject(block, f"attn.{name} that is not a module")
+    gate = getattr(attn, "gate", None)  # timm >= 1.0.28
+    if gate is not None and (type(gate) is not nn.Linear or (gate.bias is not None) != (qkv_bias != "none")):
+        _reject(block, f"a gated attention output whose gate is {type(gate).__name__}(bias="
+                       f"{gate.bias is not None}) with q/k/v biases {qkv_bias!r}: the gate joins the fused "
+                       "q/k/v GEMM, which has one bias flag (timm's gate is an nn.Linear with qkv_bias)")
+    post = type(block) is EvaBlockPostNorm
+    # EvaBlockPostNorm has no norm before its MLP, and TE's LayerNormMLP always normalizes its input:
+    # the MLP runs unfused (TE Linear fc1, the torch activation, exactly: no tanh GELU, TE Linear fc2).
+    mlp = mlp_config_from_timm(block.mlp, exact_gelu=exact_gelu or post)
+    if post:
+        mlp = dataclasses.replace(mlp, te_activation=None)
     g1, g2 = getattr(block, "gamma_1", None), getattr(block, "gamma_2", None)
     dp = block.drop_path1.drop_prob if isinstance(block.drop_path1, DropPath) else 0.0
     return EvaBlockConfig(
@@ -155,8 +199,9 @@ def eva_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> EvaBl
         proj_bias=attn.proj.bias is not None, qk_norm=qk_norm, inner_norm=inner,
         rotate_half=bool(getattr(attn, "rotate_half", False)), num_prefix_tokens=int(attn.num_prefix_tokens),
         attn_drop=float(attn.attn_drop.p), proj_drop=float(attn.proj_drop.p), drop_path=float(dp),
-        layer_scale=(g1 is not None, g2 is not None), norm=norm, norm_eps=eps,
-        mlp=mlp_config_from_timm(block.mlp, exact_gelu=exact_gelu))
+        layer_scale=(g1 is not None, g2 is not None), norm=norm, norm_eps=eps, mlp=mlp,
+        num_kv_heads=int(getattr(attn, "num_kv_heads", attn.num_heads)),  # newer timm (Sapiens2) only
+        gated=gate is not None, post_norm=post)
 
 
 def _same_norm(module: nn.Module) -> nn.Module:
@@ -171,33 +216,44 @@ def _check_norm(block, name: str, module: nn.Module, norm: str, eps: float) -> N
 
 
 def _ties(cfg: EvaBlockConfig) -> List[Tie]:
-    """The weight layout (:mod:`fp8vit.weights`) of a ``TE_EvaBlock``: timm ``EvaBlock`` tensors
-    -> TE tensors, names relative to the block."""
+    """The weight layout (:mod:`fp8vit.weights`) of a ``TE_EvaBlock``: timm ``EvaBlock`` (or
+    ``EvaBlockPostNorm``) tensors -> TE tensors, names relative to the block."""
     ln = cfg.norm == "LayerNorm"  # RMSNorm has no bias
-    ties = [rename("norm1.weight", "qkv.layer_norm_weight")] + ([rename("norm1.bias", "qkv.layer_norm_bias")] if ln else [])
-    names = ("attn.qkv",) if cfg.qkv_fused else ("attn.q_proj", "attn.k_proj", "attn.v_proj")
-    # separate q/k/v: timm's (q, k, v) row order is the fused GEMM's
-    ties.append(Tie("qkv.weight", tuple(Part(f"{n}.weight") for n in names)))
-    A = cfg.attn_dim
+
+    def norm(src: str, dst: str) -> List[Tie]:  # prefixes: "norm1." -> "qkv.layer_norm_" (TE's names)
+        return [rename(f"{src}weight", f"{dst}weight")] + ([rename(f"{src}bias", f"{dst}bias")] if ln else [])
+
+    if cfg.post_norm:  # norm1 and norm2 follow their branches: torch modules of their own
+        ties = norm("norm1.", "post_norm1.") + norm("norm2.", "post_norm2.")
+    else:  # norm1 fused into the q/k/v GEMM (norm2 into fc1: mlp_ties)
+        ties = norm("norm1.", "qkv.layer_norm_")
+    # The fused GEMM's rows: timm's q, k, v (one tensor, or separate ones: concatenated in that
+    # order), then the gate's.
+    A, KV = cfg.attn_dim, cfg.kv_dim
+    if cfg.qkv_fused:
+        rows = [("attn.qkv", 0, A + 2 * KV)]
+    else:
+        rows = [("attn.q_proj", 0, A), ("attn.k_proj", 0, KV), ("attn.v_proj", 0, KV)]
+    gate = [("attn.gate", 0, A)] if cfg.gated else []
+    ties.append(Tie("qkv.weight", tuple(Part(f"{n}.weight", s, l) for n, s, l in rows + gate)))
     if cfg.qkv_bias == "qkv":
-        ties.append(Tie("qkv.bias", tuple(Part(f"{n}.bias") for n in names)))
+        ties.append(Tie("qkv.bias", tuple(Part(f"{n}.bias", s, l) for n, s, l in rows + gate)))
     elif cfg.qkv_bias == "qv":  # the k third is held at zero (see the module docstring)
         q, v = ("attn.q_bias", "attn.v_bias") if cfg.qkv_fused else ("attn.q_proj.bias", "attn.v_proj.bias")
-        ties.append(Tie("qkv.bias", (Part(q), Part(None, 0, A), Part(v))))
+        ties.append(Tie("qkv.bias", (Part(q, 0, A), Part(None, 0, A), Part(v, 0, A))
+                        + tuple(Part(f"{n}.bias", s, l) for n, s, l in gate)))
     if cfg.qk_norm:
         for t in ("q_norm", "k_norm"):
-            ties.append(rename(f"attn.{t}.weight", f"{t}.weight"))
-            if ln:
-                ties.append(rename(f"attn.{t}.bias", f"{t}.bias"))
-    if cfg.inner_norm:  # fused into proj (a LayerNormLinear)
-        ties.append(rename("attn.norm.weight", "proj.layer_norm_weight"))
-        if ln:
-            ties.append(rename("attn.norm.bias", "proj.layer_norm_bias"))
+            ties += norm(f"attn.{t}.", f"{t}.")
+    if cfg.fused_inner_norm:  # fused into proj (a LayerNormLinear)
+        ties += norm("attn.norm.", "proj.layer_norm_")
+    elif cfg.inner_norm:  # before the gate: a torch module
+        ties += norm("attn.norm.", "gate_norm.")
     ties.append(rename("attn.proj.weight", "proj.weight"))
     if cfg.proj_bias:
         ties.append(rename("attn.proj.bias", "proj.bias"))
     ties += [rename(f"gamma_{i}", f"gamma_{i}") for i, on in enumerate(cfg.layer_scale, start=1) if on]
-    return ties + mlp_ties(cfg.mlp, cfg.norm)
+    return ties + mlp_ties(cfg.mlp, None if cfg.post_norm else cfg.norm)
 
 
 def rope_angles(rope: torch.Tensor, num_tokens: int, num_prefix_tokens: int) -> Optional[torch.Tensor]:
@@ -221,9 +277,49 @@ def rope_angles(rope: torch.Tensor, num_tokens: int, num_prefix_tokens: int) -> 
     return angles[:, None, None, :].contiguous()
 
 
+# timm's Eva hands one RoPE table to every block of a forward (often the same tensor every forward:
+# RotaryEmbeddingCat's precomputed buffer), so its angles (atan2 + cat, [N, 1, 1, D]) are computed
+# once and reused. One entry: (a weak reference to the table, the table's version, the key, the
+# angles). The weak reference's callback drops the entry when the table is freed, so at most one
+# angles tensor is held, and none past its table.
+_LAST_ANGLES: list = [None, -1, None, None]
+
+
+def _forget_angles(ref: weakref.ref) -> None:
+    if _LAST_ANGLES[0] is ref:
+        _LAST_ANGLES[:] = [None, -1, None, None]
+
+
+def forward_rope_angles(rope: torch.Tensor, num_tokens: int, num_prefix_tokens: int) -> Optional[torch.Tensor]:
+    """:func:`rope_angles`, computed once per RoPE table: the blocks of one forward share its result.
+
+    A table is the same while it is the same tensor object at the same ``_version`` (an in-place
+    change recomputes). Computed afresh every call, uncached:
+
+    * while a CUDA graph is being captured: the graph must compute the angles from its own input
+      (``make_graphed_blocks`` replays with each step's table copied into that input), not read
+      a tensor of an eager forward whose memory the graph does not own;
+    * for a table that requires grad: cached angles would carry a graph that the first backward
+      frees, and a second forward with the same table (gradient accumulation) would backpropagate
+      through it again.
+
+    Angles computed under ``torch.inference_mode`` are inference tensors, which autograd cannot
+    save: they serve inference-mode calls only.
+    """
+    if rope.requires_grad or (rope.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return rope_angles(rope, num_tokens, num_prefix_tokens)
+    key = (num_tokens, num_prefix_tokens, torch.is_inference_mode_enabled())
+    ref, version, last_key, angles = _LAST_ANGLES
+    if ref is not None and ref() is rope and version == rope._version and last_key == key:
+        return angles
+    angles = rope_angles(rope, num_tokens, num_prefix_tokens)
+    _LAST_ANGLES[:] = [weakref.ref(rope, _forget_angles), rope._version, key, angles]
+    return angles
+
+
 class _ZeroKBiasGrad:
-    """Tensor hook on the fused QKV bias ``[3A]``: the k third's gradient is zero (EVA has no k bias).
-    An object, not a closure, so that the module pickles."""
+    """Tensor hook on the fused QKV bias ``[3A]`` (``[4A]`` with a gate): the k part's gradient,
+    ``[A, 2A)``, is zero (EVA has no k bias). An object, not a closure, so that the module pickles."""
 
     def __init__(self, attn_dim: int):
         self.attn_dim = attn_dim
@@ -263,22 +359,33 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         dd = {"device": device, "params_dtype": dtype}  # TE's keyword names
         tdd = {"device": device, "dtype": dtype}  # torch's
         A = cfg.attn_dim
-        self.qkv = m.LayerNormLinear(cfg.dim, 3 * A, eps=cfg.norm_eps, bias=cfg.qkv_bias != "none",
-                                     normalization=cfg.norm, **dd)
+        bias = cfg.qkv_bias != "none"
+        if cfg.post_norm:  # EvaBlockPostNorm's attention reads the block input: no norm to fuse
+            self.qkv = m.Linear(cfg.dim, cfg.qkv_width, bias=bias, **dd)
+        else:
+            self.qkv = m.LayerNormLinear(cfg.dim, cfg.qkv_width, eps=cfg.norm_eps, bias=bias,
+                                         normalization=cfg.norm, **dd)
         self.q_norm = q_norm if cfg.qk_norm else nn.Identity()
         self.k_norm = k_norm if cfg.qk_norm else nn.Identity()
+        # grouped-query attention: TE's num_gqa_groups (k/v heads), keyword passed only then
+        gqa = {"num_gqa_groups": cfg.num_kv_heads} if cfg.num_kv_heads != cfg.num_heads else {}
         self.attn = m.DotProductAttention(cfg.num_heads, cfg.head_dim, attention_dropout=cfg.attn_drop,
-                                          qkv_format="bshd", attn_mask_type="no_mask")
-        if cfg.inner_norm:  # timm's attn.norm over H*D, fused into proj
+                                          qkv_format="bshd", attn_mask_type="no_mask", **gqa)
+        if cfg.gated:  # timm: proj(norm(o) * sigmoid(gate)); the norm cannot fuse into proj past the gate
+            self.gate_norm = torch_norm(cfg.norm, cfg.norm_eps, A, **tdd) if cfg.inner_norm else nn.Identity()
+        if cfg.fused_inner_norm:  # timm's attn.norm over H*D, fused into proj
             self.proj = m.LayerNormLinear(A, cfg.dim, eps=cfg.norm_eps, bias=cfg.proj_bias,
                                           normalization=cfg.norm, **dd)
         else:
             self.proj = m.Linear(A, cfg.dim, bias=cfg.proj_bias, **dd)
         self.proj_drop = nn.Dropout(cfg.proj_drop)
+        if cfg.post_norm:  # timm's norm1 and norm2, after the attention and the MLP
+            self.post_norm1 = torch_norm(cfg.norm, cfg.norm_eps, cfg.dim, **tdd)
+            self.post_norm2 = torch_norm(cfg.norm, cfg.norm_eps, cfg.dim, **tdd)
         self.gamma_1 = nn.Parameter(torch.ones(cfg.dim, **tdd)) if cfg.layer_scale[0] else None
         self.drop_path1 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
-        built = build_mlp(cfg.mlp, cfg.norm, cfg.norm_eps, m, dd, tdd)
-        self.norm2 = built.norm  # None: norm2 is fused into fc1
+        built = build_mlp(cfg.mlp, None if cfg.post_norm else cfg.norm, cfg.norm_eps, m, dd, tdd)
+        self.norm2 = built.norm  # None: norm2 is fused into fc1 (or follows the MLP: post_norm2)
         self.mlp = built.mlp
         self.gamma_2 = nn.Parameter(torch.ones(cfg.dim, **tdd)) if cfg.layer_scale[1] else None
         self.drop_path2 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
@@ -357,32 +464,40 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
 
     def _forward(self, x, rope, attn_mask, is_causal, mult: int, gelu_gemm: bool):
         x = self._stream(x)
-        a = self._attention(x, rope, attn_mask, is_causal, mult)
+        post = self.cfg.post_norm  # EvaBlockPostNorm: each branch's norm follows it
+        a = self._attention(x, attn_mask, is_causal, mult, rope)
+        if post:
+            a = self.post_norm1(a)
         if self.gamma_1 is not None:
             a = self.gamma_1 * a
         x = x + self._residual(self.drop_path1(a), x)
         h = x if self.norm2 is None else self.norm2(x)
         h = self._run_mlp(self.mlp, h, mult, gelu_gemm)
+        if post:
+            h = self.post_norm2(h)
         if self.gamma_2 is not None:
             h = self.gamma_2 * h
         return x + self._residual(self.drop_path2(h), x)
 
-    def _attention(self, x, rope, attn_mask, is_causal, mult: int):
-        B, N, _ = x.shape
+    def _split_qkv(self, qkv: torch.Tensor):
+        """The fused GEMM's output ``[B, N, (H + 2 Hkv) * D (+ A)]`` -> q ``[B, N, H, D]``, k, v
+        ``[B, N, Hkv, D]`` (views) and the gate's input ``[B, N, A]`` (None without a gate)."""
         c = self.cfg
-        qkv = aligned_rows(self.qkv, x, mult).view(B, N, 3, c.num_heads, c.head_dim)  # timm's order
-        q, k, v = SplitQKV.apply(qkv)  # each [B, N, H, D] (TE's "bshd"), views of qkv
-        if c.qk_norm:
-            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
-        if rope is not None:
-            q, k = self._rope(q, k, rope)
-        o = self._impl.attention(self.attn, q, k, v, **te_mask_kwargs(attn_mask, is_causal))  # [B, N, H*D]
-        return self.proj_drop(aligned_rows(self.proj, o, mult))
+        gate = None
+        if c.gated:  # the gate's rows follow q, k, v; split's backward is one concatenation
+            qkv, gate = qkv.split((c.attn_dim + 2 * c.kv_dim, c.attn_dim), dim=-1)
+        if c.num_kv_heads == c.num_heads:
+            q, k, v, _ = super()._split_qkv(qkv)
+        else:  # grouped-query attention: parts of unequal widths, split as timm's q/k/v projections
+            B, N, _ = qkv.shape
+            heads = (c.num_heads, c.num_kv_heads, c.num_kv_heads)
+            q, k, v = qkv.view(B, N, sum(heads), c.head_dim).split(heads, dim=2)
+        return q, k, v, gate
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor):
         """RoPE on q and k ``[B, N, H, D]`` of the patch tokens, as timm's ``apply_rot_embed_cat``."""
         c = self.cfg
-        angles = rope_angles(rope, q.shape[1], c.num_prefix_tokens)
+        angles = forward_rope_angles(rope, q.shape[1], c.num_prefix_tokens)
         if angles is not None:
             interleaved = not c.rotate_half
             return (self._impl.rope(q, angles, interleaved=interleaved),
@@ -401,8 +516,11 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
 
     def extra_repr(self) -> str:
         c = self.cfg
-        return (f"dim={c.dim}, heads={c.num_heads}x{c.head_dim}, attn={c.attn_type}, qkv_bias={c.qkv_bias}, "
-                f"mlp={c.mlp}, norm={c.norm}(eps={c.norm_eps}), backend={self.backend}")
+        return (f"dim={c.dim}, heads={c.num_heads}x{c.head_dim}"
+                + (f", kv_heads={c.num_kv_heads}" if c.num_kv_heads != c.num_heads else "")
+                + f", attn={c.attn_type}, qkv_bias={c.qkv_bias}" + (", gated" if c.gated else "")
+                + f", mlp={c.mlp.describe()}, norm={c.norm}(eps={c.norm_eps})" + (", post_norm" if c.post_norm else "")
+                + f", backend={self.backend}")
 
 
 # A TE_EvaBlock is one leaf for timm's FX feature extraction (TE's modules cannot be traced).

@@ -42,7 +42,7 @@ class Family:
 
 FAMILIES: Tuple[Family, ...] = (
     Family("fp8vit.block.TE_Block", ("timm.models.vision_transformer.Block",)),
-    Family("fp8vit.eva.TE_EvaBlock", ("timm.models.eva.EvaBlock",)),
+    Family("fp8vit.eva.TE_EvaBlock", ("timm.models.eva.EvaBlock", "timm.models.eva.EvaBlockPostNorm")),
 )
 
 

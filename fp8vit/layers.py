@@ -1,5 +1,5 @@
-"""Pieces every fp8vit block family shares: the base class of the blocks (per-block switches and
-the FP8 plumbing of ``forward``), token-row alignment for FP8 GEMMs, the packed QKV split whose
+"""Pieces every fp8vit block family shares: the base class of the blocks (per-block switches, the
+FP8 plumbing of ``forward``, timm's attention branch), token-row alignment for FP8 GEMMs, the packed QKV split whose
 gradient comes back packed, and timm's attention masks in TE's terms.
 
 Family modules (``block.py`` for timm's classic ``Block``, ...) compose these; none of them
@@ -28,7 +28,9 @@ class FP8Block(nn.Module):
     A family's block (``TE_Block``, ...) sets ``self.cfg`` (with a ``fused_mlp`` property), builds
     its modules and implements ``_forward(x, *args, mult, gelu_gemm)``, where ``mult`` is the
     token-row multiple the active recipe needs (1 with FP8 off) and ``gelu_gemm`` says whether
-    fc1's FP8 GEMM computes GELU in its epilogue. Its ``forward`` calls :meth:`_dispatch`.
+    fc1's FP8 GEMM computes GELU in its epilogue. Its ``forward`` calls :meth:`_dispatch`; its
+    ``_forward`` runs the attention branch with :meth:`_attention` (a family with RoPE overrides
+    :meth:`_rope`) and the MLP with :meth:`_run_mlp`.
 
     Attributes:
         backend: ``"te"`` or ``"reference"``.
@@ -87,6 +89,52 @@ class FP8Block(nn.Module):
         if attn_mask is not None and is_causal:
             raise ValueError(f"pass either attn_mask or is_causal=True to {type(self).__name__}, not both")
         return attn_mask
+
+    def _attention(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool, mult: int,
+                   rope: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The attention branch of a timm block, on the backend's modules:
+
+            x [B, N, C] -> qkv (norm1 + Linear, fused) -> [B, N, 3 * H * D], timm's row order
+              -> :meth:`_split_qkv`: q, k, v [B, N, H, D] (TE's "bshd": views of the GEMM output)
+              -> q_norm/k_norm -> :meth:`_rope` -> DotProductAttention -> [B, N, H*D]
+              -> (gated: gate_norm(o) * sigmoid(gate)) -> proj -> proj_drop
+
+        The family's block provides ``qkv``, ``q_norm``, ``k_norm`` (used if ``cfg.qk_norm``),
+        ``attn``, ``proj``, ``proj_drop`` and ``cfg.num_heads``/``cfg.head_dim``; one whose
+        :meth:`_split_qkv` returns a gate also provides ``gate_norm``, the norm between the
+        attention and the gate (``nn.Identity`` for none).
+
+        Args:
+            x: the block input ``[B, N, C]`` (the residual stream).
+            attn_mask: a boolean mask (True = attend, :meth:`_bool_mask`) or None.
+            is_causal: causal attention.
+            mult: the token-row multiple of the FP8 GEMMs (:func:`aligned_rows`).
+            rope: the family's position table, handed to :meth:`_rope` (None: no RoPE).
+        """
+        q, k, v, gate = self._split_qkv(aligned_rows(self.qkv, x, mult))
+        if self.cfg.qk_norm:
+            # The norm runs in fp32 under autocast; TE's attention wants one dtype (SDPA casts too).
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
+        if rope is not None:
+            q, k = self._rope(q, k, rope)
+        o = self._impl.attention(self.attn, q, k, v, **te_mask_kwargs(attn_mask, is_causal))  # [B, N, H*D]
+        if gate is not None:  # timm's order: the (inner) norm, then the gate, then proj
+            o = self.gate_norm(o) * torch.sigmoid(gate)
+        return self.proj_drop(aligned_rows(self.proj, o, mult))
+
+    def _split_qkv(self, qkv: torch.Tensor):
+        """Hook of :meth:`_attention`: the qkv GEMM's output ``[B, N, 3 * H * D]`` (timm's
+        ``(3, H, D)`` row order) -> q, k, v ``[B, N, H, D]`` (views, whose gradient comes back
+        packed: :class:`SplitQKV`) and the gate's input (None: no gate). A family with other
+        layouts (grouped-query attention, a gate) overrides it."""
+        B, N, _ = qkv.shape
+        q, k, v = SplitQKV.apply(qkv.view(B, N, 3, self.cfg.num_heads, self.cfg.head_dim))
+        return q, k, v, None
+
+    def _rope(self, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor):
+        """Hook of :meth:`_attention`: rotary position embedding on q and k ``[B, N, H, D]``.
+        A family with RoPE overrides it; the classic ViT block has none (identity)."""
+        return q, k
 
     def _stream(self, x: torch.Tensor) -> torch.Tensor:
         """The residual stream's dtype: the autocast dtype, unless ``fp32_residual``."""

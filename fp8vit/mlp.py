@@ -3,7 +3,7 @@
 Shared by the block families: a family reads an :class:`MlpConfig` from its timm block's ``mlp``
 (:func:`mlp_config_from_timm`) or from the keywords timm would build it with
 (:func:`mlp_config_from_kwargs`), builds the modules with :func:`build_mlp` (given the block's
-pre-MLP norm, which TE fuses into fc1, and the backend's modules), runs them with
+pre-MLP norm, which TE fuses into fc1, or none in a post-norm block, and the backend's modules), runs them with
 ``FP8Block._run_mlp(built.mlp, x, mult, gelu_gemm)``, and maps weights with
 :func:`mlp_ties` (in :mod:`fp8vit.weights`' form).
 
@@ -331,18 +331,27 @@ class BuiltMlp(NamedTuple):
     mlp: nn.Module
 
 
-def build_mlp(cfg: MlpConfig, norm: str, norm_eps: float, modules, dd: dict, tdd: dict) -> BuiltMlp:
+def build_mlp(cfg: MlpConfig, norm: Optional[str], norm_eps: float, modules, dd: dict, tdd: dict) -> BuiltMlp:
     """The modules of an MLP and the block's norm before it.
 
     Args:
         cfg: the MLP.
-        norm, norm_eps: the block's pre-MLP norm (``"LayerNorm"``/``"RMSNorm"``), fused into fc1.
+        norm, norm_eps: the block's pre-MLP norm (``"LayerNorm"``/``"RMSNorm"``), fused into fc1;
+            ``norm=None``: the block has none (a post-norm block), and fc1 is a TE ``Linear``.
         modules: the backend's modules (``LayerNormLinear``, ``Linear``, ``LayerNormMLP``).
         dd: TE's ``device``/``params_dtype`` keywords; tdd: torch's ``device``/``dtype``.
+
+    Raises:
+        ValueError: a fused ``cfg`` with no norm before it: TE's ``LayerNormMLP`` always
+            normalizes its input, so such an MLP must be configured unfused (``te_activation=None``).
     """
-    pre, fc1_norm = None, (norm, norm_eps)
+    pre, fc1_norm = None, None if norm is None else (norm, norm_eps)
     if cfg.in_norm is not None:  # two norms in a row: TE fuses the one next to fc1
-        pre, fc1_norm = torch_norm(norm, norm_eps, cfg.in_features, **tdd), cfg.in_norm
+        pre = None if norm is None else torch_norm(norm, norm_eps, cfg.in_features, **tdd)
+        fc1_norm = cfg.in_norm
+    if fc1_norm is None and cfg.fused:
+        raise ValueError(f"{cfg.describe()} has no norm before it, and TE's LayerNormMLP always normalizes "
+                         "its input: configure it unfused (dataclasses.replace(cfg, te_activation=None))")
     if not cfg.fused:
         return BuiltMlp(pre, UnfusedMlp(cfg, fc1_norm, modules, dd, tdd))
     init1, init2 = _fc_inits(cfg)
@@ -355,7 +364,8 @@ def build_mlp(cfg: MlpConfig, norm: str, norm_eps: float, modules, dd: dict, tdd
 class UnfusedMlp(nn.Module):
     """An MLP TE cannot run as one ``LayerNormMLP``, in timm's order:
 
-        x -> fc1: TE LayerNormLinear (the norm before the MLP + fc1) -> [..., (2x) Hp]
+        x -> fc1: TE LayerNormLinear (the norm before the MLP + fc1; a TE Linear if the block has
+             no norm there) -> [..., (2x) Hp]
           -> activation (gated: act(first half) * second half, in TE's kernel where it has an
              exact one, else torch's) -> drop1
           -> inner norm: fused into fc2 (TE LayerNormLinear) if nothing is padded, else torch on
@@ -363,17 +373,20 @@ class UnfusedMlp(nn.Module):
 
     Args:
         cfg: the MLP.
-        fc1_norm: (kind, eps) of the norm fused into fc1.
+        fc1_norm: (kind, eps) of the norm fused into fc1, or None (no norm before the MLP).
         modules: the backend's modules; dd, tdd: TE's and torch's device/dtype keywords.
     """
 
-    def __init__(self, cfg: MlpConfig, fc1_norm: NormSpec, modules, dd: dict, tdd: dict):
+    def __init__(self, cfg: MlpConfig, fc1_norm: Optional[NormSpec], modules, dd: dict, tdd: dict):
         super().__init__()
         self.hidden, self.pad, self.gated = cfg.hidden, cfg.pad, cfg.gated
         init1, init2 = _fc_inits(cfg)
         width = (2 if cfg.gated else 1) * cfg.hidden_padded
-        self.fc1 = modules.LayerNormLinear(cfg.in_features, width, eps=fc1_norm[1], bias=cfg.bias[0],
-                                           normalization=fc1_norm[0], **init1, **dd)
+        if fc1_norm is None:
+            self.fc1 = modules.Linear(cfg.in_features, width, bias=cfg.bias[0], **init1, **dd)
+        else:
+            self.fc1 = modules.LayerNormLinear(cfg.in_features, width, eps=fc1_norm[1], bias=cfg.bias[0],
+                                               normalization=fc1_norm[0], **init1, **dd)
         self.act = cfg.act_layer()
         # [..., 2Hp] -> [..., Hp]: TE's gated kernel (first half activated), or None: torch's act.
         self.gated_act = modules.gated_activation(cfg.te_activation) if cfg.gated and cfg.te_activation else None
@@ -409,14 +422,15 @@ class UnfusedMlp(nn.Module):
         return self.drop2(self.fc2(h))
 
 
-def mlp_ties(cfg: MlpConfig, norm: str, *, timm_mlp: str = "mlp.", te_mlp: str = "mlp.",
+def mlp_ties(cfg: MlpConfig, norm: Optional[str], *, timm_mlp: str = "mlp.", te_mlp: str = "mlp.",
              timm_norm: str = "norm2.", te_norm: str = "norm2.") -> List[Tie]:
     """The weight layout (:mod:`fp8vit.weights`) of an MLP built by :func:`build_mlp`, with the
     block's pre-MLP norm.
 
     Args:
         cfg: the MLP.
-        norm: the block's pre-MLP norm kind (``"LayerNorm"`` has a bias, ``"RMSNorm"`` not).
+        norm: the block's pre-MLP norm kind (``"LayerNorm"`` has a bias, ``"RMSNorm"`` not), or
+            None where the block has no norm before the MLP (as in :func:`build_mlp`).
         timm_mlp, te_mlp: prefixes of the MLP's tensors in timm's block and in fp8vit's.
         timm_norm: prefix of the block's pre-MLP norm in timm; te_norm: in fp8vit's block, where
             it is a module of its own (``BuiltMlp.norm``, GeGluMlp only).
@@ -429,9 +443,11 @@ def mlp_ties(cfg: MlpConfig, norm: str, *, timm_mlp: str = "mlp.", te_mlp: str =
     ties: List[Tie] = []
     fc1_norm_src, fc1_norm_kind = timm_norm, norm
     if cfg.in_norm is not None:
-        ties += norm_ties(timm_norm, te_norm, norm)
+        if norm is not None:
+            ties += norm_ties(timm_norm, te_norm, norm)
         fc1_norm_src, fc1_norm_kind = timm_mlp + "norm.", cfg.in_norm[0]
-    ties += norm_ties(fc1_norm_src, te_mlp + ("layer_norm_" if fused else "fc1.layer_norm_"), fc1_norm_kind)
+    if fc1_norm_kind is not None:
+        ties += norm_ties(fc1_norm_src, te_mlp + ("layer_norm_" if fused else "fc1.layer_norm_"), fc1_norm_kind)
 
     def fc1_parts(leaf: str) -> Tuple[Part, ...]:
         if cfg.kind == "SwiGLU":

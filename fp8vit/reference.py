@@ -157,13 +157,19 @@ class LayerNormMLP(_NormParams):
 
 
 class DotProductAttention(nn.Module):
-    """``te.DotProductAttention`` for ``qkv_format="bshd"``: q, k, v ``[B, N, H, D]`` -> ``[B, N, H*D]``."""
+    """``te.DotProductAttention`` for ``qkv_format="bshd"``: q ``[B, N, H, D]``, k, v ``[B, N, G, D]``
+    -> ``[B, N, H*D]``; ``G = num_gqa_groups`` k/v heads (default ``H``), query head ``h`` attending
+    with k/v head ``h // (H / G)``, as TE's grouped-query attention."""
 
-    def __init__(self, num_attention_heads, kv_channels, attention_dropout=0.0, qkv_format="bshd",
-                 attn_mask_type="no_mask", softmax_scale=None):
+    def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
+                 qkv_format="bshd", attn_mask_type="no_mask", softmax_scale=None):
         super().__init__()
         if qkv_format != "bshd":
             raise ValueError(f"only qkv_format='bshd' is mirrored here, got {qkv_format!r}")
+        groups = num_gqa_groups or num_attention_heads
+        if num_attention_heads % groups:
+            raise ValueError(f"num_gqa_groups={num_gqa_groups} must divide num_attention_heads={num_attention_heads}")
+        self.heads_per_group = num_attention_heads // groups
         self.attention_dropout = attention_dropout
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale
@@ -173,7 +179,9 @@ class DotProductAttention(nn.Module):
         mask_type = attn_mask_type or self.attn_mask_type
         if qkv_layer is not None:  # packed [B, N, 3, H, D]
             query_layer, key_layer, value_layer = qkv_layer.unbind(qkv_interleave_dim)
-        q, k, v = (t.transpose(1, 2) for t in (query_layer, key_layer, value_layer))  # [B, H, N, D]
+        q, k, v = (t.transpose(1, 2) for t in (query_layer, key_layer, value_layer))  # [B, H or G, N, D]
+        if self.heads_per_group > 1:
+            k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
         keep = None if attention_mask is None else ~attention_mask  # TE: True = masked out
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=keep, is_causal=mask_type == "causal",

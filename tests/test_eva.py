@@ -1,12 +1,14 @@
-"""TE_EvaBlock against timm's EvaBlock on the reference backend (CPU, fp32): logits, gradients,
-exact weights both ways, the held-at-zero k bias, RoPE with prefix tokens, every RoPE layout."""
+"""TE_EvaBlock against timm's EvaBlock and EvaBlockPostNorm on the reference backend (CPU, fp32):
+logits, gradients, exact weights both ways, the held-at-zero k bias, RoPE with prefix tokens, every
+RoPE layout, grouped-query and gated attention."""
 
 import copy
 
 import pytest
 import timm
 import torch
-from timm.models.eva import EvaBlock
+from torch import nn
+from timm.models.eva import EvaBlock, EvaBlockPostNorm
 
 import fp8vit
 from fp8vit.eva import TE_EvaBlock, rope_angles
@@ -16,7 +18,10 @@ from fp8vit.reference import rope as reference_rope
 # q/v biases + separate q/k/v + SwiGLU with the inner norm (EVA02-B/L), packed SwiGLU (EVA02-T),
 # AttentionRope with a full qkv bias + LayerScale (RoPE ViT), per-head mixed RoPE (timm's
 # fallback path), rotate-half RoPE + register tokens + no qkv bias (DINOv3), the Perception
-# Encoder (pre-transformer norm, attention pooling), a scaled attention inner norm (EVA-CLIP-style).
+# Encoder (pre-transformer norm, attention pooling), a scaled attention inner norm (EVA-CLIP-style),
+# grouped-query attention in the first block only + qk_norm + RMSNorm + attention-only LayerScale
+# (Sapiens2, newer timm), the post-norm block with a padded GELU MLP (EVA-CLIP enormous) and with
+# RoPE + separate q/k/v + SwiGLU with the inner norm (EVA02-T built post-norm).
 SMALL = dict(num_classes=5, depth=2)  # images of 4 x 4 patches
 MODELS = {
     "eva02_base_patch14_224": dict(embed_dim=64, num_heads=4),
@@ -28,14 +33,21 @@ MODELS = {
     "vit_small_patch16_dinov3": dict(embed_dim=64, num_heads=4),
     "vit_pe_core_large_patch14_336": dict(embed_dim=64, num_heads=4, attn_pool_num_heads=4),
     "eva02_base_patch14_224.scale_attn": dict(embed_dim=64, num_heads=4, scale_attn_inner=True),
+    "vit_base_patch16_sapiens2": dict(embed_dim=64, num_heads=4, num_kv_heads=(2, 4)),
+    # hidden int(64 * 15360 / 1792) = 548, padded to 560
+    "eva02_enormous_patch14_clip_224": dict(embed_dim=64, num_heads=4),
+    "eva02_tiny_patch14_224.post_norm": dict(embed_dim=48, num_heads=3, use_post_norm=True),
 }
 
 
-def _model(key):
+def _model(key, **overrides):
     name = key.split(".")[0]
+    if name not in timm.list_models(name):
+        pytest.skip(f"timm {timm.__version__} has no {name}")
     torch.manual_seed(0)
     patch = 16 if "patch16" in name else 14
-    model = timm.create_model(name, pretrained=False, img_size=4 * patch, **SMALL, **MODELS[key]).eval()
+    kwargs = {**SMALL, **MODELS[key], **overrides}
+    model = timm.create_model(name, pretrained=False, img_size=4 * patch, **kwargs).eval()
     with torch.no_grad():  # timm zero-inits biases and LayerScale is ~1e-5: make every tensor count
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -65,34 +77,103 @@ def test_logits_and_grads_match_timm(key):
     for n, p in te.named_parameters():
         if n in ref_grads:
             torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-4, atol=1e-5, msg=n)
-    # block gradients, mapped back to timm's names through the block's own conversion
     for blk, want in zip(te.blocks, ref_block_grads):
-        grads = {n: p.grad for n, p in blk.named_parameters()}
-        saved = {n: p.detach().clone() for n, p in blk.named_parameters()}
-        with torch.no_grad():  # push the gradients through the weight mapping like weights
-            for n, p in blk.named_parameters():
-                p.copy_(grads[n])
-        got = blk.to_timm().state_dict()
-        with torch.no_grad():
-            for n, p in blk.named_parameters():
-                p.copy_(saved[n])
-        for n, g in want.items():
-            torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-5, msg=n)
+        _assert_grads_match(blk, want)
 
 
-@pytest.mark.parametrize("key", ["eva02_base_patch14_224", "vit_base_patch16_rope_224", "vit_small_patch16_dinov3"])
+def _assert_grads_match(blk, want):
+    """The gradients of TE_EvaBlock ``blk``, mapped back to timm's names through the block's own
+    conversion, match ``want`` ({timm name: gradient})."""
+    grads = {n: p.grad for n, p in blk.named_parameters()}
+    saved = {n: p.detach().clone() for n, p in blk.named_parameters()}
+    with torch.no_grad():  # push the gradients through the weight mapping like weights
+        for n, p in blk.named_parameters():
+            p.copy_(grads[n])
+    got = blk.to_timm().state_dict()
+    with torch.no_grad():
+        for n, p in blk.named_parameters():
+            p.copy_(saved[n])
+    for n, g in want.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def _assert_round_trip(blk):
+    """timm block -> TE_EvaBlock -> timm block gives back the same class and every tensor bit for bit."""
+    te = TE_EvaBlock.from_timm(blk, backend="reference")
+    back = te.to_timm()
+    assert type(back) is type(blk)
+    want, got = blk.state_dict(), back.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    if getattr(blk.attn, "k_bias", None) is not None:
+        assert torch.equal(back.attn.k_bias, torch.zeros_like(back.attn.k_bias))
+
+
+@pytest.mark.parametrize("key", ["eva02_base_patch14_224", "vit_base_patch16_rope_224", "vit_small_patch16_dinov3",
+                                 "vit_base_patch16_sapiens2", "eva02_enormous_patch14_clip_224",
+                                 "eva02_tiny_patch14_224.post_norm"])
 def test_weights_round_trip_bit_exact(key):
-    model = _model(key)
-    for blk in model.blocks:
-        te = TE_EvaBlock.from_timm(blk, backend="reference")
-        back = te.to_timm()
-        assert type(back) is EvaBlock
-        want, got = blk.state_dict(), back.state_dict()
-        assert want.keys() == got.keys()
-        for k in want:
-            assert torch.equal(want[k], got[k]), k
-        if getattr(blk.attn, "k_bias", None) is not None:
-            assert torch.equal(back.attn.k_bias, torch.zeros_like(back.attn.k_bias))
+    for blk in _model(key).blocks:
+        _assert_round_trip(blk)
+
+
+def _block_kw(name):
+    import inspect
+    return name in inspect.signature(EvaBlock.__init__).parameters
+
+
+# Gated attention (timm's gated_attn: no timm model enables it yet, so single blocks): the gate's
+# rows join the fused q/k/v GEMM; with the inner norm (scale_attn_inner) the norm runs in torch,
+# before the gate.
+GATED = {
+    "eva_fused_qv_bias_inner_norm": (EvaBlock, dict(attn_type="eva", qkv_fused=True, scale_attn_inner=True,
+                                                    swiglu_mlp=True, scale_mlp=True)),
+    "eva_separate_qv_bias": (EvaBlock, dict(attn_type="eva", qkv_fused=False)),
+    "rope_fused_no_bias": (EvaBlock, dict(attn_type="rope", qkv_fused=True, qkv_bias=False, rotate_half=True)),
+    "rope_gqa_qk_norm": (EvaBlock, dict(attn_type="rope", qkv_fused=False, num_kv_heads=2, qk_norm=True,
+                                        rotate_half=True, init_values=0.5)),
+    "post_norm_rope_inner_norm": (EvaBlockPostNorm, dict(attn_type="rope", qkv_fused=False, scale_attn_inner=True)),
+}
+
+
+def _gated_block(key):
+    cls, kw = GATED[key]
+    if not _block_kw("gated_attn") or any(k in kw and not _block_kw(k) for k in ("num_kv_heads", "qk_norm")):
+        pytest.skip(f"timm {timm.__version__}'s EvaBlock lacks an option of {key}")
+    torch.manual_seed(0)
+    blk = cls(64, 4, gated_attn=True, num_prefix_tokens=1, **kw).eval()
+    with torch.no_grad():
+        for p in blk.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return blk
+
+
+@pytest.mark.parametrize("key", list(GATED))
+def test_gated_attention_matches_timm(key):
+    blk = _gated_block(key)
+    te = TE_EvaBlock.from_timm(blk, backend="reference", exact_gelu=True)
+    assert te.cfg.gated and "gated" in repr(te)
+    D = 16
+    theta = torch.rand(16, D // 2) * 6  # 16 patch tokens and the class token
+    theta = theta.repeat(1, 2) if te.cfg.rotate_half else theta.repeat_interleave(2, -1)
+    rope = torch.cat([theta.sin(), theta.cos()], -1)
+    x = torch.randn(2, 17, 64)
+    g = torch.randn(2, 17, 64)
+    outs, dxs = [], []
+    for module in (blk, te):
+        xi = x.clone().requires_grad_(True)
+        out = module(xi, rope=rope)
+        out.backward(g)
+        outs.append(out)
+        dxs.append(xi.grad)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dxs[1], dxs[0], rtol=1e-4, atol=1e-5)
+    _assert_grads_match(te, {n: p.grad for n, p in blk.named_parameters()})
+    if te.cfg.qkv_bias == "qv":  # the k part of the fused [q; k; v; gate] bias stays zero
+        A = te.cfg.attn_dim
+        assert torch.count_nonzero(te.qkv.bias.grad[A:2 * A]) == 0
+    _assert_round_trip(blk)
 
 
 def test_k_bias_stays_zero_through_training_and_copies():
@@ -150,28 +231,90 @@ def test_rope_angles_reproduce_timm(interleaved):
     assert not torch.allclose(wrong[:, npt:], want_patch, atol=1e-3)
 
 
+def _count_angle_computations(monkeypatch) -> list:
+    """Each call of fp8vit.eva.rope_angles (the atan2 + cat) appends its arguments to the list returned."""
+    calls = []
+    uncounted = fp8vit.eva.rope_angles
+
+    def counted(*args):
+        calls.append(args)
+        return uncounted(*args)
+
+    monkeypatch.setattr(fp8vit.eva, "rope_angles", counted)
+    return calls
+
+
+def test_rope_angles_once_per_forward_bit_identical_to_uncached(monkeypatch):
+    model = _convert(_model("vit_base_patch16_rope_224", depth=4))
+    x = torch.randn(2, 3, *model.patch_embed.img_size)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        out.square().sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    calls = _count_angle_computations(monkeypatch)
+    cached = step()
+    assert len(calls) == 1  # one table for 4 blocks
+    # the uncached path: every block computes its own angles
+    monkeypatch.setattr(fp8vit.eva, "forward_rope_angles", lambda *args: fp8vit.eva.rope_angles(*args))
+    del calls[:]
+    uncached = step()
+    assert len(calls) == 4
+    assert torch.equal(cached[0], uncached[0])
+    for n, g in cached[1].items():
+        assert torch.equal(g, uncached[1][n]), n
+
+
+def test_rope_angles_cache_keys(monkeypatch):
+    """Recomputed for another table, an in-place change, another token count or inference mode, a
+    table that requires grad, and during CUDA-graph capture; never past the table's life."""
+    from fp8vit.eva import forward_rope_angles
+
+    calls = _count_angle_computations(monkeypatch)
+    table = torch.rand(16, 8)
+    first = forward_rope_angles(table, 17, 1)
+    assert forward_rope_angles(table, 17, 1) is first and len(calls) == 1
+    table.mul_(1.0)  # same values, new version: recomputed
+    assert torch.equal(forward_rope_angles(table, 17, 1), first) and len(calls) == 2
+    forward_rope_angles(table, 18, 2)
+    forward_rope_angles(table.clone(), 18, 2)
+    assert len(calls) == 4
+    with torch.inference_mode():
+        inferred = forward_rope_angles(table, 18, 2)
+        assert forward_rope_angles(table, 18, 2) is inferred and len(calls) == 5
+    assert not forward_rope_angles(table, 18, 2).is_inference() and len(calls) == 6
+    trained = table.clone().requires_grad_()
+    forward_rope_angles(trained, 17, 1)
+    forward_rope_angles(trained, 17, 1)
+    assert len(calls) == 8
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    forward_rope_angles(table, 18, 2)
+    forward_rope_angles(table, 18, 2)
+    assert len(calls) == 10
+    monkeypatch.undo()
+    del calls[:], table  # the cache's entry goes with its table
+    assert fp8vit.eva._LAST_ANGLES[0] is None
+
+
 def test_rope_angles_refuses_other_tables():
     assert rope_angles(torch.zeros(4, 10, 16), 11, 1) is None  # per head
     assert rope_angles(torch.zeros(9, 16), 11, 1) is None  # token count does not match
 
 
 def test_rejections_are_named():
-    model = timm.create_model("vit_base_patch16_rope_224", pretrained=False, embed_dim=64, num_heads=4,
-                              depth=1, img_size=32, gated_attn=True) if _has_kw("gated_attn") else None
-    if model is not None:
-        with pytest.raises(ValueError, match="gated"):
-            TE_EvaBlock.from_timm(model.blocks[0], backend="reference")
-    post = timm.create_model("eva02_tiny_patch14_224", pretrained=False, embed_dim=48, num_heads=3, depth=1,
-                             img_size=28, use_post_norm=True)
-    with pytest.raises(ValueError, match="EvaBlockPostNorm"):
-        TE_EvaBlock.from_timm(post.blocks[0], backend="reference")
+    class MyEvaBlock(EvaBlock):
+        pass
 
-
-def _has_kw(name):
-    import inspect
-
-    from timm.models.eva import Eva
-    return name in inspect.signature(Eva.__init__).parameters
+    with pytest.raises(ValueError, match="MyEvaBlock.*only timm's EvaBlock and EvaBlockPostNorm"):
+        TE_EvaBlock.from_timm(MyEvaBlock(64, 4), backend="reference")
+    if _block_kw("gated_attn"):  # a gate whose bias flag differs from q/k/v's cannot join their GEMM
+        blk = EvaBlock(64, 4, gated_attn=True)
+        blk.attn.gate = nn.Linear(64, 64, bias=False)
+        with pytest.raises(ValueError, match="gated attention output.*bias=False.*one bias flag"):
+            TE_EvaBlock.from_timm(blk, backend="reference")
 
 
 def test_timm_block_keeps_no_skeleton_parameters():

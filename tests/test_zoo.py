@@ -34,16 +34,18 @@ import pytest
 EXPECTED = pathlib.Path(__file__).with_name("zoo_expected.json")
 
 # A few small models per family (by timm module), each converting a different way: fused (vit,
-# deit, naflexvit, pit, crossvit, mobilevit), fused with blocks whose options TE_Block cannot honour
-# (aimv2's SwiGLU, vitamin's GeGLU, beit3's scale_attn_norm, dinov2-giant's GluMlp, vit_dlittle's
-# DiffAttention) going to the Linear fallback, no fp8vit family (eva, swin, beit, cait, xcit, volo,
-# mixer, convnext's Linear MLP) and nothing to convert (resnet, convnext with a conv MLP).
+# deit, naflexvit, pit, crossvit, mobilevit; eva: EVA02, PE, the RoPE ViT, Sapiens2's grouped-query
+# attention, EVA-CLIP enormous's post-norm blocks), fused with blocks whose options TE_Block cannot
+# honour (aimv2's SwiGLU, vitamin's GeGLU, beit3's scale_attn_norm, dinov2-giant's GluMlp,
+# vit_dlittle's DiffAttention) going to the Linear fallback, no fp8vit family (swin, beit, cait,
+# xcit, volo, mixer, convnext's Linear MLP) and nothing to convert (resnet, convnext with a conv MLP).
 CI_MODELS = [
     "test_vit", "vit_tiny_patch16_224", "vit_small_patch14_reg4_dinov2", "vit_giant_patch14_dinov2",
     "vit_dlittle_patch16_reg1_gap_256", "vit_base_patch16_xp_224", "deit_tiny_distilled_patch16_224",
     "aimv2_large_patch14_224", "vitamin_small_224", "beit3_base_patch16_224", "naflexvit_base_patch16_gap",
     "pit_ti_224", "crossvit_tiny_240", "mobilevit_xxs",
     "eva02_tiny_patch14_224", "vit_pe_core_tiny_patch16_384", "vit_small_patch16_rope_224",
+    "vit_large_patch16_sapiens2", "eva02_enormous_patch14_clip_224",
     "swin_tiny_patch4_window7_224", "swinv2_cr_tiny_ns_224", "beit_base_patch16_224", "cait_xxs24_224",
     "xcit_nano_12_p16_224", "volo_d1_224", "mixer_s16_224", "convnext_atto", "convnext_tiny",
     "resnet18", "test_resnet",

@@ -1,5 +1,6 @@
-"""TE_EvaBlock on the GPU: TE's fused RoPE kernel against timm's RoPE, FP8 off against timm (tight),
-FP8 against bf16 by SNR, any batch size under FP8, the k bias held at zero through FP8 training.
+"""TE_EvaBlock on the GPU: TE's fused RoPE kernel against timm's RoPE, FP8 off against timm (tight;
+grouped-query, gated and post-norm attention too), FP8 against bf16 by SNR, any batch size under
+FP8, the k bias held at zero through FP8 training, per-block CUDA graphs.
 
 Tolerances as in test_block_gpu.py (fp32: different kernels, 2e-3 of the output's max) and
 test_fp8_gpu.py (logits >= 20 dB, weight gradients >= 12 dB).
@@ -19,16 +20,22 @@ pytestmark = pytest.mark.gpu
 
 # (timm name, overrides): EVA02 (q/v bias, separate q/k/v, SwiGLU + inner norm), the RoPE ViT
 # (AttentionRope, LayerScale, GELU MLP), DINOv3 (rotate-half RoPE, register tokens), EVA02-L's
-# padded SwiGLU hidden (int(72 * 8/3) = 191 -> 192).
+# padded SwiGLU hidden (int(72 * 8/3) = 191 -> 192), Sapiens2 (grouped-query attention in block 0
+# through TE's num_gqa_groups, qk_norm, RMSNorm; newer timm only), the post-norm block (EVA-CLIP
+# enormous: TE Linear q/k/v, unfused padded GELU MLP, torch norms after the branches).
 MODELS = {
     "eva02_base_patch14_224": dict(embed_dim=256, num_heads=4),
     "vit_base_patch16_rope_224": dict(embed_dim=256, num_heads=4),
     "vit_small_patch16_dinov3": dict(embed_dim=256, num_heads=4),
     "eva02_large_patch14_224": dict(embed_dim=144, num_heads=4),
+    "vit_base_patch16_sapiens2": dict(embed_dim=256, num_heads=4, num_kv_heads=(2, 4)),
+    "eva02_enormous_patch14_clip_224": dict(embed_dim=256, num_heads=4),
 }
 
 
 def _model(name, depth=2):
+    if name not in timm.list_models(name):
+        pytest.skip(f"timm {timm.__version__} has no {name}")
     torch.manual_seed(0)
     m = timm.create_model(name, pretrained=False, depth=depth, num_classes=100, img_size=224, **MODELS[name])
     with torch.no_grad():  # non-zero biases and LayerScale, so that every tensor counts
@@ -107,6 +114,36 @@ def test_fp8_snr_vs_bf16(name, recipe, batch):
     assert snrs["logits"] >= 20.0 and snrs[worst] >= 12.0
 
 
+@pytest.mark.parametrize("kw", [
+    dict(attn_type="eva", qkv_fused=True, scale_attn_inner=True),
+    dict(attn_type="rope", qkv_fused=False, num_kv_heads=2, qk_norm=True, rotate_half=True),
+], ids=["eva_inner_norm", "rope_gqa"])
+def test_gated_block_fp32_matches_timm(kw):
+    """Gated attention (no timm model enables it: a single block): the gate's rows in the q/k/v GEMM."""
+    import inspect
+
+    from timm.models.eva import EvaBlock
+
+    if any(k not in inspect.signature(EvaBlock.__init__).parameters for k in ("gated_attn", *kw)):
+        pytest.skip(f"timm {timm.__version__}'s EvaBlock lacks an option of {kw}")
+    torch.manual_seed(0)
+    blk = EvaBlock(256, 4, gated_attn=True, num_prefix_tokens=1, **kw).cuda().eval()
+    with torch.no_grad():
+        for p in blk.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    te = TE_EvaBlock.from_timm(blk, backend="te", exact_gelu=True)
+    theta = torch.rand(256, 32, device="cuda") * 6
+    theta = theta.repeat(1, 2) if te.cfg.rotate_half else theta.repeat_interleave(2, -1)
+    rope = torch.cat([theta.sin(), theta.cos()], -1)
+    x = torch.randn(4, 257, 256, device="cuda", requires_grad=True)
+    ref = blk(x, rope=rope)
+    (dx_ref,) = torch.autograd.grad(ref.square().sum(), x)
+    out = te(x, rope=rope)
+    (dx,) = torch.autograd.grad(out.square().sum(), x)
+    print(f"gated {kw}: fp32 max rel err {max_rel_err(ref, out):.2e}, dx rel L2 {rel_l2_err(dx_ref, dx):.2e}")
+    assert max_rel_err(ref, out) < 2e-3 and rel_l2_err(dx_ref, dx) < 2e-3
+
+
 def test_k_bias_stays_zero_under_fp8_training():
     model = _convert(_model("eva02_base_patch14_224")).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, fused=True)
@@ -155,6 +192,22 @@ def test_per_block_graphs_train_like_eager(recipe):
         assert snr_db(a, b) > 40, n
     A = graphed.blocks[0].cfg.attn_dim
     assert all(torch.count_nonzero(b.qkv.bias[A:2 * A]) == 0 for b in graphed.blocks)
+
+
+@pytest.mark.parametrize("name", ["vit_base_patch16_sapiens2", "eva02_enormous_patch14_clip_224"])
+def test_per_block_graphs_train_like_eager_gqa_and_post_norm(name):
+    # Grouped-query attention (Sapiens2's block 0) and the post-norm block, graphed per block.
+    g = torch.Generator("cuda").manual_seed(1)
+    data = [(torch.randn(16, 3, 224, 224, device="cuda", generator=g),
+             torch.randint(0, 100, (16,), device="cuda", generator=g)) for _ in range(3)]
+    eager = _convert(_model(name)).train()
+    graphed = _convert(_model(name)).train()
+    handle = fp8vit.make_graphed_blocks(graphed, 16, recipe="delayed", fused_wgrad=False)
+    le, lg = _eva_train(eager, data, "delayed"), _eva_train(graphed, data, "delayed")
+    print(f"{name}: eager losses {le}, graphed {lg}")
+    assert handle.per_block and handle.replays == len(data) * 2 and handle.eager_calls == 0
+    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
+        assert snr_db(a, b) > 40, n
 
 
 def test_per_block_graphs_fall_back_on_another_rope_table():
