@@ -43,7 +43,7 @@ from torch import nn
 from . import _te
 from .detect import gpu_info
 from .graphs import WHY_NOT_WITH_FSDP2, graphed_modules
-from .recipes import resolve_recipe
+from .recipes import check_recipe_name, recipe_name, resolve_recipe
 
 __all__ = ["shard_model", "default_mp_policy", "fp8_weight_init", "fp8_weight_optimizer", "save_checkpoint",
            "load_checkpoint", "WHY_NOT_WITH_FSDP2"]
@@ -188,11 +188,31 @@ def fp8_weight_init(recipe: Any = None) -> Iterator[Any]:
         the TE recipe object in use.
 
     Raises:
+        ValueError: a block-scaled recipe (``"block"``, ``"mxfp8"``; also the default on Blackwell):
+            TE's FSDP2 all-gather of their FP8 weights needs weights built on ``meta``.
         FP8UnavailableError: FP8 cannot run here (FP8 weights need TE and an FP8 GPU).
     """
+    if isinstance(recipe, str) and check_recipe_name(recipe) not in _PER_TENSOR:
+        raise ValueError(_block_scaled_weights(recipe))
     te_recipe = resolve_recipe(recipe, gpu_info().recipes)
+    name = recipe_name(te_recipe)
+    if name not in _PER_TENSOR:
+        raise ValueError(_block_scaled_weights(name))
     with _te.quantized_model_init(te_recipe):
         yield te_recipe
+
+
+# Recipes whose FP8 weights FSDP2 can all-gather when the weights are built on the GPU (fp8vit
+# converts real weights, never on 'meta').
+_PER_TENSOR = ("delayed", "current")
+
+
+def _block_scaled_weights(name: str) -> str:
+    return (f"fp8_weight_init({name!r}): FP8 primary weights of a block-scaled recipe cannot be all-gathered "
+            "by FSDP2 when they are built on the GPU, as fp8vit's conversion builds them (TE 2.20, "
+            "tests/pytorch/distributed/fsdp2_tests/run_fsdp2_fused_adam.py, _build_model: only per-tensor "
+            "FP8, DelayedScaling and Float8CurrentScaling, works without the meta device); use 'current' "
+            "or 'delayed', or keep bf16 weights with this recipe")
 
 
 def fp8_weight_optimizer(params, lr: float = 1e-3, **kwargs) -> torch.optim.Optimizer:

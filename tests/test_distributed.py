@@ -336,3 +336,20 @@ def test_load_checkpoint_names_what_does_not_match(tmp_path):
     with pytest.raises(RuntimeError, match=r"the model's \['0.bias', '0.weight'\] \(2 in all\) are not in the "
                                            r"checkpoint, whose \['bias', 'weight'\] \(2\) are not in the model"):
         fp8vit.load_checkpoint(str(tmp_path / "ckpt"), other)
+
+
+@pytest.mark.parametrize("recipe", ["block", "mxfp8"])
+def test_fp8_weights_refuse_block_scaled_recipes_saying_why(recipe):
+    # fp8vit builds converted weights on the GPU, where TE's FSDP2 all-gather of block-scaled FP8
+    # weights does not work (TE needs them built on 'meta'): refused everywhere, before TE is asked.
+    with pytest.raises(ValueError, match=rf"fp8_weight_init\('{recipe}'\).*_build_model.*'current' or 'delayed'"):
+        with fp8vit.fp8_weight_init(recipe):
+            pass
+
+
+def test_fp8_weights_need_fp8_here():
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal where FP8 cannot run; a GPU is visible here")
+    with pytest.raises(fp8vit.FP8UnavailableError, match="no CUDA GPU"):
+        with fp8vit.fp8_weight_init("current"):
+            pass
