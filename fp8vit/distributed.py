@@ -242,11 +242,14 @@ def _dcp():
 
 
 @contextlib.contextmanager
-def _single_process_ok():
-    """DCP warns on every save and load without a process group that it assumes one process:
-    which is what fp8vit's helpers support there, so that warning is noise."""
+def _dcp_notices_off():
+    """Two DCP warnings about what fp8vit's helpers do on purpose: without a process group DCP
+    assumes one process (every save and load says so), and a save into an existing checkpoint
+    overwrites it, as ``torch.save`` to a path does (DCP says its default may change; the writer
+    here asks for it explicitly)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint in")
         yield
 
 
@@ -261,7 +264,8 @@ def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict
 def save_checkpoint(checkpoint_id, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
                     extra: Optional[Dict[str, Any]] = None) -> None:
     """Save ``model`` (and ``optimizer``) with ``torch.distributed.checkpoint``: every rank writes
-    its own shards into the folder ``checkpoint_id``; call it on every rank.
+    its own shards into the folder ``checkpoint_id`` (an existing checkpoint there is overwritten);
+    call it on every rank.
 
     The model's state is ``get_model_state_dict``'s, FP8 scaling state included: fp8vit's TE
     modules store it as plain tensors (``_extra_state``), which DCP writes once (every rank holds
@@ -269,7 +273,7 @@ def save_checkpoint(checkpoint_id, model: nn.Module, optimizer: Optional[torch.o
     FSDP2 models, in a process group or in a single process.
 
     Args:
-        checkpoint_id: a folder path.
+        checkpoint_id: a folder path (on a file system every rank sees, for several hosts).
         model: the model (sharded or not; a DDP wrapper is fine).
         optimizer: its optimizer, or None.
         extra: small values to keep with it (e.g. ``{"step": 1000}``); :func:`load_checkpoint`
@@ -279,8 +283,8 @@ def save_checkpoint(checkpoint_id, model: nn.Module, optimizer: Optional[torch.o
     state = _state(model, optimizer)
     if extra:
         state["extra"] = dict(extra)
-    with _single_process_ok():
-        dcp.save(state, checkpoint_id=checkpoint_id)
+    with _dcp_notices_off():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(checkpoint_id, overwrite=True))
 
 
 def load_checkpoint(checkpoint_id, model: nn.Module,
@@ -291,6 +295,12 @@ def load_checkpoint(checkpoint_id, model: nn.Module,
     FP8 scaling state is restored into a freshly built model too, which has none yet: DCP fills
     only the entries the target state dict already has, so each module's ``_extra_state`` entry is
     laid out as the checkpoint's metadata describes it before loading.
+
+    Load only checkpoints you trust: DCP reads every non-tensor entry (the optimizer's
+    hyperparameters, ``extra``, the scaling state's recipe fields) with ``torch.load(...,
+    weights_only=False)``, i.e. by unpickling (torch 2.14,
+    ``torch/distributed/checkpoint/default_planner.py``, ``DefaultLoadPlanner.load_bytes``), unlike
+    ``torch.load(weights_only=True)`` of a ``model.state_dict()`` file.
 
     Returns:
         the ``extra`` values saved with it (``{}`` if none).
@@ -311,8 +321,8 @@ def load_checkpoint(checkpoint_id, model: nn.Module,
         model_sd[key] = _layout(saved, ("model", key))
     if any(p[0] == "extra" for p in saved):
         state["extra"] = _layout(saved, ("extra",))
-    with _single_process_ok():
-        dcp.load(state, checkpoint_id=checkpoint_id)
+    with _dcp_notices_off():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(checkpoint_id))
     # strict=False: a module whose scaling state the checkpoint lacks keeps its own
     dsd.set_model_state_dict(model, model_sd, options=dsd.StateDictOptions(strict=False))
     if optimizer is not None:
