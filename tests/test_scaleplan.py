@@ -45,3 +45,13 @@ def test_main_prints_the_tables(capsys):
     assert scaleplan.main(["--models", "ViT-H/14", "--gpus", "8", "16"]) == 0
     out = capsys.readouterr().out
     assert "anchor: ViT-H/16" in out and "| ViT-H/14 | FSDP2 + FP8 weights | 16 |" in out
+
+
+def test_docs_tables_are_the_tools_output(capsys):
+    # docs/scaling.md quotes fp8vit-scaleplan's default output: a formula changed here must be
+    # regenerated there (python -m fp8vit.tools.scaleplan)
+    import os
+    doc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "scaling.md")
+    scaleplan.main([])
+    tables = capsys.readouterr().out.split("\n", 2)[2]  # after the anchor line and a blank one
+    assert tables.strip() in open(doc).read()
