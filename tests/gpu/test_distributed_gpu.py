@@ -109,8 +109,11 @@ def test_fsdp2_fp8_step_snr_vs_bf16(recipe):
 
 
 def test_fsdp2_fp8_trains_as_the_unsharded_model():
-    # World size 1 in fp32 compute: FSDP2's all-gather and reduce-scatter of one shard are copies,
-    # so FP8 training must match the unsharded model's: parameters and, bit for bit, the scales.
+    # World size 1 in fp32 compute: FSDP2's all-gather and reduce-scatter of one shard are copies.
+    # One difference remains, TE's: under FSDP2 it saves no FP8 weight for backward and quantizes the
+    # gathered weight again there (TE 2.20 module/linear.py, issue #2681), with the delayed-scaling
+    # scale as updated at the end of the forward, where the unsharded model reuses the forward's FP8
+    # weight. So: parameters > 40 dB, scales within 5% (not bit for bit).
     data = _data()
     plain, sharded = _vit(), fp8vit.shard_model(_vit(), mp_policy=MixedPrecisionPolicy())
     lp = _train(plain, data, "delayed", torch.optim.SGD(plain.parameters(), lr=1e-2, momentum=0.9))
@@ -122,7 +125,9 @@ def test_fsdp2_fp8_trains_as_the_unsharded_model():
     assert snr_db(pp[worst], ps[worst]) > 40
     sp, ss = _delayed_state(plain), _delayed_state(sharded)
     assert sp.keys() == ss.keys() and len(sp) > 0
-    assert all(torch.equal(a, b) for n in sp for a, b in zip(sp[n], ss[n]))
+    rel = max(float(((a - b).abs() / a.abs()).max()) for n in sp for a, b in zip(sp[n][::2], ss[n][::2]))
+    print(f"scales: largest relative difference {rel:.2e}")
+    assert rel < 0.05
 
 
 def test_fsdp2_default_policy_trains_under_fp8():
@@ -164,10 +169,30 @@ def test_dcp_round_trip_keeps_the_fp8_scaling_state(tmp_path):
     loaded = _delayed_state(fresh)
     assert loaded.keys() == state.keys()
     assert all(torch.equal(a, b) for n in state for a, b in zip(state[n], loaded[n]))
-    # and training continues as if never interrupted: the same losses and weights, bit for bit
-    assert _train(model, data[3:], "delayed", opt) == _train(fresh, data[3:], "delayed", fresh_opt)
     a, b = _params(model), _params(fresh)
     assert all(torch.equal(a[n], b[n]) for n in a)
+    _assert_same_optimizer_state(opt, fresh_opt)
+    _assert_resumes(model, opt, fresh, fresh_opt, data[3:], "delayed")
+
+
+def _assert_same_optimizer_state(a, b):
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    assert sa.keys() == sb.keys() and len(sa) > 0
+    for k in sa:
+        for name, v in sa[k].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(_full(v), _full(sb[k][name])), (k, name)
+
+
+def _assert_resumes(model, opt, fresh, fresh_opt, data, recipe):
+    """The next steps of the original and the loaded run: the first loss bit for bit (a forward from
+    the same state), the later ones within 1e-3 (attention's backward kernels need not be
+    deterministic), the parameters after them > 40 dB."""
+    la, lb = _train(model, data, recipe, opt), _train(fresh, data, recipe, fresh_opt)
+    print(f"after loading: losses {la} vs {lb}")
+    assert la[0] == lb[0] and la == pytest.approx(lb, rel=1e-3)
+    a, b = _params(model), _params(fresh)
+    assert min(snr_db(a[n], b[n]) for n in a) > 40
 
 
 def test_cuda_graphs_and_fsdp2_are_refused_both_ways():
@@ -228,9 +253,8 @@ def test_fp8_primary_weights_dcp_round_trip(tmp_path):
     fp8vit.load_checkpoint(path, fresh, fresh_opt)
     a, b = _params(model), _params(fresh)
     assert all(torch.equal(a[n], b[n]) for n in a)
-    la, lb = _train(model, data[2:], "current", opt), _train(fresh, data[2:], "current", fresh_opt)
-    print(f"after loading: losses {la} vs {lb}")
-    assert la == lb
+    _assert_same_optimizer_state(opt, fresh_opt)  # the fp32 masters included
+    _assert_resumes(model, opt, fresh, fresh_opt, data[2:], "current")
 
 
 # --------------------------------------------------------------------------- N GPUs
