@@ -5,6 +5,7 @@
     python examples/train_vit.py --data /path/to/imagenet/train --epochs 1 --checkpoint ckpt.pt
     python examples/train_vit.py --checkpoint ckpt.pt --resume          # continue where it stopped
     torchrun --nproc-per-node 2 examples/train_vit.py                   # DDP, one process per GPU
+    torchrun --nproc-per-node 8 examples/train_vit.py --fsdp --model vit_giant_patch14_224   # FSDP2
 
 The fp8vit lines are marked ``# fp8vit``; everything else is an ordinary PyTorch loop. On a machine
 without an FP8 GPU it trains a tiny ViT in bf16 autocast and says why FP8 is off. The printed
@@ -37,6 +38,11 @@ def parse_args(argv=None):
                    help="recompute the MLP activations in backward in every K-th block (fp8vit."
                    "set_mlp_recompute; K defaults to 1, all blocks). ViT-H on an H200, CUDA-graphed: "
                    "K=1 fits 2.4x timm bf16's batch for +10%% step time, K=2 1.63x for +5%%")
+    p.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state over "
+                   "the processes with FSDP2, one unit per block (fp8vit.shard_model; bf16 compute) instead of "
+                   "DDP; --checkpoint is then a folder (torch.distributed.checkpoint)")
+    p.add_argument("--price-per-hour", type=float, default=None, metavar="USD",
+                   help="the price of one GPU per hour: the summary adds the cost of 1M images")
     p.add_argument("--batch-size", type=int, default=None, help="per GPU (default 128; 8 on CPU)")
     p.add_argument("--img-size", type=int, default=None, help="default: the model's (32 on CPU)")
     p.add_argument("--num-classes", type=int, default=1000)
@@ -53,6 +59,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.log_every is not None and args.log_every < 1:
         p.error(f"--log-every {args.log_every}: give a number of steps, 1 or more")
+    if args.fsdp and args.cuda_graphs:
+        p.error(f"--fsdp with --cuda-graphs: {fp8vit.distributed.WHY_NOT_WITH_FSDP2}")
     return args
 
 
@@ -62,12 +70,14 @@ def default_log_every(steps):
 
 
 def setup_distributed():
-    """(rank, world, device) from torchrun's environment; one process otherwise."""
+    """(rank, world, device) from torchrun's environment (NCCL on GPUs, gloo on CPUs); one process otherwise."""
+    cuda = torch.cuda.is_available()
     if "LOCAL_RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    return dist.get_rank(), dist.get_world_size(), torch.device("cuda")
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), torch.device("cuda" if cuda else "cpu")
 
 
 def make_loader(args, device, world):
@@ -143,16 +153,23 @@ def train_epoch(net, opt, batches, *, device, recipe=None, fp8=True, epoch=0, st
     return step, loss, readouts
 
 
-def steady_state(readouts, images_per_step):
+def steady_state(readouts, images_per_step, price_per_hour=None):
     """The step time over the step lines after the first, whose interval holds the warm-up (TE's
-    kernel selection, the first CUDA-graph replay, the allocator growing), as one line ("" if none)."""
+    kernel selection, the first CUDA-graph replay, the allocator growing), as one line ("" if none).
+
+    Args:
+        price_per_hour: what all the GPUs of the run cost per hour: the line adds the cost of 1M
+            images at that throughput.
+    """
     rest = readouts[1:]
     if not rest:
         return ""
     n = sum(r["steps"] for r in rest)
     ms = sum(r["ms_per_step"] * r["steps"] for r in rest) / n
     first = rest[0]["step"] - rest[0]["steps"] + 1
-    return (f"steps {first}-{rest[-1]['step']}: {ms:.1f} ms/step, {images_per_step / ms * 1e3:.1f} img/s "
+    images_per_s = images_per_step / ms * 1e3
+    cost = f", ${price_per_hour / 3600 / images_per_s * 1e6:.2f} per 1M images" if price_per_hour else ""
+    return (f"steps {first}-{rest[-1]['step']}: {ms:.1f} ms/step, {images_per_s:.1f} img/s{cost} "
             f"(the {readouts[0]['steps']} step(s) before are left out: warm-up)")
 
 
@@ -186,21 +203,29 @@ def main(argv=None):
         raise SystemExit("--cudnn-layernorm needs fp8vit's blocks: drop --no-fp8")
     if args.cudnn_layernorm and not args.cuda_graphs:
         fp8vit.set_cudnn_layernorm(True)  # process-wide
+    if args.fsdp:
+        fp8vit.shard_model(model)  # fp8vit: FSDP2 per block, before the optimizer (it must see the shards)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=not cpu)
 
     step = epoch0 = 0
     if args.resume:
-        ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)  # no pickles inside
-        model.load_state_dict(ckpt["model"])  # FP8 scaling state included
-        opt.load_state_dict(ckpt["optimizer"])
-        step, epoch0 = ckpt["step"], ckpt["epoch"] + 1
+        if args.fsdp:  # every rank reads its shards; FP8 scaling state included
+            extra = fp8vit.load_checkpoint(args.checkpoint, model, opt)
+            step, epoch0 = extra["step"], extra["epoch"] + 1
+        else:
+            ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)  # no pickles inside
+            model.load_state_dict(ckpt["model"])  # FP8 scaling state included
+            opt.load_state_dict(ckpt["optimizer"])
+            step, epoch0 = ckpt["step"], ckpt["epoch"] + 1
         if rank == 0:
             print(f"resumed from {args.checkpoint} at step {step}, epoch {epoch0}")
     if args.cuda_graphs:
         # fp8vit: capture the blocks once (after conversion and resume, before DDP)
         fp8vit.make_graphed_blocks(model, args.batch_size, recipe=args.recipe, fp8=use_fp8,
                                    cudnn_layernorm=args.cudnn_layernorm)
-    net = model if world == 1 else torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+    ddp = world > 1 and not args.fsdp
+    net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
+                                                    else None) if ddp else model
     loader = make_loader(args, device, world)
     log_every = args.log_every or default_log_every(args.steps - step if args.steps else len(loader))
 
@@ -211,16 +236,22 @@ def main(argv=None):
                                         epoch=epoch, step=step, max_steps=args.steps, log_every=log_every,
                                         images_per_step=args.batch_size * world, log=print if rank == 0 else None)
         readouts += lines
-        if args.checkpoint and rank == 0:
+        if args.checkpoint and args.fsdp:  # every rank writes its shards
+            fp8vit.save_checkpoint(args.checkpoint, model, opt, extra={"step": step, "epoch": epoch})
+        elif args.checkpoint and rank == 0:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                         "epoch": epoch}, args.checkpoint)
+        if args.checkpoint and rank == 0:
             print(f"saved {args.checkpoint} (step {step})")
         if args.steps and step >= args.steps:
             break
     if rank == 0:
-        summary = steady_state(readouts, args.batch_size * world)
-        print(f"done: {step} steps, last loss {loss.item():.4f}" + (f"; {summary}" if summary else ""))
-    if world > 1:
+        price = args.price_per_hour * world if args.price_per_hour else None
+        summary = steady_state(readouts, args.batch_size * world, price)
+        peak = f"; peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if device.type == "cuda" else ""
+        print(f"done: {step} steps, last loss {loss.item():.4f}" + (f"; {summary}" if summary else "") + peak
+              + (f" ({world} processes, {'FSDP2' if args.fsdp else 'DDP'})" if world > 1 else ""))
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

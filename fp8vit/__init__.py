@@ -4,6 +4,7 @@
     fp8vit.convert_to_te(model)                   # or VisionTransformer(block_fn=fp8vit.TE_Block)
     print(fp8vit.conversion_summary(model))       # what was fused, swapped to FP8 Linears, kept
     fp8vit.make_graphed_blocks(model, batch_size=128)   # optional: CUDA graphs (below ViT-H)
+    # or, on several GPUs without graphs: fp8vit.shard_model(model)  (FSDP2 per block)
     with fp8vit.fp8_context():                    # bf16 autocast + TE FP8 where the GPU has it
         loss = criterion(model(images), labels)
     loss.backward()
@@ -25,6 +26,8 @@ from .convert import (FALLBACKS, convert_from_te, convert_to_te, set_block_fp8, 
                       set_mlp_recompute)
 from .detect import GPUInfo, fp8_support, gpu_info
 from .diagnostics import BlockStats, DiagnosisReport, diagnose
+from .distributed import (default_mp_policy, fp8_weight_init, fp8_weight_optimizer, load_checkpoint, save_checkpoint,
+                          shard_model)
 from .errors import Check, ConversionError, FP8UnavailableError, TEUnavailableError
 from .graphs import GraphedBlocks, make_graphed_blocks
 from .guards import NonFiniteEvent, NonFiniteGuard
@@ -58,6 +61,13 @@ __all__ = [
     "make_graphed_blocks",
     "GraphedBlocks",
     "set_cudnn_layernorm",
+    # several GPUs: FSDP2, FP8 primary weights, distributed checkpoints
+    "shard_model",
+    "default_mp_policy",
+    "fp8_weight_init",
+    "fp8_weight_optimizer",
+    "save_checkpoint",
+    "load_checkpoint",
     # FP8 safety
     "diagnose",
     "DiagnosisReport",

@@ -9,7 +9,8 @@ Everything TE-specific that the rest of fp8vit needs goes through here:
   checkpointed as plain tensors instead of a pickle (see ``_SafeExtraState``);
 * the FP8 ``Linear`` swapped in for a model's ``nn.Linear`` (:class:`SwappedLinear`);
 * readers and writers of TE's delayed-scaling state (``fp8_meta``) for diagnostics and guards;
-* CUDA-graph capture (``make_graphed_callables``) and the plain ``TransformerLayer`` (bench only).
+* CUDA-graph capture (``make_graphed_callables``) and the plain ``TransformerLayer`` (bench only);
+* FP8 primary weights (``quantized_model_init``) and the optimizer TE pairs with them (``FusedAdam``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from .errors import Check, TEUnavailableError
 
 __all__ = [
     "te_status", "te_version", "installed", "load_te", "preload", "clear_cache", "te_check",
-    "recipe_module", "autocast", "set_cudnn_norm", "cudnn_norm", "cudnn_norm_enabled", "checkpoint", "active_fp8_recipe", "packed_attention", "fused_rope", "modules", "MODULE_NAMES",
+    "recipe_module", "autocast", "quantized_model_init", "is_quantized", "fused_adam", "set_cudnn_norm", "cudnn_norm", "cudnn_norm_enabled", "checkpoint", "active_fp8_recipe", "packed_attention", "fused_rope", "modules", "MODULE_NAMES",
     "SwappedLinear", "fp8_linear_class",
     "scaling_state", "repair_amax_histories", "make_graphed_callables", "wgrad_into_main_grad", "release_main_grad",
     "transformer_layer_class", "EXTRA_STATE_FORMAT", "MIN_TE_VERSION",
@@ -152,9 +153,38 @@ def preload() -> None:
     _import()
 
 
-def autocast(enabled: bool, recipe: Any):
-    """TE's FP8 autocast (``te.autocast``; ``te.fp8_autocast`` is its deprecated name)."""
-    return load_te().autocast(enabled=enabled, recipe=recipe)
+def autocast(enabled: bool, recipe: Any, amax_reduction_group=None):
+    """TE's FP8 autocast (``te.autocast``; ``te.fp8_autocast`` is its deprecated name).
+
+    Args:
+        amax_reduction_group: the process group over which delayed scaling's amaxes are
+            max-reduced when the autocast (forward) and the first module's backward end. None:
+            TE reduces over the default group whenever ``torch.distributed`` is initialized
+            (TE 2.20 ``quantization.py``, ``reduce_and_update_fp8_tensors``: it asks
+            ``get_world_size(group=None)``).
+    """
+    return load_te().autocast(enabled=enabled, recipe=recipe, amax_reduction_group=amax_reduction_group)
+
+
+def quantized_model_init(recipe: Any):
+    """``te.quantized_model_init(enabled=True, recipe=recipe)``: TE modules built inside hold only
+    quantized (FP8) copies of their GEMM weights, as ``QuantizedTensor`` parameters."""
+    return load_te().quantized_model_init(enabled=True, recipe=recipe)
+
+
+def is_quantized(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (or, for an FSDP2 ``DTensor``, its local shard) is a TE ``QuantizedTensor``
+    (an FP8 primary weight). False where TE is absent."""
+    if _import()[0] is None:
+        return False
+    local = getattr(tensor, "_local_tensor", tensor)
+    return isinstance(local, load_te().QuantizedTensor)
+
+
+def fused_adam(params, **kwargs):
+    """``te.optimizers.FusedAdam(params, **kwargs)``: the optimizer TE pairs with FP8 primary
+    weights (``master_weights=True`` keeps an fp32 master copy of each one in its state)."""
+    return load_te().optimizers.FusedAdam(params, **kwargs)
 
 
 def checkpoint(function, *args, **kwargs):
@@ -318,7 +348,8 @@ class _SafeExtraState:
         r = dict(state["recipe"])
         r["fp8_format"] = getattr(rec.Format, r["fp8_format"])
         recipe = rec.DelayedScaling(**r)
-        self.fp8_meta.update(state["extra_fp8_variables"])
+        # .get: a distributed checkpoint (DCP) stores no entry for an empty dict
+        self.fp8_meta.update(state.get("extra_fp8_variables", {}))
         self.fp8_meta["recipe"] = recipe
         self.init_fp8_meta_tensors(recipe)
         with torch.no_grad():

@@ -45,6 +45,7 @@ def fp8_context(
     enabled: bool = True,
     dtype: Optional[torch.dtype] = torch.bfloat16,
     strict: bool = False,
+    amax_reduction_group: Any = None,
 ) -> Iterator[FP8State]:
     """Run the enclosed forward pass in ``dtype`` autocast and, where possible, TE FP8.
 
@@ -62,6 +63,13 @@ def fp8_context(
         dtype: torch autocast dtype, ``torch.bfloat16`` or ``torch.float16``; None leaves torch
             autocast off.
         strict: with ``recipe=None``, raise instead of falling back when FP8 cannot run.
+        amax_reduction_group: the data-parallel process group (``torch.distributed`` group) over
+            which delayed scaling's amaxes are max-reduced at the end of the forward and of the
+            backward, so that every rank computes the same FP8 scales. None: TE reduces over the
+            default (world) group whenever ``torch.distributed`` is initialized, which is right
+            for DDP and for FSDP2 over all ranks; pass the data-parallel group where ranks also
+            split the model (tensor or pipeline parallelism), whose other ranks run other
+            modules. Ignored where FP8 is off; stateless recipes reduce nothing.
 
     Yields:
         :class:`FP8State` saying what is actually on.
@@ -95,5 +103,5 @@ def fp8_context(
             if info.capability is not None:
                 stack.enter_context(torch.autocast("cuda", dtype=dtype))
         if use_fp8:
-            stack.enter_context(_te.autocast(enabled=True, recipe=te_recipe))
+            stack.enter_context(_te.autocast(enabled=True, recipe=te_recipe, amax_reduction_group=amax_reduction_group))
         yield state

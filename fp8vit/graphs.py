@@ -52,7 +52,33 @@ from .errors import FP8UnavailableError
 from .layers import FP8Block
 from .recipes import recipe_name, resolve_recipe
 
-__all__ = ["make_graphed_blocks", "GraphedBlocks"]
+__all__ = ["make_graphed_blocks", "GraphedBlocks", "graphed_modules", "WHY_NOT_WITH_FSDP2"]
+
+# Why make_graphed_blocks and FSDP2 (fully_shard) are refused together, from the sources (not
+# measured: it needs a GPU). Said by make_graphed_blocks and by fp8vit.distributed.shard_model.
+WHY_NOT_WITH_FSDP2 = (
+    "TE's make_graphed_callables makes each module's parameters part of its graphs' static input "
+    "surface (transformer_engine/pytorch/graph.py, _make_graphed_callables), while FSDP2 registers "
+    "sharded DTensor parameters between steps and all-gathers them into storage it frees again after "
+    "forward and backward (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, free_storage), in "
+    "per-block hooks that a graph of the blocks does not run; and the graphs' fused weight gradients "
+    "go to weight.main_grad, past FSDP2's reduce-scatter (TE's own FSDP2 test of "
+    "fuse_wgrad_accumulation is a strict xfail: tests/pytorch/distributed/fsdp2_tests/"
+    "run_fsdp2_fused_adam.py). Graphed blocks train data-parallel under DDP; FSDP2 runs eagerly")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # torch builds without distributed support have no DTensor (and no FSDP2)
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def graphed_modules(model: nn.Module) -> list:
+    """Names of the submodules of ``model`` (``""``: itself) whose forward
+    :func:`make_graphed_blocks` replaced by its graph dispatch."""
+    return [name for name, m in model.named_modules() if isinstance(vars(m).get("forward"), _Dispatch)]
 
 
 @dataclasses.dataclass
@@ -228,6 +254,7 @@ def make_graphed_blocks(
     num_warmup_iters: int = 3,
     cudnn_layernorm: bool = False,
     fused_wgrad: bool = True,
+    amax_reduction_group: Any = None,
 ) -> GraphedBlocks:
     """Capture ``model.blocks`` (forward and backward, all blocks in one graph each) for training.
 
@@ -256,13 +283,16 @@ def make_graphed_blocks(
             gradient's worth of the blocks' weights) until ``release()``. ViT-H/16 on an H200:
             -1.2 to -1.9 ms per step, +2.4 GiB peak, 16 images less of largest batch; False
             gives that memory back. Eager calls (a fallback) always get TE's bf16 gradients.
+        amax_reduction_group: the process group TE reduces delayed-scaling amaxes over during its
+            warm-up iterations (which all ranks then run together); None: the default group, as
+            in :func:`fp8_context`. The replays take the group of the enclosing ``fp8_context``.
 
     Returns:
         a :class:`GraphedBlocks` handle (shape, replay counts, ``release()``).
 
     Raises:
         ValueError: ``model`` has no ``nn.Sequential`` ``blocks``, no ``patch_embed.num_patches``
-            and no ``tokens`` given, is not on a GPU, uses
+            and no ``tokens`` given, is FSDP2-sharded, is not on a GPU, uses
             activation checkpointing or MLP recompute of an unfused MLP, or ``dtype`` is not an
             autocast dtype; each names the value.
         FP8UnavailableError: ``fp8`` is asked for and cannot run here.
@@ -280,6 +310,10 @@ def make_graphed_blocks(
     if dtype not in AUTOCAST_DTYPES:
         raise ValueError(f"make_graphed_blocks(dtype={dtype}): use one of {AUTOCAST_DTYPES}")
     param = next(blocks.parameters())
+    if _is_dtensor(param):
+        raise ValueError(f"make_graphed_blocks: the blocks' parameters are {type(param).__name__}s, sharded by "
+                         f"FSDP2 (fully_shard); {WHY_NOT_WITH_FSDP2}: capture before sharding is refused too, "
+                         "so graph the model and wrap it in DDP, or shard it and train eagerly")
     if param.device.type != "cuda":
         raise ValueError(f"make_graphed_blocks: the blocks are on {param.device}; CUDA graphs need the "
                          "model on its GPU (model.cuda() first)")
@@ -336,6 +370,7 @@ def make_graphed_blocks(
         try:
             grads_alias = _te.make_graphed_callables(targets, samples, fp8=fp8, recipe=te_recipe,
                                                      num_warmup_iters=num_warmup_iters,
+                                                     amax_reduction_group=amax_reduction_group,
                                                      sample_kwargs=tensor_kwargs if per_block else None)
         except BaseException:
             _te.release_main_grad(main_grad_weights)

@@ -119,6 +119,14 @@ def load_example(name: str):
     return mod
 
 
+# SNR floors of an FP8 step against the same step in bf16 (docs/numerics.md). E4M3 (forward) keeps 3
+# mantissa bits: quantizing one tensor costs about 29 dB, a GEMM of two such tensors about 26 dB and a
+# chain of them less, so logits must stay >= 20 dB (noise power 1% of the signal). Gradients are E5M2
+# (2 mantissa bits, about 23 dB per tensor) and each weight gradient is a product of an E4M3 and an
+# E5M2 tensor: 12 dB per weight gradient. A broken scale or layout gives about 0 dB.
+LOGITS_DB, GRAD_DB = 20.0, 12.0
+
+
 def fp8_step(model, x, recipe, enabled=True):
     """One forward/backward inside ``fp8_context`` (FP8 on or off), loss ``mean(logits^2)``.
 

@@ -84,8 +84,8 @@ def test_fp8_path_enters_te_autocast(monkeypatch):
     import contextlib
 
     @contextlib.contextmanager
-    def fake_autocast(enabled, recipe):
-        seen["args"] = (enabled, recipe)
+    def fake_autocast(enabled, recipe, amax_reduction_group=None):
+        seen["args"] = (enabled, recipe, amax_reduction_group)
         yield
 
     monkeypatch.setattr(context, "gpu_info", lambda: _info(True, default="delayed", cap=None))
@@ -94,6 +94,11 @@ def test_fp8_path_enters_te_autocast(monkeypatch):
     with fp8vit.fp8_context() as state:
         assert "args" in seen
     assert state.fp8 and state.recipe_name == "delayed" and seen["args"][0] is True
+    assert seen["args"][2] is None  # TE's default: the world group, where torch.distributed is up
+    group = object()  # stands in for a torch.distributed ProcessGroup: passed on as is
+    with fp8vit.fp8_context(amax_reduction_group=group):
+        pass
+    assert seen["args"][2] is group
 
 
 def test_named_recipe_raises_where_fp8_cannot_run(monkeypatch):

@@ -60,3 +60,48 @@ def test_log_every_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         ex.parse_args(["--log-every", "0"])
     assert "--log-every 0: give a number of steps, 1 or more" in capsys.readouterr().err
+
+
+def test_fsdp_run_saves_and_resumes_as_one_uninterrupted_run(tmp_path, monkeypatch, capsys):
+    # --fsdp under torchrun's environment, world size 1 on the CPU (gloo; FSDP2 still shards through
+    # its group): a step, a DCP checkpoint, a step after --resume give the weights of 2 steps. (A
+    # sharded ViT-Ti step takes seconds on 2 CPU cores, most of it DTensor dispatch in AdamW.)
+    import socket
+
+    import torch.distributed as dist
+
+    import fp8vit
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    common = ["--fsdp", "--num-classes", "4", "--epochs", "2", "--workers", "0"]
+    try:
+        ex.main(common + ["--steps", "1", "--checkpoint", str(tmp_path / "part")])
+        ex.main(common + ["--steps", "2", "--checkpoint", str(tmp_path / "part"), "--resume"])
+        ex.main(common + ["--steps", "2", "--checkpoint", str(tmp_path / "whole")])
+    finally:
+        if dist.is_initialized():  # a failed run leaves its group behind
+            dist.destroy_process_group()
+    out = capsys.readouterr().out
+    assert f"resumed from {tmp_path / 'part'} at step 1, epoch 1" in out
+    models = []
+    for name in ("part", "whole"):
+        model = ex.timm.create_model("vit_tiny_patch16_224", num_classes=4, img_size=32)
+        fp8vit.convert_to_te(model)
+        assert fp8vit.load_checkpoint(str(tmp_path / name), model)["step"] == 2
+        models.append(model.state_dict())
+    assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+
+
+def test_fsdp_and_cuda_graphs_are_refused_with_the_reason(capsys):
+    with pytest.raises(SystemExit):
+        ex.parse_args(["--fsdp", "--cuda-graphs"])
+    assert "--fsdp with --cuda-graphs: TE's make_graphed_callables" in capsys.readouterr().err
+
+
+def test_steady_state_prices_a_million_images():
+    readouts = [{"step": 10, "steps": 10, "ms_per_step": 500.0}, {"step": 20, "steps": 10, "ms_per_step": 100.0}]
+    # 128 images in 100 ms: 1280 img/s; $36 per hour for the run's GPUs: 1M images take 781.25 s, $7.81
+    assert ", $7.81 per 1M images (" in ex.steady_state(readouts, 128, 36.0)

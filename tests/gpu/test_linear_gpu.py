@@ -12,11 +12,10 @@ import timm
 import torch
 
 import fp8vit
-from helpers import fp8_step, snr_db
+from helpers import GRAD_DB, LOGITS_DB, fp8_step, snr_db
 
 pytestmark = pytest.mark.gpu
 
-LOGITS_DB, GRAD_DB = 20.0, 12.0
 MODELS = {
     # 197 tokens; BEiT's attention calls F.linear on qkv.weight unless switched (fp8vit.linear)
     "beit": ("beit_base_patch16_224", dict(depth=2)),

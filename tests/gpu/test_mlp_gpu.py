@@ -24,11 +24,10 @@ from torch import nn
 
 import fp8vit
 from fp8vit.weights import te_to_timm
-from helpers import MLP_CASES, block_pair, fp32_against_timm, fp8_step, max_rel_err, padded_masks, snr_db
+from helpers import GRAD_DB, LOGITS_DB, MLP_CASES, block_pair, fp32_against_timm, fp8_step, max_rel_err, padded_masks, snr_db
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:fp8vit. timm's exact")]
 
-LOGITS_DB, GRAD_DB = 20.0, 12.0
 _KINKED = {"glu_relu_norm"}  # ReLU: a pre-activation within rounding of 0 flips (test_block_gpu.py)
 
 
