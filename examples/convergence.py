@@ -313,6 +313,8 @@ def main():
     p.add_argument("--setup", default="digits", choices=sorted(SETUPS))
     p.add_argument("--seeds", type=int, default=None, help="seeds (default: the setup's)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the setup's)")
+    p.add_argument("--evals", type=int, default=None,
+                   help="test-set evaluations over the run, the last after the final step (default: the setup's)")
     p.add_argument("--variants", nargs="*", default=None,
                    help="default: timm-bf16, fp8vit-bf16 and fp8-<recipe> for each recipe this GPU runs")
     p.add_argument("--outlier-block", type=int, nargs="+", default=[],
@@ -324,7 +326,10 @@ def main():
     p.add_argument("--json", default=None)
     a = p.parse_args()
     s = SETUPS[a.setup]
-    s = dataclasses.replace(s, seeds=a.seeds or s.seeds, steps=a.steps or s.steps)
+    for flag in ("seeds", "steps", "evals"):
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
+            p.error(f"--{flag} {getattr(a, flag)}: must be at least 1")
+    s = dataclasses.replace(s, seeds=a.seeds or s.seeds, steps=a.steps or s.steps, evals=a.evals or s.evals)
     info = fp8vit.gpu_info()
     print(info.summary())
     for b in a.outlier_block:

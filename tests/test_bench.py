@@ -374,7 +374,10 @@ def test_convergence_example_runs_on_cpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CPU smoke test")
     out = tmp_path / "c.json"
-    res = subprocess.run([sys.executable, "examples/convergence.py", "--steps", "6", "--seeds", "2",
+    # bf16 on a CPU without AVX512-BF16/AMX runs ~20x slower than with them (CI's CPU: one run of
+    # 6 steps with 6 evaluations took ~100 s there, a bf16 backward step ~10 s): 2 steps and one
+    # evaluation keep the four runs near a minute and a half there.
+    res = subprocess.run([sys.executable, "examples/convergence.py", "--steps", "2", "--evals", "1", "--seeds", "2",
                           "--variants", "timm-bf16", "fp8vit-bf16", "--json", str(out),
                           "--plot", str(tmp_path / "c.png")], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -385,6 +388,7 @@ def test_convergence_example_runs_on_cpu(tmp_path):
     assert len(acc["per_seed"]) == 2 and 0.0 <= acc["mean"] <= 100.0
     # paired against timm-bf16, seed by seed; the per-seed differences recomputed from the runs
     runs = {(r["variant"], r["seed"]): r for r in data["runs"]}
+    assert all(r["eval_step"] == [2] and len(r["loss"]) == 2 for r in runs.values())  # --evals 1: after the last step
     diff = summary["fp8vit-bf16"]["paired_acc_diff"]["per_seed"]
     assert diff == pytest.approx([100 * (runs["fp8vit-bf16", s]["test_acc"][-1] - runs["timm-bf16", s]["test_acc"][-1])
                                   for s in (0, 1)])
@@ -397,7 +401,8 @@ def test_convergence_example_runs_on_cpu(tmp_path):
 def test_convergence_example_rejects_bad_input():
     for args, msg in ((["--variants", "fp8vit-bf16"], "must include timm-bf16"),
                       (["--variants", "timm-bf16", "fp9-x"], "unknown variant 'fp9-x'"),
-                      (["--outlier-block", "6"], "--outlier-block 6: the model has blocks 0..5")):
+                      (["--outlier-block", "6"], "--outlier-block 6: the model has blocks 0..5"),
+                      (["--evals", "0"], "--evals 0: must be at least 1")):
         res = subprocess.run([sys.executable, "examples/convergence.py", "--steps", "1", *args],
                              capture_output=True, text=True, timeout=300)
         assert res.returncode != 0 and msg in res.stderr, res.stderr[-1500:]
