@@ -155,21 +155,25 @@ def _one_pass(model, blocks, x, target, loss_fn, recipe, fp8: bool):
     caught: Dict[str, dict] = {n: {} for n in blocks}
     hooks = []
     for name, blk in blocks.items():
-        def fwd(mod, args, out, name=name):
+        def fwd(mod, args, kwargs, out, name=name):
+            # The block's other arguments (an EVA block's rope, timm passes it by keyword; an
+            # attention mask) go to every rerun of the block: without them it computes another function.
+            call = (args[1:], kwargs)
             caught[name]["input"] = args[0].detach().float()
             caught[name]["output"] = out.detach().float()
+            caught[name]["call"] = call
             if fp8:  # the same block on the same input with FP8 off: its own error, isolated
                 was, mod.fp8_enabled = mod.fp8_enabled, False
                 try:
                     with torch.no_grad():
-                        caught[name]["local_ref"] = mod.forward(args[0].detach()).float()
+                        caught[name]["local_ref"] = mod.forward(args[0].detach(), *call[0], **call[1]).float()
                 finally:
                     mod.fp8_enabled = was
 
         def bwd(mod, grad_in, grad_out, name=name):
             caught[name]["grad_out"] = grad_out[0].detach().float()
 
-        hooks += [blk.register_forward_hook(fwd), blk.register_full_backward_hook(bwd)]
+        hooks += [blk.register_forward_hook(fwd, with_kwargs=True), blk.register_full_backward_hook(bwd)]
     try:
         model.zero_grad(set_to_none=True)
         x = x.detach().requires_grad_(True)  # so backward hooks fire on the first block too
@@ -197,12 +201,16 @@ def _flat(params, grads) -> torch.Tensor:
                       for p, g in zip(params, grads)])
 
 
-def _local_weight_grads(blk: FP8Block, x: torch.Tensor, grad_out: torch.Tensor, recipe) -> torch.Tensor:
+def _local_weight_grads(blk: FP8Block, x: torch.Tensor, grad_out: torch.Tensor, recipe,
+                        call: tuple = ((), {})) -> torch.Tensor:
     """``blk``'s weight gradients with FP8 off, on the FP8 run's block input ``x`` and output
-    gradient ``grad_out``: the reference for the block's own weight-gradient error."""
+    gradient ``grad_out``: the reference for the block's own weight-gradient error. ``call``: the
+    block's other arguments in the model's forward, ``(args, kwargs)`` (an EVA block's ``rope``,
+    an attention mask)."""
     params = _trainable(blk)
+    args, kwargs = call
     with fp8_context(recipe, enabled=False, strict=False):
-        out = blk(x.detach())
+        out = blk(x.detach(), *args, **kwargs)
     return _flat(params, torch.autograd.grad(out, params, grad_out.to(out.dtype), allow_unused=True))
 
 
@@ -258,7 +266,7 @@ def diagnose(
     for name, blk in blocks.items():
         r, g = ref[name], got[name]
         nonfinite = int((~torch.isfinite(g["output"])).sum() + (~torch.isfinite(g["wgrad"])).sum())
-        local_wgrad = (_local_weight_grads(blk, g["input"], g["grad_out"], recipe)
+        local_wgrad = (_local_weight_grads(blk, g["input"], g["grad_out"], recipe, g["call"])
                        if "grad_out" in g else torch.full_like(g["wgrad"], math.nan))
         stats.append(BlockStats(
             name=name,

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
 
 import fp8vit
@@ -89,9 +90,13 @@ def _emulated(recipe, enabled):
         _fp8_on["on"] = False
 
 
-def _model_with_noisy_block(noisy=2, amplitude=0.3):
+def _model_with_noisy_block(noisy=2, amplitude=0.3, arch="vit"):
     torch.manual_seed(0)
-    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=4, num_heads=4, num_classes=5)
+    if arch == "vit":
+        model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=4, num_heads=4, num_classes=5)
+    else:  # EVA02-style: RoPE (timm hands each block its table by keyword), SwiGLU with a norm, q/v biases
+        model = Eva(img_size=32, patch_size=8, embed_dim=64, depth=4, num_heads=4, num_classes=5, qkv_fused=False,
+                    mlp_ratio=4 * 2 / 3, swiglu_mlp=True, scale_mlp=True, use_rot_pos_emb=True, ref_feat_shape=(4, 4))
     fp8vit.convert_to_te(model, backend="reference").eval()
     blk = model.blocks[noisy]
     inner = blk.mlp.forward
@@ -106,9 +111,10 @@ def _model_with_noisy_block(noisy=2, amplitude=0.3):
     return model
 
 
-def test_diagnose_finds_the_noisy_block_and_apply_fixes_it(monkeypatch):
+@pytest.mark.parametrize("arch", ["vit", "eva"])
+def test_diagnose_finds_the_noisy_block_and_apply_fixes_it(monkeypatch, arch):
     monkeypatch.setattr(dg, "fp8_context", lambda recipe, enabled, strict: _emulated(recipe, enabled))
-    model = _model_with_noisy_block()
+    model = _model_with_noisy_block(arch=arch)
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 5, (4,))
     rep = fp8vit.diagnose(model, x, target=y)
     local = {b.name: b.local_snr_db for b in rep.blocks}
