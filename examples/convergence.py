@@ -9,10 +9,13 @@ Data: scikit-learn's bundled handwritten digits (1797 8x8 grey images, 10 classe
 split 80/20 with a fixed seed and upsampled per batch to the setup's image size.
 
 Setups:
-  digits  ViT dim 192, depth 6, 3 heads, 32 px, patch 4 (65 tokens), batch 64, 690 steps (30 epochs)
-  vit-b   ViT-B/16 geometry: dim 768, depth 12, 12 heads, 224 px, patch 16 (197 tokens), batch 64,
-          1000 steps
-Both: AdamW (lr 5e-4 digits, 3e-4 vit-b; weight decay 0.05), linear warm-up over 10% of the steps
+  digits      ViT dim 192, depth 6, 3 heads, 32 px, patch 4 (65 tokens), batch 64, 690 steps (30 epochs)
+  eva-digits  the same geometry with EVA02-L's block (timm ``Eva``: 2D RoPE on the patch tokens,
+              SwiGLU with a norm before fc2, separate q/k/v projections with q and v biases),
+              hidden 512: fp8vit's TE_EvaBlock
+  vit-b       ViT-B/16 geometry: dim 768, depth 12, 12 heads, 224 px, patch 16 (197 tokens), batch 64,
+              1000 steps
+All: AdamW (lr 5e-4 digits, 3e-4 vit-b; weight decay 0.05), linear warm-up over 10% of the steps
 then cosine decay to 0, gradient clipping at norm 1. At lr 2e-3 without warm-up the digits run
 diverged in bf16 as often as in FP8 (docs/numerics.md), so it could not measure FP8.
 
@@ -58,6 +61,7 @@ class Setup:
     lr: float
     seeds: int
     evals: int  # test-set evaluations over the run
+    arch: str = "vit"  # "vit": timm's VisionTransformer; "eva": timm's Eva with EVA02-L's block options
 
     @property
     def warmup(self) -> int:
@@ -66,6 +70,8 @@ class Setup:
 
 SETUPS = {
     "digits": Setup(img=32, patch=4, dim=192, depth=6, heads=3, batch=64, steps=690, lr=5e-4, seeds=5, evals=30),
+    "eva-digits": Setup(img=32, patch=4, dim=192, depth=6, heads=3, batch=64, steps=690, lr=5e-4, seeds=5,
+                        evals=30, arch="eva"),
     "vit-b": Setup(img=224, patch=16, dim=768, depth=12, heads=12, batch=64, steps=1000, lr=3e-4, seeds=2, evals=10),
 }
 
@@ -89,8 +95,14 @@ def images(x, size):
 
 
 def make_model(s: Setup, seed: int, device):
-    from timm.models.vision_transformer import VisionTransformer
     torch.manual_seed(seed)
+    if s.arch == "eva":
+        from timm.models.eva import Eva
+        grid = s.img // s.patch
+        return Eva(img_size=s.img, patch_size=s.patch, embed_dim=s.dim, depth=s.depth, num_heads=s.heads,
+                   num_classes=10, mlp_ratio=4 * 2 / 3, qkv_fused=False, swiglu_mlp=True, scale_mlp=True,
+                   use_rot_pos_emb=True, ref_feat_shape=(grid, grid)).to(device)  # eva02_large_patch14_224's block
+    from timm.models.vision_transformer import VisionTransformer
     return VisionTransformer(img_size=s.img, patch_size=s.patch, embed_dim=s.dim, depth=s.depth,
                              num_heads=s.heads, num_classes=10, qkv_bias=True).to(device)
 
@@ -99,17 +111,20 @@ def add_outliers(model, block: int, factor: float = 1e5, channels=(0, 1)):
     """Give block ``block``'s MLP input a few channels ``factor`` times larger than the rest.
 
     LayerNorm's gain on ``channels`` is multiplied by ``factor`` and fc1's matching input columns
-    divided by it: the same function in exact arithmetic, but per-tensor FP8 scaling of fc1's input
-    now pushes every other channel towards E4M3's subnormals. Both tensors are frozen so that the
-    outliers persist during training, as outlier features in trained models do.
+    (both of SwiGLU's fc1 halves) divided by it: the same function in exact arithmetic, but
+    per-tensor FP8 scaling of fc1's input now pushes every other channel towards E4M3's
+    subnormals. These tensors are frozen so that the outliers persist during training, as outlier
+    features in trained models do.
     """
     blk = model.blocks[block]
+    fc1s = [getattr(blk.mlp, n) for n in ("fc1", "fc1_g", "fc1_x") if hasattr(blk.mlp, n)]
     with torch.no_grad():
         for c in channels:
             blk.norm2.weight[c] *= factor
             blk.norm2.bias[c] *= factor
-            blk.mlp.fc1.weight[:, c] /= factor
-    for p in (blk.norm2.weight, blk.norm2.bias, blk.mlp.fc1.weight):
+            for fc1 in fc1s:
+                fc1.weight[:, c] /= factor
+    for p in (blk.norm2.weight, blk.norm2.bias, *(fc1.weight for fc1 in fc1s)):
         p.requires_grad_(False)
 
 
@@ -363,7 +378,8 @@ def main():
         runs = [run_job(j) for j in jobs]
     out, verdict = summarize(runs, s, info.default_recipe)
     print_summary(out, verdict, s)
-    title = (f"{a.setup}: ViT dim {s.dim}, depth {s.depth}, {(s.img // s.patch) ** 2 + 1} tokens, {s.steps} steps"
+    title = (f"{a.setup}: {'EVA' if s.arch == 'eva' else 'ViT'} dim {s.dim}, depth {s.depth}, "
+             f"{(s.img // s.patch) ** 2 + 1} tokens, {s.steps} steps"
              + (f", outliers x{a.outlier_factor:g} in block {', '.join(map(str, a.outlier_block))}" if a.outlier_block else "") + f"; {info.name}")
     if a.json:
         with open(a.json, "w") as f:

@@ -1,5 +1,6 @@
 """Benchmark and workload logic on CPU: FLOP count, table, JSON, the example's smoke run."""
 
+import dataclasses
 import json
 import logging
 import math
@@ -14,9 +15,11 @@ import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
+import fp8vit
 from fp8vit.tools import bench
 from fp8vit.tools.console import WarningLog
 from fp8vit.tools.workload import VARIANTS, Variant, train_flops
+from helpers import load_example
 
 
 def test_train_flops_matches_published_vit_b16_count():
@@ -406,3 +409,23 @@ def test_convergence_example_rejects_bad_input():
         res = subprocess.run([sys.executable, "examples/convergence.py", "--steps", "1", *args],
                              capture_output=True, text=True, timeout=300)
         assert res.returncode != 0 and msg in res.stderr, res.stderr[-1500:]
+
+
+@pytest.mark.parametrize("setup", ["digits", "eva-digits"])
+def test_convergence_outliers_keep_the_function_and_convert(setup):
+    # add_outliers scales norm2's gain on two channels by 1e5 and divides the matching input columns
+    # of fc1 (both SwiGLU halves in the EVA setup) by it: the same model in exact arithmetic, fp32 here.
+    conv = load_example("convergence")
+    s = dataclasses.replace(conv.SETUPS[setup], depth=2)
+    model = conv.make_model(s, seed=0, device="cpu").eval()
+    x = torch.randn(4, 3, s.img, s.img)
+    with torch.no_grad():
+        ref = model(x)
+        conv.add_outliers(model, 1, 1e5)
+        out = model(x)
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4), (out - ref).abs().max()
+    blk = model.blocks[1]
+    assert float(blk.norm2.weight[0]) > 1e4 and not blk.norm2.weight.requires_grad
+    fp8vit.convert_to_te(model, backend="reference")
+    expected = {"digits": "TE_Block", "eva-digits": "TE_EvaBlock"}[setup]
+    assert [type(b).__name__ for b in model.blocks] == [expected] * 2
