@@ -187,10 +187,9 @@ def eva_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> EvaBl
                        "q/k/v GEMM, which has one bias flag (timm's gate is an nn.Linear with qkv_bias)")
     post = type(block) is EvaBlockPostNorm
     # EvaBlockPostNorm has no norm before its MLP, and TE's LayerNormMLP always normalizes its input:
-    # the MLP runs unfused (TE Linear fc1, the torch activation, exactly: no tanh GELU, TE Linear fc2).
-    mlp = mlp_config_from_timm(block.mlp, exact_gelu=exact_gelu or post)
-    if post:
-        mlp = dataclasses.replace(mlp, te_activation=None)
+    # the MLP runs unfused (TE Linear fc1, the activation exactly: TE's gated kernel where it has an
+    # exact one, else torch's, erf GELU included; TE Linear fc2).
+    mlp = mlp_config_from_timm(block.mlp, exact_gelu=exact_gelu, block_norm=not post)
     g1, g2 = getattr(block, "gamma_1", None), getattr(block, "gamma_2", None)
     dp = block.drop_path1.drop_prob if isinstance(block.drop_path1, DropPath) else 0.0
     return EvaBlockConfig(

@@ -104,6 +104,9 @@ class MlpConfig:
         drop: dropout after the activation and after fc2.
         norm: the norm over the hidden units before fc2 (timm's ``norm``), or None.
         in_norm: ``GeGluMlp``'s own norm over ``C`` before fc1, or None.
+        block_norm: the block normalizes the MLP's input (pre-norm blocks). False in a post-norm
+            block (``EvaBlockPostNorm``): with no norm to fuse (and no ``in_norm``), fc1 is a TE
+            ``Linear`` and the MLP runs unfused, since TE's ``LayerNormMLP`` always normalizes.
     """
 
     kind: str
@@ -117,6 +120,7 @@ class MlpConfig:
     drop: Tuple[float, float] = (0.0, 0.0)
     norm: Optional[NormSpec] = None
     in_norm: Optional[NormSpec] = None
+    block_norm: bool = True
 
     @property
     def gated(self) -> bool:
@@ -139,9 +143,10 @@ class MlpConfig:
 
     @property
     def fused(self) -> bool:
-        """One TE ``LayerNormMLP``: a TE kernel for the activation, no dropout or norm inside the
-        MLP, one bias flag, ``out == in`` (LayerNormMLP's contract)."""
-        return (self.te_activation is not None and self.drop == (0.0, 0.0) and self.norm is None
+        """One TE ``LayerNormMLP``: a TE kernel for the activation, a norm before fc1 to fuse, no
+        dropout or norm inside the MLP, one bias flag, ``out == in`` (LayerNormMLP's contract)."""
+        return (self.te_activation is not None and (self.block_norm or self.in_norm is not None)
+                and self.drop == (0.0, 0.0) and self.norm is None
                 and self.bias[0] == self.bias[1] and self.out_features == self.in_features)
 
     @property
@@ -182,12 +187,14 @@ def _act_constructor(act: nn.Module) -> Callable:
     return cls if same else functools.partial(copy.deepcopy, act)
 
 
-def mlp_config_from_timm(mlp: nn.Module, *, exact_gelu: bool = False) -> MlpConfig:
+def mlp_config_from_timm(mlp: nn.Module, *, exact_gelu: bool = False, block_norm: bool = True) -> MlpConfig:
     """Read a built timm MLP (``Mlp``, ``SwiGLU``, ``GluMlp``/``SwiGLUPacked``, ``GeGluMlp``).
 
     Args:
         mlp: the module.
         exact_gelu: keep an erf GELU exact in torch (unfused) instead of TE's tanh kernel.
+        block_norm: the block normalizes the MLP's input (False in a post-norm block:
+            :attr:`MlpConfig.block_norm`).
 
     Raises:
         ValueError: another MLP type, 1x1-convolution MLPs (``use_conv=True``), an activation
@@ -226,9 +233,9 @@ def mlp_config_from_timm(mlp: nn.Module, *, exact_gelu: bool = False) -> MlpConf
                     out_features=fc2.out_features, act_layer=_act_constructor(act), te_activation="",
                     gate_last=bool(mlp.gate_last) if kind == "GluMlp" else False,
                     bias=(fc1s[0].bias is not None, fc2.bias is not None), drop=drops,
-                    norm=inner, in_norm=in_norm)
+                    norm=inner, in_norm=in_norm, block_norm=block_norm)
     if not cfg.fused:
-        # Unfused for another reason (a norm or dropout inside, ...). Gated: TE's kernel where it
+        # Unfused for another reason (a norm or dropout inside, no norm before it, ...). Gated: TE's kernel where it
         # computes exactly timm's activation (SiLU, ReLU, sigmoid, tanh and quick GELU; an erf GELU
         # stays torch's), one contiguous kernel for torch's three strided ones (lever 18).
         te_act = resolve_activation(cfg.act_layer, exact_gelu=True, gated=True)[1] if cfg.gated else None
@@ -342,16 +349,15 @@ def build_mlp(cfg: MlpConfig, norm: Optional[str], norm_eps: float, modules, dd:
         dd: TE's ``device``/``params_dtype`` keywords; tdd: torch's ``device``/``dtype``.
 
     Raises:
-        ValueError: a fused ``cfg`` with no norm before it: TE's ``LayerNormMLP`` always
-            normalizes its input, so such an MLP must be configured unfused (``te_activation=None``).
+        ValueError: ``norm=None`` for a ``cfg`` read with ``block_norm=True`` (or the reverse).
     """
     pre, fc1_norm = None, None if norm is None else (norm, norm_eps)
     if cfg.in_norm is not None:  # two norms in a row: TE fuses the one next to fc1
         pre = None if norm is None else torch_norm(norm, norm_eps, cfg.in_features, **tdd)
         fc1_norm = cfg.in_norm
-    if fc1_norm is None and cfg.fused:
-        raise ValueError(f"{cfg.describe()} has no norm before it, and TE's LayerNormMLP always normalizes "
-                         "its input: configure it unfused (dataclasses.replace(cfg, te_activation=None))")
+    if (norm is not None) != cfg.block_norm:
+        raise ValueError(f"{cfg.describe()} was read with block_norm={cfg.block_norm}, but the block's norm "
+                         f"before it is {norm!r}: read it with block_norm={norm is not None}")
     if not cfg.fused:
         return BuiltMlp(pre, UnfusedMlp(cfg, fc1_norm, modules, dd, tdd))
     init1, init2 = _fc_inits(cfg)

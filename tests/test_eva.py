@@ -337,3 +337,16 @@ def test_boolean_and_additive_padding_masks_match_timm():
         torch.testing.assert_close(te(x, attn_mask=mask), blk(x, attn_mask=mask), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="padding mask"):
         te(x, attn_mask=additive + 0.5)
+
+
+def test_post_norm_mlp_runs_unfused_with_the_exact_activation():
+    # EvaBlockPostNorm has no norm before its MLP to fuse: fc1 is a plain Linear and the MLP runs
+    # unfused, with TE's gated kernel where it is exact (SwiGLU: silu(gate) * value), and timm's
+    # own (erf) GELU in an ungated MLP even with exact_gelu=False: nothing there maps to tanh GELU.
+    swiglu = TE_EvaBlock.from_timm(_model("eva02_tiny_patch14_224.post_norm").blocks[0], backend="reference")
+    assert not swiglu.cfg.mlp.block_norm and not swiglu.cfg.mlp.fused
+    assert swiglu.cfg.mlp.te_activation == "swiglu" and swiglu.mlp.gated_act is not None
+    gelu = TE_EvaBlock.from_timm(_model("eva02_enormous_patch14_clip_224", use_post_norm=True).blocks[0],
+                                 backend="reference", exact_gelu=False)
+    assert gelu.cfg.mlp.te_activation is None and not gelu.cfg.mlp.fused
+    assert isinstance(gelu.mlp.act, torch.nn.GELU) and gelu.mlp.act.approximate == "none"
