@@ -6,6 +6,7 @@
     python examples/train_vit.py --checkpoint ckpt.pt --resume          # continue where it stopped
     torchrun --nproc-per-node 2 examples/train_vit.py                   # DDP, one process per GPU
     torchrun --nproc-per-node 8 examples/train_vit.py --fsdp --model vit_giant_patch14_224   # FSDP2
+    torchrun --nproc-per-node 8 examples/train_vit.py --fsdp --fp8-weights ...   # + FP8 all-gathers
 
 The fp8vit lines are marked ``# fp8vit``; everything else is an ordinary PyTorch loop. On a machine
 without an FP8 GPU it trains a tiny ViT in bf16 autocast and says why FP8 is off. The printed
@@ -41,6 +42,10 @@ def parse_args(argv=None):
     p.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state over "
                    "the processes with FSDP2, one unit per block (fp8vit.shard_model; bf16 compute) instead of "
                    "DDP; --checkpoint is then a folder (torch.distributed.checkpoint)")
+    p.add_argument("--fp8-weights", action="store_true", help="keep the blocks' GEMM weights in FP8 only "
+                   "(fp8vit.fp8_weight_init) and train them with TE's FusedAdam on fp32 master weights "
+                   "(fp8vit.fp8_weight_optimizer); with --fsdp, FSDP2 all-gathers them in FP8. Per-tensor "
+                   "recipes only: delayed (Hopper's default) or current")
     p.add_argument("--price-per-hour", type=float, default=None, metavar="USD",
                    help="the price of one GPU per hour: the summary adds the cost of 1M images")
     p.add_argument("--batch-size", type=int, default=None, help="per GPU (default 128; 8 on CPU)")
@@ -59,6 +64,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.log_every is not None and args.log_every < 1:
         p.error(f"--log-every {args.log_every}: give a number of steps, 1 or more")
+    if args.fp8_weights and args.no_fp8:
+        p.error("--fp8-weights with --no-fp8: FP8 weights are fp8vit's blocks' weights; drop one of the two")
     if args.fsdp and args.cuda_graphs:
         p.error(f"--fsdp with --cuda-graphs: {fp8vit.distributed.WHY_NOT_WITH_FSDP2}")
     return args
@@ -188,7 +195,13 @@ def main(argv=None):
     model = timm.create_model(args.model, num_classes=args.num_classes, **kw).to(device)
     args.img_size = model.patch_embed.img_size[0]
     use_fp8 = not args.no_fp8
-    if use_fp8:
+    if use_fp8 and args.fp8_weights:
+        try:  # fp8vit: the TE modules built inside hold their GEMM weights in FP8 only
+            with fp8vit.fp8_weight_init(args.recipe):
+                fp8vit.convert_to_te(model)
+        except (ValueError, fp8vit.FP8UnavailableError) as err:
+            raise SystemExit(f"--fp8-weights: {err}") from err
+    elif use_fp8:
         fp8vit.convert_to_te(model)  # fp8vit: timm Blocks -> TE_Blocks, same weights
     if args.mlp_recompute:
         if not use_fp8:
@@ -205,7 +218,10 @@ def main(argv=None):
         fp8vit.set_cudnn_layernorm(True)  # process-wide
     if args.fsdp:
         fp8vit.shard_model(model)  # fp8vit: FSDP2 per block, before the optimizer (it must see the shards)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=not cpu)
+    if args.fp8_weights:  # fp8vit: an update to an FP8 weight needs an fp32 master copy to land in
+        opt = fp8vit.fp8_weight_optimizer(model.parameters(), lr=args.lr, weight_decay=0.01)  # AdamW's default
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=not cpu)
 
     step = epoch0 = 0
     if args.resume:

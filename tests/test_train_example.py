@@ -4,6 +4,7 @@ import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
+import fp8vit
 from helpers import load_example
 
 ex = load_example("train_vit")
@@ -105,3 +106,15 @@ def test_steady_state_prices_a_million_images():
     readouts = [{"step": 10, "steps": 10, "ms_per_step": 500.0}, {"step": 20, "steps": 10, "ms_per_step": 100.0}]
     # 128 images in 100 ms: 1280 img/s; $36 per hour for the run's GPUs: 1M images take 781.25 s, $7.81
     assert ", $7.81 per 1M images (" in ex.steady_state(readouts, 128, 36.0)
+
+
+def test_fp8_weights_need_fp8_and_say_why_they_cannot_run(capsys):
+    with pytest.raises(SystemExit):
+        ex.parse_args(["--fp8-weights", "--no-fp8"])
+    assert "--fp8-weights with --no-fp8" in capsys.readouterr().err
+    if fp8vit.fp8_support()[0]:
+        pytest.skip("this machine runs FP8: the refusal below is for one that cannot")
+    # no FP8 here: the run stops before training, with fp8_weight_init's reason
+    with pytest.raises(SystemExit, match=r"--fp8-weights: .*cannot run here") as err:
+        ex.main(["--fp8-weights", "--steps", "1"])
+    assert fp8vit.fp8_support()[1] in str(err.value)

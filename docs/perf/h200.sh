@@ -6,6 +6,7 @@
 #   bash docs/perf/h200.sh tests                               # the whole GPU suite
 #   bash docs/perf/h200.sh bench:eva02_base_patch14_224:128    # fp8vit-bench, default variants
 #   bash docs/perf/h200.sh bench:eva02_base_patch14_224:128:timm-bf16,fp8vit-fp8-delayed-graphed
+#   bash docs/perf/h200.sh profile:eva02_large_patch14_224:64:fp8vit-fp8-delayed-graphed   # fp8vit-profile
 set -o pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-docs/results}
@@ -28,6 +29,11 @@ for stage in "$@"; do
       variants=${c:+--variants ${c//,/ }}
       python3 -m fp8vit.tools.bench --model "$a" --batch-size "${b:-128}" $variants \
         --json "$out/bench_${a}_${b:-128}.json" 2>&1 | tee "$out/bench_${a}_${b:-128}.log" || rc=1 ;;
+    profile)
+      name="profile_${a}_${b:-128}_${c:-fp8vit-fp8-delayed-graphed}"
+      python3 -m fp8vit.tools.profiling --model "$a" --batch-size "${b:-128}" --variant "${c:-fp8vit-fp8-delayed-graphed}" \
+        --kernels "$out/$name.kernels.txt" > "$out/$name.log" 2>&1 || rc=1
+      grep -A12 "wall" "$out/$name.log" ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
 done
