@@ -29,6 +29,7 @@ from .diagnostics import BlockStats, DiagnosisReport, diagnose
 from .distributed import (default_mp_policy, fp8_weight_init, fp8_weight_optimizer, load_checkpoint, save_checkpoint,
                           shard_model)
 from .errors import Check, ConversionError, FP8UnavailableError, TEUnavailableError
+from .eva import TE_EvaBlock
 from .graphs import GraphedBlocks, make_graphed_blocks
 from .guards import NonFiniteEvent, NonFiniteGuard
 from .numerics import snr_db
@@ -44,6 +45,7 @@ __all__ = [
     # blocks and model conversion
     "TE_Block",
     "BlockConfig",
+    "TE_EvaBlock",
     "convert_to_te",
     "convert_from_te",
     "FALLBACKS",

@@ -56,7 +56,8 @@ def convert_to_te(
     """Give ``model`` FP8, in place: fp8vit's fused blocks where it has them, else (optionally) FP8 Linears.
 
     Every block whose exact class fp8vit has a family for (``fp8vit.families``: timm's
-    ``vision_transformer.Block`` -> ``TE_Block``) becomes that family's fused block: weights
+    ``vision_transformer.Block`` -> ``TE_Block``, ``eva.EvaBlock`` and ``eva.EvaBlockPostNorm`` ->
+    ``TE_EvaBlock``) becomes that family's fused block: weights
     copied exactly (timm's QKV layout kept), as are training mode, device, dtype and frozen
     parameters (``requires_grad``). A block fp8vit cannot fuse, because it has no family for its
     class (Swin, BEiT, CaiT, ``ResPostBlock``, ``DiffAttention`` blocks, ...) or the block uses an
@@ -84,8 +85,8 @@ def convert_to_te(
             leading dims, FP8 only inside ``fp8_context``; Linears whose features are not
             multiples of 16 stay as they are). ``"keep"``: leave them as they are (they run in
             bf16 under autocast). ``"error"``: raise :class:`ConversionError`. The default is
-            ``"keep"`` because the swap has not yet been shown faster than timm's bf16 eager
-            step on a GPU; it becomes ``"linear"`` only when a measurement shows it is.
+            ``"keep"`` because the swap was measured no faster than timm's bf16 eager step (H200,
+            batch 128: Swin-B 0.90x, BEiT-B 1.00x; docs/families.md): it saves memory, not time.
 
     Returns:
         ``model`` (or the fused block replacing it, if ``model`` is a block of a family).
