@@ -262,9 +262,13 @@ def gated_activation(name: str):
     vectorized kernels do not take: three strided kernels forward and backward, a third of EVA02-B's
     step time outside the GEMMs (docs/performance.md, lever 18).
     """
-    def fn(h: torch.Tensor) -> torch.Tensor:
-        return _GatedActivation.apply(h.contiguous(), name)
-    return fn
+    # A partial of a module-level function, not a closure: the unfused MLP keeps it as an attribute
+    # (``UnfusedMlp.gated_act``), and a closure made ``torch.save(model)`` / pickling fail.
+    return functools.partial(_apply_gated_activation, name=name)
+
+
+def _apply_gated_activation(h: torch.Tensor, name: str) -> torch.Tensor:
+    return _GatedActivation.apply(h.contiguous(), name)
 
 
 @functools.lru_cache(maxsize=None)

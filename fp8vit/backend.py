@@ -115,7 +115,8 @@ def resolve_backend(backend: Optional[str]) -> str:
         raise TEUnavailableError(f"Transformer Engine is installed but unusable: {status.reason}. "
                                  "Fix the install, or pass backend='reference' to run without TE")
     why = status.reason if not status.ok else "no CUDA GPU is visible"
-    warn_once(f"fp8vit: TE_Block uses PyTorch reference modules (same weights, no FP8): {why}",
+    # Not "TE_Block": every fp8vit block (TE_EvaBlock too) and the swapped FP8 Linears come here.
+    warn_once(f"fp8vit: the fused blocks and FP8 Linears use PyTorch reference modules (same weights, no FP8): {why}",
               RuntimeWarning, stacklevel=3)
     return "reference"
 

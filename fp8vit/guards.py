@@ -59,7 +59,9 @@ class NonFiniteEvent:
 
 def _default_blocks(model: nn.Module) -> Dict[str, nn.Module]:
     blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.Sequential):
+    # timm's VisionTransformer holds its blocks in an nn.Sequential, Eva (EVA02, the RoPE ViTs, PE)
+    # in an nn.ModuleList: both, so that a block kept as timm's (module_filter_fn) is watched too.
+    if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
         return {f"blocks.{i}": b for i, b in enumerate(blocks)}
     return {n: m for n, m in model.named_modules() if isinstance(m, FP8Block)}
 
@@ -74,8 +76,9 @@ class NonFiniteGuard:
     Args:
         model: the model being trained.
         optimizer: its optimizer.
-        blocks: ``{name: module}`` to attribute problems to; default ``model.blocks`` (timm ViTs)
-            or every fp8vit block (``TE_Block``, ...).
+        blocks: ``{name: module}`` to attribute problems to; default every block of ``model.blocks``
+            (timm's ViTs and EVA models, converted or not) or, without it, every fp8vit block
+            (``TE_Block``, ...).
         max_consecutive: raise ``RuntimeError`` after this many skipped steps in a row (None: never).
         repair_fp8_state: on a skip, replace non-finite values in TE delayed-scaling amax histories by
             zero, so one bad step does not freeze the FP8 scales for the whole history length.

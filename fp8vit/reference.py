@@ -10,6 +10,7 @@ check everything but the kernels. No FP8 here: FP8 needs TE on an FP8-capable GP
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 from typing import Optional
@@ -34,12 +35,10 @@ def _srelu(x):
     return F.relu(x).square()
 
 
-def _gated(act):
-    """TE's gated kernel for ``act``: fc1's output ``[..., 2F]`` -> ``act(first F) * (second F)``."""
-    def fn(x):
-        a, b = x.chunk(2, dim=-1)
-        return act(a) * b
-    return fn
+def _gated(x, act):
+    """TE's gated kernel for ``act``: fc1's output ``x`` ``[..., 2F]`` -> ``act(first F) * (second F)``."""
+    a, b = x.chunk(2, dim=-1)
+    return act(a) * b
 
 
 # TE activation kernel name -> the same function in PyTorch (TE 2.20's LayerNormMLP list, less
@@ -47,7 +46,10 @@ def _gated(act):
 ACTIVATIONS = {"gelu": _gelu_tanh, "qgelu": _qgelu, "relu": F.relu, "srelu": _srelu, "silu": F.silu}
 GATED_ACTIVATIONS = {"geglu": _gelu_tanh, "qgeglu": _qgelu, "reglu": F.relu, "sreglu": _srelu,
                      "swiglu": F.silu, "glu": torch.sigmoid}
-ACTIVATIONS.update({name: _gated(act) for name, act in GATED_ACTIVATIONS.items()})
+# Partials of a module-level function, not closures: the unfused MLP keeps its gated activation as
+# an attribute (``UnfusedMlp.gated_act``), and a closure there made ``torch.save(model)`` and
+# ``pickle.dumps(model)`` of every model with an unfused gated MLP (EVA02's SwiGLU) fail.
+ACTIVATIONS.update({name: functools.partial(_gated, act=act) for name, act in GATED_ACTIVATIONS.items()})
 
 
 def _norm(x, weight, bias, normalization: str, eps: float):
