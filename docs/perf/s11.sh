@@ -8,7 +8,7 @@
 #    MLP's gated kernel, tests/gpu/test_distributed_gpu.py at world size 1), then EVA02-B against
 #    timm eager and compile to check the merged EVA attention did not regress (47.5 ms before).
 # 2. where the unmet targets lose (issue 23): per-kernel profiles of EVA02-L b64, RoPE ViT-B b128 and
-#    PE-core-L/14 336 b32, graphed FP8 and timm + compile; lever 19's RoPE microbenchmark; then the
+#    PE-core-L/14 336 b32, graphed FP8 and timm + compile; the RoPE and LayerScale microbenchmarks; then the
 #    EVA-style convergence run.
 # 3. world-size-1 scaling measurements for docs/scaling.md (issue 25): ViT-H and ViT-g/14 under DDP,
 #    FSDP2 bf16 and FSDP2 + FP8 weights.
@@ -27,6 +27,7 @@ case $1 in
       profile:eva02_large_patch14_224:64:timm-bf16-compile profile:vit_base_patch16_rope_224:128:timm-bf16-compile
     . /tmp/te_env.sh; export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
     python3 docs/perf/rope_qkv_bench.py 2>&1 | tee "$out/rope_qkv_bench.log" | tail -6
+    python3 docs/perf/layerscale_bench.py 2>&1 | tee "$out/layerscale_bench.log" | tail -6
     mkdir -p "$out/convergence"
     python3 examples/convergence.py --setup eva-digits --seeds 8 --workers 16 \
       --variants timm-bf16 fp8vit-bf16 fp8-delayed fp8-current \

@@ -1,0 +1,65 @@
+"""LayerScale's cost in a bf16 residual block, timm's way against the multiply in the stream's dtype
+(docs/performance.md, "The unmet targets": RoPE ViT-B's +12.9 ms; prediction 4-5 ms per step of it
+is LayerScale's fp32 elementwise work).
+
+    python3 docs/perf/layerscale_bench.py          # on the GPU machine
+
+Per residual branch (forward + backward, the branch output ``a`` [B, N, C] bf16, ``gamma`` [C] fp32
+trainable, the stream ``x`` bf16):
+  timm    x + (gamma * a).to(bf16)        gamma * a promotes to fp32 (what TE_Block's timm LayerScale
+                                          and TE_EvaBlock's gamma do under autocast, with the cast back
+                                          that FP8Block._residual adds)
+  bf16    x + gamma.to(bf16) * a          the product in bf16 (one rounding of gamma, 2^-9 relative)
+  none    x + a                           no LayerScale: the floor
+Times: CUDA events, median of 50 after 10 warm-up; per step = 2 branches x depth blocks.
+"""
+
+import statistics
+
+import torch
+
+SHAPES = {"RoPE ViT-B b128": (128, 197, 768, 12), "EVA02-L b64": (64, 257, 1024, 24),
+          "PE-core-L b32": (32, 577, 1024, 24), "ViT-H b128": (128, 257, 1280, 32)}
+
+
+def branch(kind, x, a, gamma, g):
+    a = a.detach().requires_grad_(True)
+    if kind == "timm":
+        y = x + (gamma * a).to(x.dtype)
+    elif kind == "bf16":
+        y = x + gamma.to(a.dtype) * a
+    else:
+        y = x + a
+    y.backward(g)
+
+
+def median_ms(fn, *args, reps=50, warmup=10):
+    for _ in range(warmup):
+        fn(*args)
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn(*args)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def main():
+    torch.manual_seed(0)
+    print(f"{'shape':16s} {'timm ms':>8s} {'bf16 ms':>8s} {'none ms':>8s}   per step (2 x depth): timm - none, bf16 - none")
+    for name, (B, N, C, depth) in SHAPES.items():
+        x = torch.randn(B, N, C, device="cuda", dtype=torch.bfloat16)
+        a = torch.randn_like(x)
+        g = torch.randn_like(x)
+        gamma = torch.full((C,), 0.1, device="cuda", requires_grad=True)
+        t = {k: median_ms(branch, k, x, a, gamma, g) for k in ("timm", "bf16", "none")}
+        per = 2 * depth
+        print(f"{name:16s} {t['timm']:8.3f} {t['bf16']:8.3f} {t['none']:8.3f}   "
+              f"{per * (t['timm'] - t['none']):6.2f} ms, {per * (t['bf16'] - t['none']):6.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
