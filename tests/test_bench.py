@@ -429,3 +429,37 @@ def test_convergence_outliers_keep_the_function_and_convert(setup):
     fp8vit.convert_to_te(model, backend="reference")
     expected = {"digits": "TE_Block", "eva-digits": "TE_EvaBlock"}[setup]
     assert [type(b).__name__ for b in model.blocks] == [expected] * 2
+
+
+def test_bench_nproc_runs_each_process_count_and_reports_scaling(tmp_path):
+    # Two CPU processes under torch.distributed.run (gloo, DDP) against one plain process: the same
+    # machinery that measures N GPUs. The numbers are checked for consistency, not speed.
+    out = tmp_path / "s.json"
+    res = subprocess.run([sys.executable, "-m", "fp8vit.tools.bench", "--model", "micro", "--nproc", "2", "1",
+                          "--variants", "timm-bf16", "fp8vit-bf16", "--steps", "2", "--warmup", "1",
+                          "--no-pipelined", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "=== 2 processes: " in res.stdout and "2 processes in DDP" in res.stdout
+    data = json.loads(out.read_text())
+    assert data["nproc"] == [1, 2] and set(data["runs"]) == {"1", "2"}
+    for n in (1, 2):
+        run = data["runs"][str(n)]
+        assert run["world"] == n
+        for r in run["results"]:
+            assert r["world"] == n and r["images_per_s"] == pytest.approx(r["batch"] * n / r["median_ms"] * 1e3)
+    for row in data["scaling"]:
+        one, two = row["images_per_s"]["1"], row["images_per_s"]["2"]
+        assert row["efficiency"]["2"] == pytest.approx(two / (2 * one)) and row["efficiency"]["1"] == pytest.approx(1.0)
+        assert re.search(rf"{row['variant']}\s+4\s+{one:.1f}\s+{two:.1f}\s+{100 * two / (2 * one):.1f}%", res.stdout)
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--nproc", "0"], "--nproc 0: give distinct process counts of 1 or more"),
+    (["--nproc", "2", "2"], "give distinct process counts"),
+    (["--nproc", "2", "--max-batch"], "--max-batch with --nproc"),
+    (["--nproc", "2", "--plot", "x.png"], "--plot with --nproc"),
+])
+def test_bench_nproc_rejects_bad_input(args, msg, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "micro", *args])
+    assert msg in capsys.readouterr().err

@@ -17,6 +17,13 @@ raised while the variants run are listed once each, at the end.
 Two step times: synchronized (the host waits for each step, so host work the GPU waits for counts)
 and pipelined (steps issued back to back, as a training loop without ``.item()`` runs them).
 ``--max-batch`` first finds the largest batch that fits, each probe in a new process.
+
+Several GPUs: under ``torchrun --nproc-per-node N`` every process runs the variants on its own GPU
+with the model in ``DistributedDataParallel`` (after the CUDA-graph capture, before
+``torch.compile``), ``--batch-size`` images per GPU; rank 0 reports, img/s over all N.
+``--nproc 1 N ...`` runs the whole bench once per process count (1: one plain process, no DDP;
+N: under ``torch.distributed.run``) and adds the scaling table: img/s at each count and the scaling
+efficiency img/s(N) / (N * img/s(1)) per variant. On a CPU the processes use gloo.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -95,13 +102,17 @@ def unavailable(variant: str, device: str) -> str:
 
 def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int, device: str,
                 optimizer: str = "sgd", img_size: int = 224, mlp_recompute: int = 0,
-                pipelined: bool = True) -> Dict:
+                pipelined: bool = True, world: int = 1) -> Dict:
     """Build, warm up and time one variant. Returns its measurements (times in ms).
 
     Each timed step is synchronized: its time runs from the GPU reaching the step's first kernel to
     its last, so host work the GPU waits for counts. With ``pipelined`` (CUDA only), as many steps
     again are issued back to back without waiting, as a training loop does, and each is timed
     between events recorded at the step boundaries (idle gaps included).
+
+    Args:
+        world: processes in the default process group (``torchrun``); above 1 the model runs in
+            ``DistributedDataParallel``, ``batch`` is per process and images/s counts all of them.
     """
     torch.manual_seed(0)
     free_gib = None
@@ -109,7 +120,7 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
         torch.cuda.reset_peak_memory_stats()
         free_gib = torch.cuda.mem_get_info()[0] / 2**30
     wl = build_workload(model, variant, batch_size=batch, img_size=img_size, device=device,
-                        mlp_recompute=mlp_recompute)
+                        mlp_recompute=mlp_recompute, ddp=world > 1)
     # Bench learning rates are small and fixed: the step time, not the training, is measured.
     opt = make_optimizer(wl.model.parameters(), optimizer, lr=1e-3 if optimizer == "sgd" else 1e-4,
                          device=device)
@@ -128,8 +139,8 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
     med = statistics.median(times)
     flops = train_flops(wl.model, batch, img_size)  # None: a model the count does not describe
     tflops = flops / (med * 1e-3) / 1e12 if flops is not None else None
-    out = {"variant": variant, "batch": batch, "median_ms": med, "p10_ms": q[0], "p90_ms": q[-1],
-           "min_ms": min(times), "max_ms": max(times), "images_per_s": batch / med * 1e3,
+    out = {"variant": variant, "batch": batch, "world": world, "median_ms": med, "p10_ms": q[0], "p90_ms": q[-1],
+           "min_ms": min(times), "max_ms": max(times), "images_per_s": batch * world / med * 1e3,
            "tflops": tflops, "loss": float(loss), "warmup_s": warm_s,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
            "free_gib_at_start": free_gib}
@@ -342,6 +353,100 @@ def _plot(rows: List[Dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _init_distributed() -> Tuple[int, int]:
+    """``(rank, world)``: under ``torchrun`` (its environment variables), this process joins the
+    default process group, NCCL with one GPU per process (``LOCAL_RANK``) or gloo on CPUs; else
+    ``(0, 1)``."""
+    if "LOCAL_RANK" not in os.environ:
+        return 0, 1
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _inner_args(a: argparse.Namespace) -> List[str]:
+    """The command line of one process count's run under ``--nproc``: what was given, less
+    ``--nproc``, ``--json`` and ``--plot`` (the outer run writes those)."""
+    args = []
+    for flag, value in (("--model", a.model), ("--img-size", a.img_size), ("--steps", a.steps),
+                        ("--warmup", a.warmup), ("--optimizer", a.optimizer),
+                        ("--price-per-hour", a.price_per_hour), ("--mlp-recompute", a.mlp_recompute)):
+        if value is not None:
+            args += [flag, str(value)]
+    if a.batch_size:
+        args += ["--batch-size", *map(str, a.batch_size)]
+    if a.variants:
+        args += ["--variants", *a.variants]
+    if not a.pipelined:
+        args.append("--no-pipelined")
+    return args
+
+
+def _run_scaling(a: argparse.Namespace, device: str) -> int:
+    """``--nproc``: the bench once per process count, each in new processes (output streamed), then
+    the scaling table; ``--json`` gets every run and the table."""
+    runs: Dict[int, Dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in a.nproc:
+            path = os.path.join(tmp, f"bench_{n}.json")
+            launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+                      if n > 1 else [sys.executable])
+            cmd = launch + ["-m", "fp8vit.tools.bench", *_inner_args(a), "--json", path]
+            unit = ("GPU" if device == "cuda" else "process") + ("" if n == 1 else "s" if device == "cuda" else "es")
+            print(f"\n=== {n} {unit}: {' '.join(cmd)}", flush=True)
+            proc = subprocess.run(cmd)
+            if proc.returncode != 0 or not os.path.exists(path):
+                print(f"fp8vit-bench --nproc: the run on {n} process(es) exited with {proc.returncode}; "
+                      "its output is above", file=sys.stderr)
+                return 1
+            with open(path) as f:
+                runs[n] = json.load(f)
+    rows = _scaling_rows(runs)
+    print(f"\nscaling, {runs[a.nproc[0]]['model']}, {runs[a.nproc[0]]['environment']['device']} "
+          f"(batch per {'GPU' if device == 'cuda' else 'process'}; img/s over all of them, synchronized "
+          "medians; efficiency = img/s(N) / (N * img/s(1))):")
+    print(_scaling_table(rows, a.nproc))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"nproc": a.nproc, "runs": {str(n): r for n, r in runs.items()}, "scaling": rows}, f, indent=2)
+    return 0
+
+
+def _scaling_rows(runs: Dict[int, Dict]) -> List[Dict]:
+    """Per (variant, batch): img/s at each process count, and the efficiency against one process
+    (None where a run skipped the variant or has no one-process run)."""
+    rows = []
+    first = next(iter(runs.values()))
+    for r0 in first["results"]:
+        key = (r0["variant"], r0["batch"])
+        ips = {}
+        for n, run in runs.items():
+            r = next((r for r in run["results"] if (r["variant"], r["batch"]) == key), {})
+            ips[n] = r.get("images_per_s")
+        one = ips.get(1)
+        eff = {n: (v / (n * one) if v is not None and one else None) for n, v in ips.items()}
+        rows.append({"variant": key[0], "batch": key[1], "images_per_s": ips, "efficiency": eff})
+    return rows
+
+
+def _scaling_table(rows: List[Dict], nproc: List[int]) -> str:
+    w = max([28] + [len(r["variant"]) for r in rows])
+    head = f"{'variant':{w}s} {'batch':>6s}" + "".join(f" {f'img/s x{n}':>11s}" for n in nproc) + "".join(
+        f" {f'eff x{n}':>8s}" for n in nproc if n > 1)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        line = f"{r['variant']:{w}s} {r['batch']:6d}"
+        line += "".join(f" {r['images_per_s'][n]:11.1f}" if r["images_per_s"][n] is not None else f" {'skipped':>11s}"
+                        for n in nproc)
+        line += "".join(f" {100 * r['efficiency'][n]:7.1f}%" if r["efficiency"][n] is not None else f" {'n/a':>8s}"
+                        for n in nproc if n > 1)
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def _environment(device: str) -> Dict:
     import timm
 
@@ -378,6 +483,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="first find the largest batch that fits for timm-bf16 and each fp8vit FP8 variant "
                    "of --variants (default: the default recipe, eager and graphed); each probe is a new "
                    "process, about 20 s for ViT-H on an H200, 4-8 probes per variant")
+    p.add_argument("--nproc", type=int, nargs="+", default=None, metavar="N",
+                   help="run the bench once per process count, one GPU per process (1: one plain process; "
+                   "N > 1: DDP under torch.distributed.run), and add the scaling efficiency table")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a bar chart (PNG) here")
     a = p.parse_args(argv)
@@ -392,6 +500,38 @@ def main(argv: Optional[List[str]] = None) -> int:
             p.error("--plot needs matplotlib: pip install matplotlib")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.nproc is not None:
+        if "LOCAL_RANK" in os.environ:
+            p.error("--nproc launches its own processes: run it without torchrun")
+        if a.max_batch:
+            p.error("--max-batch with --nproc: find the largest batch on one GPU first (without --nproc)")
+        if a.plot:
+            p.error("--plot with --nproc: the scaling table is text (and in --json); plot one process "
+                    "count's run without --nproc")
+        bad = [n for n in a.nproc if n < 1]
+        gpus = torch.cuda.device_count() if device == "cuda" else None
+        if bad or len(set(a.nproc)) != len(a.nproc):
+            p.error(f"--nproc {' '.join(map(str, a.nproc))}: give distinct process counts of 1 or more")
+        if gpus is not None and max(a.nproc) > gpus:
+            p.error(f"--nproc {max(a.nproc)}: this machine has {gpus} GPU(s), one per process")
+        a.nproc = sorted(a.nproc)
+        return _run_scaling(a, device)
+    rank, world = _init_distributed()
+    if rank != 0:  # rank 0 reports; the others run the same steps in silence
+        sys.stdout = open(os.devnull, "w")
+    try:
+        return _bench(a, p, device, world, rank)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world: int, rank: int) -> int:
+    """The bench in this process (one of ``world`` under torchrun)."""
+    if a.max_batch and world > 1:
+        p.error("--max-batch under torchrun: find the largest batch on one GPU (one process) first")
     model = a.model or ("huge" if device == "cuda" else "micro")
     batches = a.batch_size or ([128] if device == "cuda" else [4])
     steps = a.steps or (30 if device == "cuda" else 3)
@@ -399,8 +539,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     info = gpu_info()
     env = _environment(device)
     recompute = f", MLP recompute in every {a.mlp_recompute} block(s) of fp8vit's variants" if a.mlp_recompute else ""
-    print(f"fp8vit-bench: {model}, batch {batches}, {steps} timed steps after {warmup} warm-up, "
-          f"optimizer {a.optimizer}{recompute}")
+    ddp = f", {world} processes in DDP" if world > 1 else ""
+    print(f"fp8vit-bench: {model}, batch {batches}{' per process' if world > 1 else ''}, {steps} timed steps after {warmup} warm-up, "
+          f"optimizer {a.optimizer}{recompute}{ddp}")
     print(" ".join(f"{k}={v}" for k, v in env.items()))
     named = list(VARIANTS) if a.variants == ["all"] else a.variants
     variants = named or default_variants(info, device)
@@ -434,7 +575,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 with noise.collect(v):
                     r = run_variant(v, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
                                     optimizer=a.optimizer, img_size=a.img_size, pipelined=a.pipelined,
-                                    mlp_recompute=_recompute_for(v, a.mlp_recompute))
+                                    mlp_recompute=_recompute_for(v, a.mlp_recompute), world=world)
                 what = f"{r['median_ms']:.1f} ms"
             except Exception as err:  # noqa: BLE001 - one broken variant is reported, the rest still run
                 r = {"variant": v, "batch": batch, "skipped": f"failed: {type(err).__name__}: {err}"[:300]}
@@ -448,19 +589,19 @@ def main(argv: Optional[List[str]] = None) -> int:
             left = (f"about {format_duration(spent_s / ran * (to_run - ran))} left" if ran < to_run
                     else f"{format_duration(spent_s)} in all")
             print(f"{tag}: {what} ({format_duration(took_s)}; {left})", flush=True)
-        print(f"\n{model}, batch {batch}, {env['device']}{recompute}:")
+        print(f"\n{model}, batch {batch}{' per process' if world > 1 else ''}, {env['device']}{recompute}{ddp}:")
         print(_table(rows, _peak(env["device"]), a.price_per_hour))
         results.extend(rows)
     if extra:
         print(f"\nlargest batch that fits, {model}{recompute}:")
         for v, b in extra.items():
             print(f"  {v:40s} {b:5d}" + (f"  {b / extra['timm-bf16']:.2f}x timm-bf16" if extra["timm-bf16"] else ""))
-    if a.json:
+    if a.json and rank == 0:
         with open(a.json, "w") as f:
-            json.dump({"environment": env, "model": model, "steps": steps, "warmup": warmup,
+            json.dump({"environment": env, "model": model, "world": world, "steps": steps, "warmup": warmup,
                        "optimizer": a.optimizer, "mlp_recompute": a.mlp_recompute, "results": results,
                        "max_batch": extra}, f, indent=2)
-    if a.plot:
+    if a.plot and rank == 0:
         first = [r for r in results if r["batch"] == batches[0]]
         _plot(first, a.plot, f"{model} training step, batch {batches[0]}, {env['device']}")
     if noise.distinct:

@@ -109,7 +109,7 @@ class Workload:
     Attributes:
         model: the model (its parameters are what the optimizer updates).
         variant: what was built.
-        net: what the step calls: ``model`` or its compiled version.
+        net: what the step calls: ``model``, or it wrapped in DDP and/or compiled.
         img_size, num_classes: input resolution and classifier width.
         graphs: the CUDA-graph handle of ``-graphed`` variants.
     """
@@ -162,7 +162,7 @@ def _torchao_fp8(model: nn.Module) -> None:
 
 def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, batch_size: Optional[int] = None,
                    img_size: int = 224, num_classes: int = 1000, device: str = "cuda",
-                   backend: Optional[str] = None, mlp_recompute: int = 0) -> Workload:
+                   backend: Optional[str] = None, mlp_recompute: int = 0, ddp: bool = False) -> Workload:
     """A randomly initialised timm ViT for one variant.
 
     Args:
@@ -176,6 +176,9 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         backend: ``TE_Block`` backend (None: automatic).
         mlp_recompute: recompute the MLP activations of every ``mlp_recompute``-th block
             (:func:`fp8vit.set_mlp_recompute`; 0: none). fp8vit variants only.
+        ddp: wrap the model in ``DistributedDataParallel`` over the default process group (which
+            must be initialized), as a training script does: after the CUDA-graph capture, before
+            ``torch.compile``.
 
     Raises:
         ValueError: an unknown variant, a graphed variant without ``batch_size``, or
@@ -218,7 +221,11 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
             raise ValueError(f"variant {variant!r} captures CUDA graphs: pass batch_size")
         graphs = make_graphed_blocks(net.train(), batch_size, recipe=v.fp8 if v.te_fp8 else None, fp8=v.te_fp8,
                                      cudnn_layernorm=v.cudnn_norm)
-    return Workload(net, v, torch.compile(net) if v.compile else net, img_size, num_classes, graphs)
+    step_net = net
+    if ddp:
+        ids = [torch.cuda.current_device()] if device == "cuda" else None
+        step_net = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids)
+    return Workload(net, v, torch.compile(step_net) if v.compile else step_net, img_size, num_classes, graphs)
 
 
 def make_optimizer(params, name: str = "sgd", *, lr: float, device: str = "cuda") -> torch.optim.Optimizer:
