@@ -211,7 +211,8 @@ def main(argv=None):
             raise SystemExit(f"--mlp-recompute {k}: K is the block interval, 1 (all blocks) or more")
         fp8vit.set_mlp_recompute(model, every=k)
         n = sum(b.recompute_mlp for b in model.blocks)
-        print(f"MLP recompute: {n} of {len(model.blocks)} blocks (every {k})")
+        if rank == 0:  # once, not once per process
+            print(f"MLP recompute: {n} of {len(model.blocks)} blocks (every {k})")
     if args.cudnn_layernorm and not use_fp8:
         raise SystemExit("--cudnn-layernorm needs fp8vit's blocks: drop --no-fp8")
     if args.cudnn_layernorm and not args.cuda_graphs:

@@ -21,6 +21,7 @@ from . import _te
 from .backend import resolve_backend
 from .errors import ConversionError
 from .families import FAMILIES, fp8vit_block_for
+from .graphs import _is_dtensor
 from .layers import FP8Block
 from .linear import is_block, is_swapped, restore_owner, swap_refusal, switch_owner, to_fp8_linear, to_torch_linear
 from .summary import EXCLUDED, ConversionSummary, forget_summary, record_summary
@@ -266,7 +267,22 @@ def convert_from_te(model: nn.Module) -> nn.Module:
 
     Returns:
         ``model`` (or the timm block replacing it, if ``model`` is an fp8vit block).
+
+    Raises:
+        ValueError: ``model`` is sharded (FSDP2's ``fully_shard``, :func:`fp8vit.shard_model`:
+            its parameters are ``DTensor`` shards); nothing is changed then.
     """
+    # A block's to_timm() rebuilds timm's block from its state dict, which under FSDP2 holds
+    # DTensor shards: loading them into the new block's plain tensors failed deep inside
+    # load_state_dict ("aten.copy_.default got mixed torch.Tensor and DTensor"), and a rebuilt
+    # block would not be sharded anyway. Refused before anything changes, saying how instead.
+    sharded = [n for n, p in model.named_parameters() if _is_dtensor(p)]
+    if sharded:
+        raise ValueError(f"convert_from_te: this {type(model).__name__} is sharded ({len(sharded)} DTensor "
+                         f"parameters, e.g. {sharded[0]!r}: FSDP2's fully_shard, fp8vit.shard_model); its timm "
+                         "blocks cannot be rebuilt from shards. Save it with fp8vit.save_checkpoint, load that "
+                         "into the converted model built without sharding (fp8vit.load_checkpoint, in one "
+                         "process too), and convert that one back")
     if isinstance(model, FP8Block):
         return model.to_timm()
     checkpointing = any(m.grad_checkpointing for m in model.modules() if isinstance(m, FP8Block)) or any(

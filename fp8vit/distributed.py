@@ -34,6 +34,7 @@ says why).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -102,7 +103,9 @@ def shard_model(
             needed first in backward, so it is kept).
         mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy``; None: :func:`default_mp_policy`
             (bf16 compute, fp32 reduce). ``MixedPrecisionPolicy()`` computes in the parameters'
-            dtype.
+            dtype. Its ``cast_forward_inputs`` applies to the root (the images) only: the units
+            take their inputs as the model hands them on (the RoPE table that timm's ``Eva``
+            hands every block stays fp32, as it does unsharded).
         units: the modules sharded one by one before the root; default ``model.blocks``' children.
 
     Returns:
@@ -129,9 +132,17 @@ def shard_model(
                            "torch.distributed.init_process_group() first (under torchrun: one process per GPU; "
                            "world size 1 works too)")
     policy = default_mp_policy() if mp_policy is None else mp_policy
+    # FSDP2 casts every floating-point input of a unit's forward to param_dtype, keywords included:
+    # with bf16 that rounded the RoPE table timm's Eva hands each block (blk(x, rope=...)) to bf16
+    # (8 bits of sin and cos; unsharded under fp8_context it stays fp32), so a sharded EVA model
+    # computed another function than the unsharded one, and each block recomputed the RoPE angles
+    # of its own new table instead of reusing the first block's (eva.forward_rope_angles). The
+    # units' x needs no cast: it comes from the root or a unit computing in param_dtype already
+    # (and under fp8_context the blocks cast it to the autocast dtype). The root casts the images.
+    unit_policy = dataclasses.replace(policy, cast_forward_inputs=False)
     attrs = _param_attrs(model)
     for unit in units:
-        fsdp.fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fsdp.fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=unit_policy)
     fsdp.fully_shard(model, mesh=mesh, mp_policy=policy)
     _restore_param_attrs(model, attrs)
     return model

@@ -1,10 +1,16 @@
-"""Shared test helpers: SNR, timm block/model factories, the examples as modules."""
+"""Shared test helpers: SNR, timm block/model factories, the examples as modules, tiny models of every
+block family, and data-parallel runs over 2 gloo processes on the CPU."""
 
+import datetime
 import functools
 import importlib.util
 import os
+import socket
+import traceback
 
+import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fp8vit.numerics import snr_db  # noqa: F401 - one definition, shared by the tests
@@ -210,3 +216,133 @@ def fp32_against_timm(block, te, x: torch.Tensor) -> dict:
     grads = {k: float((p.grad - te_grads[k]).norm()) / max(float(p.grad.norm()), floor)
              for k, p in block.named_parameters()}
     return dict(out=out, dx=rel_l2_err(dx, dx_te), grads=grads, kink_dx=rel_l2_err(dx, grad_of(bumped)))
+
+
+# --------------------------------------------------------------------------- every block family, tiny
+# name: (timm model, its options, fp8vit block class). Images of 4 x 4 patches of 8 px, 2 blocks.
+FAMILY_SMALL = dict(img_size=32, patch_size=8, num_classes=5, depth=2)
+FAMILY_MODELS = {
+    "vit": ("vit_tiny_patch16_224", dict(embed_dim=32, num_heads=2), "TE_Block"),
+    # RoPE, q/v biases with separate q/k/v projections, SwiGLU with a norm before fc2 (hidden 85,
+    # padded to 96): the unfused gated MLP
+    "eva02": ("eva02_base_patch14_224", dict(embed_dim=32, num_heads=2), "TE_EvaBlock"),
+    # AttentionRope with one fused qkv Linear, LayerScale, erf GELU
+    "rope_vit": ("vit_base_patch16_rope_224", dict(embed_dim=32, num_heads=2), "TE_EvaBlock"),
+    # EvaBlockPostNorm: norms after the branches, a packed SwiGLU run unfused
+    "eva_post_norm": ("eva02_tiny_patch14_224", dict(embed_dim=48, num_heads=3, use_post_norm=True),
+                      "TE_EvaBlock"),
+}
+
+
+def family_timm_model(key, seed=0):
+    """The timm model ``key`` of FAMILY_MODELS in eval mode, every tensor moved off its init value
+    (timm zero-inits biases and LayerScale), so that a tensor mapped wrong shows."""
+    import timm
+
+    name, kw, _ = FAMILY_MODELS[key]
+    if name not in timm.list_models(name):
+        pytest.skip(f"timm {timm.__version__} has no {name}")
+    torch.manual_seed(seed)
+    model = timm.create_model(name, pretrained=False, **FAMILY_SMALL, **kw).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+# --------------------------------------------------------------------------- data parallel on the CPU
+WORLD = 2
+STEPS = 3
+BATCH = 4  # per rank; the single-process run takes WORLD * BATCH
+
+# fp32 on 2 ranks against 1: the same sums in another order. After 3 SGD steps (lr 0.1, momentum) the
+# parameters agree to 1.9e-8 (measured on 2 CPU cores, printed by the tests); 1e-5 leaves room for
+# another CPU's kernels and still catches a gradient that is not averaged or reduced (the steps are
+# 1e-3 to 1e-1 per weight) or a shard left out.
+FP32_ATOL = 1e-5
+
+
+def dp_batches():
+    """STEPS batches of WORLD * BATCH 32 px images, labels in [0, 3)."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(WORLD * BATCH, 3, 32, 32, generator=g), torch.randint(0, 3, (WORLD * BATCH,), generator=g))
+            for _ in range(STEPS)]
+
+
+def dp_train(net, batches, rank=None, opt=None):
+    """SGD steps on ``batches``, rank ``rank``'s slice of each (None: all of it). Returns the optimizer."""
+    opt = opt or torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches:
+        if rank is not None:
+            x, y = x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH]
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return opt
+
+
+def full_params(model):
+    """{name: full fp32 parameter}; a collective for a sharded model (every rank calls it)."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+            for n, p in model.named_parameters()}
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def rel_update_err(start, ref, test):
+    """max over parameters of ||test update - ref update|| / ||ref update||."""
+    return max(float((test[k] - ref[k]).norm() / (ref[k] - start[k]).norm()) for k in ref
+               if float((ref[k] - start[k]).norm()) > 0)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_worker(rank, port, tmp, cases):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # A case that fails on one rank leaves the other in a collective: time out instead of hanging.
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD,
+                                         timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)  # two processes on CI's two cores
+    results = {}
+    try:
+        for name, case in cases.items():
+            try:
+                results[name] = case(rank, tmp)
+            except Exception:  # noqa: BLE001 - reported by that case's test
+                results[name] = {"traceback": traceback.format_exc()}
+    finally:
+        torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
+        torch.distributed.destroy_process_group()
+
+
+def run_ranks(cases, tmp):
+    """Run every ``case(rank, tmp)`` of ``cases`` ({name: module-level function}) on each of WORLD
+    gloo processes, in one ``torch.multiprocessing.spawn`` (starting processes that import torch
+    and timm is most of the cost).
+
+    Returns:
+        ``[results of rank 0, results of rank 1]``, each ``{case: result}``; a case that raised has
+        ``{"traceback": ...}`` instead, so that each test fails on its own (:func:`rank_results`).
+    """
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip(f"torch {torch.__version__} has no gloo backend for CPU process groups")
+    torch.multiprocessing.spawn(_rank_worker, args=(free_port(), tmp, cases), nprocs=WORLD)
+    return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+def rank_results(results, case):
+    """Each rank's result of ``case`` (from :func:`run_ranks`); fails with a rank's traceback."""
+    out = []
+    for r, res in enumerate(results):
+        got = res[case]
+        if "traceback" in got:
+            pytest.fail(f"rank {r}, case {case}:\n{got['traceback']}")
+        out.append(got)
+    return out

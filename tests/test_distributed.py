@@ -7,27 +7,15 @@ two Python processes that import torch and timm is most of their cost. Each case
 traceback comes back per rank, so each test fails on its own.
 """
 
-import datetime
 import os
-import socket
-import traceback
 
 import pytest
 import torch
-import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
 import fp8vit
-
-WORLD = 2
-STEPS = 3
-BATCH = 4  # per rank; the single-process run takes WORLD * BATCH
-
-# fp32 on 2 ranks against 1: the same sums in another order. After 3 SGD steps (lr 0.1, momentum) the
-# parameters agree to 1.9e-8 (measured on 2 CPU cores, printed by the tests); 1e-5 leaves room for
-# another CPU's kernels and still catches a gradient that is not averaged or reduced (the steps are
-# 1e-3 to 1e-1 per weight) or a shard left out.
-FP32_ATOL = 1e-5
+from helpers import (FP32_ATOL, WORLD, dp_batches, dp_train, full_params, max_diff, rank_results, rel_update_err,
+                     run_ranks)
 
 
 def _vit(**kw):
@@ -36,57 +24,22 @@ def _vit(**kw):
     return fp8vit.convert_to_te(model, backend="reference", exact_gelu=True)
 
 
-def _batches():
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(WORLD * BATCH, 3, 32, 32, generator=g), torch.randint(0, 3, (WORLD * BATCH,), generator=g))
-            for _ in range(STEPS)]
-
-
-def _train(net, batches, rank=None, opt=None):
-    """SGD steps on ``batches``, rank ``rank``'s slice of each (None: all of it). Returns the optimizer."""
-    opt = opt or torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    for x, y in batches:
-        if rank is not None:
-            x, y = x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH]
-        F.cross_entropy(net(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return opt
-
-
-def _full(model):
-    """{name: full fp32 parameter}; a collective for a sharded model (every rank calls it)."""
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
-            for n, p in model.named_parameters()}
-
-
-def _max_diff(a, b):
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-def _rel_update_err(start, ref, test):
-    """max over parameters of ||test update - ref update|| / ||ref update||."""
-    return max(float((test[k] - ref[k]).norm() / (ref[k] - start[k]).norm()) for k in ref
-               if float((ref[k] - start[k]).norm()) > 0)
-
-
 # --------------------------------------------------------------------------- the 2-process cases
 def _case_fsdp_fp32(rank, tmp):
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    batches = _batches()
+    batches = dp_batches()
     ref = _vit()
-    _train(ref, batches)
+    dp_train(ref, batches)
     model = fp8vit.shard_model(_vit(), mp_policy=MixedPrecisionPolicy())
     local = model.blocks[0].qkv.weight.to_local().shape[0]
-    _train(model, batches, rank)
-    return {"diff": _max_diff(_full(ref), _full(model)), "local_rows": local}
+    dp_train(model, batches, rank)
+    return {"diff": max_diff(full_params(ref), full_params(model)), "local_rows": local}
 
 
 def _case_fsdp_bf16(rank, tmp):
-    batches = _batches()
-    start, ref = _full(_vit()), _vit()
-    _train(ref, batches)
+    batches = dp_batches()
+    start, ref = full_params(_vit()), _vit()
+    dp_train(ref, batches)
     model = fp8vit.shard_model(_vit())  # fp8vit's default: bf16 compute, fp32 reduce
     dtype = {}
 
@@ -94,48 +47,48 @@ def _case_fsdp_bf16(rank, tmp):
         dtype["w"] = block.qkv.weight.dtype
 
     model.blocks[0].register_forward_pre_hook(seen)
-    _train(model, batches, rank)
-    return {"update_err": _rel_update_err(start, _full(ref), _full(model)), "compute_dtype": str(dtype["w"]),
-            "shard_dtype": str(model.blocks[0].qkv.weight.dtype)}
+    dp_train(model, batches, rank)
+    return {"update_err": rel_update_err(start, full_params(ref), full_params(model)),
+            "compute_dtype": str(dtype["w"]), "shard_dtype": str(model.blocks[0].qkv.weight.dtype)}
 
 
 def _case_fsdp_checkpointing(rank, tmp):
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    batches, out = _batches(), {}
+    batches, out = dp_batches(), {}
     ref = _vit()
-    _train(ref, batches)
+    dp_train(ref, batches)
     for name, switch in (("grad_checkpointing", fp8vit.set_grad_checkpointing), ("mlp_recompute", fp8vit.set_mlp_recompute)):
         model = fp8vit.shard_model(switch(_vit()), mp_policy=MixedPrecisionPolicy())
-        _train(model, batches, rank)
-        out[name] = _max_diff(_full(ref), _full(model))
+        dp_train(model, batches, rank)
+        out[name] = max_diff(full_params(ref), full_params(model))
     return out
 
 
 def _case_ddp(rank, tmp):
-    batches = _batches()
+    batches = dp_batches()
     ref, model = _vit(), _vit()
-    _train(ref, batches)
-    _train(torch.nn.parallel.DistributedDataParallel(model), batches, rank)
-    return {"diff": _max_diff(_full(ref), _full(model))}
+    dp_train(ref, batches)
+    dp_train(torch.nn.parallel.DistributedDataParallel(model), batches, rank)
+    return {"diff": max_diff(full_params(ref), full_params(model))}
 
 
 def _case_checkpoint_round_trip(rank, tmp):
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    batches = _batches() * 2
+    batches = dp_batches() * 2
     path = os.path.join(tmp, "fsdp_ckpt")
     model = fp8vit.shard_model(_vit(), mp_policy=MixedPrecisionPolicy())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _train(model, batches[:2], rank, opt)
-    saved = _full(model)
+    dp_train(model, batches[:2], rank, opt)
+    saved = full_params(model)
     fp8vit.save_checkpoint(path, model, opt, extra={"step": 2, "note": "after 2 steps"})
-    _train(model, batches[2:], rank, opt)
+    dp_train(model, batches[2:], rank, opt)
     fresh = fp8vit.shard_model(_vit(), mp_policy=MixedPrecisionPolicy())
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     extra = fp8vit.load_checkpoint(path, fresh, fresh_opt)
-    loaded = _full(fresh)
-    _train(fresh, batches[2:], rank, fresh_opt)
-    out = {"loaded_diff": _max_diff(saved, loaded), "continued_diff": _max_diff(_full(model), _full(fresh)),
-           "extra": extra}
+    loaded = full_params(fresh)
+    dp_train(fresh, batches[2:], rank, fresh_opt)
+    out = {"loaded_diff": max_diff(saved, loaded),
+           "continued_diff": max_diff(full_params(model), full_params(fresh)), "extra": extra}
     if rank == 0:
         torch.save(saved, os.path.join(tmp, "fsdp_ckpt_full.pt"))
     return out
@@ -153,48 +106,15 @@ def _case_graphs_refuse_sharded(rank, tmp):
 CASES = {name[len("_case_"):]: fn for name, fn in dict(globals()).items() if name.startswith("_case_")}
 
 
-def _worker(rank, port, tmp):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # A case that fails on one rank leaves the other in a collective: time out instead of hanging.
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD,
-                                         timeout=datetime.timedelta(seconds=60))
-    torch.set_num_threads(1)  # two processes on CI's two cores
-    results = {}
-    try:
-        for name, case in CASES.items():
-            try:
-                results[name] = case(rank, tmp)
-            except Exception:  # noqa: BLE001 - reported by that case's test
-                results[name] = {"traceback": traceback.format_exc()}
-    finally:
-        torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
-        torch.distributed.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """``[results of rank 0, results of rank 1]``, each ``{case: result}``."""
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip(f"torch {torch.__version__} has no gloo backend for CPU process groups")
+    """``([results of rank 0, results of rank 1], tmp)``, each ``{case: result}``."""
     tmp = str(tmp_path_factory.mktemp("dist"))
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), tmp), nprocs=WORLD)
-    return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)], tmp
+    return run_ranks(CASES, tmp), tmp
 
 
 def _result(ranks, case):
-    out = []
-    for r, res in enumerate(ranks[0]):
-        got = res[case]
-        if "traceback" in got:
-            pytest.fail(f"rank {r}, case {case}:\n{got['traceback']}")
-        out.append(got)
-    return out
+    return rank_results(ranks[0], case)
 
 
 def test_fsdp2_trains_as_one_process_on_the_whole_batch(ranks):
@@ -241,7 +161,7 @@ def test_dcp_checkpoint_of_two_ranks_loads_into_one_unsharded_model(ranks):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     extra = fp8vit.load_checkpoint(os.path.join(tmp, "fsdp_ckpt"), model, opt)  # no process group here
     saved = torch.load(os.path.join(tmp, "fsdp_ckpt_full.pt"))
-    assert _max_diff(saved, _full(model)) == 0.0 and extra["step"] == 2
+    assert max_diff(saved, full_params(model)) == 0.0 and extra["step"] == 2
     assert all(s["step"] == 2 for s in opt.state_dict()["state"].values())  # Adam's state came along
 
 
@@ -296,7 +216,7 @@ def test_checkpoint_restores_fp8_scaling_state_into_a_fresh_model(tmp_path):
     model = _vit()
     model.head = torch.nn.Sequential(model.head, _ScaleState())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    _train(model, _batches()[:1], opt=opt)
+    dp_train(model, dp_batches()[:1], opt=opt)
     fp8vit.save_checkpoint(str(tmp_path / "ckpt"), model, opt)
     fresh = _vit()
     fresh.head = torch.nn.Sequential(fresh.head, _ScaleState())
@@ -305,7 +225,7 @@ def test_checkpoint_restores_fp8_scaling_state_into_a_fresh_model(tmp_path):
     got, want = fresh.head[1].state, model.head[1].state
     assert torch.equal(got["scale_fwd"], want["scale_fwd"]) and got["recipe"] == want["recipe"]
     assert got["format"] == want["format"] and "extra_fp8_variables" not in got  # DCP drops empty dicts
-    assert _max_diff(_full(model), _full(fresh)) == 0.0
+    assert max_diff(full_params(model), full_params(fresh)) == 0.0
 
 
 class _OmitsEmptyState(_ScaleState):

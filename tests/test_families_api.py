@@ -25,36 +25,12 @@ import fp8vit._warn
 import fp8vit.diagnostics as dg
 from fp8vit.tools import bench
 from fp8vit.tools import diagnose as diagnose_cli
-from helpers import load_example, max_rel_err
+from helpers import FAMILY_MODELS, family_timm_model, load_example, max_rel_err
 
-# name: (timm model, its options, fp8vit block class). Images of 4 x 4 patches of 8 px, 2 blocks.
-SMALL = dict(img_size=32, patch_size=8, num_classes=5, depth=2)
-MODELS = {
-    "vit": ("vit_tiny_patch16_224", dict(embed_dim=32, num_heads=2), "TE_Block"),
-    # RoPE, q/v biases with separate q/k/v projections, SwiGLU with a norm before fc2 (hidden 85,
-    # padded to 96): the unfused gated MLP
-    "eva02": ("eva02_base_patch14_224", dict(embed_dim=32, num_heads=2), "TE_EvaBlock"),
-    # AttentionRope with one fused qkv Linear, LayerScale, erf GELU
-    "rope_vit": ("vit_base_patch16_rope_224", dict(embed_dim=32, num_heads=2), "TE_EvaBlock"),
-    # EvaBlockPostNorm: norms after the branches, a packed SwiGLU run unfused
-    "eva_post_norm": ("eva02_tiny_patch14_224", dict(embed_dim=48, num_heads=3, use_post_norm=True),
-                      "TE_EvaBlock"),
-}
+# name: (timm model, its options, fp8vit block class), tiny; shared with test_distributed_families.py
+MODELS = FAMILY_MODELS
 KEYS = list(MODELS)
-
-
-def _timm_model(key, seed=0):
-    """The timm model ``key`` of MODELS in eval mode, every tensor moved off its init value (timm
-    zero-inits biases and LayerScale), so that a tensor mapped wrong shows."""
-    name, kw, _ = MODELS[key]
-    if name not in timm.list_models(name):
-        pytest.skip(f"timm {timm.__version__} has no {name}")
-    torch.manual_seed(seed)
-    model = timm.create_model(name, pretrained=False, **SMALL, **kw).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+_timm_model = family_timm_model
 
 
 def _converted(key, seed=0, **kw):
