@@ -90,8 +90,12 @@ def shard_model(
 
     Call it after :func:`convert_to_te` (and :func:`fp8_weight_init`, if used), with the model on
     its device and ``torch.distributed`` initialized, before building the optimizer (which must
-    see the sharded parameters). Train inside :func:`fp8_context` as usual; the forward must
-    run on the returned model (the same object).
+    see the sharded parameters). Build the optimizer right after it, before any forward: a forward
+    with no backward after it (an evaluation under ``no_grad``) leaves the root's own parameters
+    (embeddings, final norm, head) unsharded until the next backward, and an optimizer built in
+    between holds those tensors, so they would never train (FSDP2's behaviour; seen on the CPU).
+    Train inside :func:`fp8_context` as usual; the forward must run on the returned model (the
+    same object).
 
     Args:
         model: a converted timm ViT (blocks in ``model.blocks``), or any model with ``units``.
