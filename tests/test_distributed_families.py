@@ -76,8 +76,15 @@ class _InContext(torch.nn.Module):
                 return self.model(x)
 
 
-def _counting(module, counts, i):
-    module.register_forward_pre_hook(lambda *a: counts.__setitem__(i, counts[i] + 1))
+def _train_counting(model, part, ref, batches, rank):
+    """Train ``model`` on ``batches``, counting the forwards of each block's ``part`` (``"attn"``,
+    ``"mlp"``: a recomputed one runs twice); returns (the largest parameter difference from
+    ``ref``'s, the counts per block)."""
+    calls = [0] * len(model.blocks)
+    for i, blk in enumerate(model.blocks):
+        getattr(blk, part).register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
+    dp_train(model, batches, rank)
+    return max_diff(full_params(ref), full_params(model)), calls
 
 
 # --------------------------------------------------------------------------- the 2-process cases
@@ -143,28 +150,16 @@ def _case_checkpointing(rank, tmp, key):
     out["before"] = max_diff(full_params(ref), full_params(model))
     model = fp8vit.shard_model(_converted(key), mp_policy=_fp32())
     model.set_grad_checkpointing(True)
-    calls = [0, 0]
-    for i, blk in enumerate(model.blocks):
-        _counting(blk.attn, calls, i)
-    dp_train(model, batches, rank)
-    out["after"], out["after_calls"] = max_diff(full_params(ref), full_params(model)), calls
+    out["after"], out["after_calls"] = _train_counting(model, "attn", ref, batches, rank)
     model = fp8vit.shard_model(fp8vit.set_mlp_recompute(_converted(key), every=2), mp_policy=_fp32())
-    calls = [0, 0]
-    for i, blk in enumerate(model.blocks):
-        _counting(blk.mlp, calls, i)
-    dp_train(model, batches, rank)
-    out["mlp"], out["mlp_calls"] = max_diff(full_params(ref), full_params(model)), calls
+    out["mlp"], out["mlp_calls"] = _train_counting(model, "mlp", ref, batches, rank)
     # blocks.0 kept as timm's: it checkpoints itself (RoPE table included) inside its FSDP2 unit
     keep = dict(module_filter_fn=lambda m, fqn: fqn != "blocks.0")
     ref = _converted(key, **keep)
     dp_train(ref, batches)
     model = fp8vit.shard_model(_converted(key, **keep), mp_policy=_fp32())
     fp8vit.set_grad_checkpointing(model)
-    calls = [0, 0]
-    for i, blk in enumerate(model.blocks):
-        _counting(blk.attn, calls, i)
-    dp_train(model, batches, rank)
-    out["kept"], out["kept_calls"] = max_diff(full_params(ref), full_params(model)), calls
+    out["kept"], out["kept_calls"] = _train_counting(model, "attn", ref, batches, rank)
     out["kept_block"] = type(model.blocks[0]).__name__
     return out
 

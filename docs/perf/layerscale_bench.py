@@ -14,9 +14,9 @@ trainable, the stream ``x`` bf16):
 Times: CUDA events, median of 50 after 10 warm-up; per step = 2 branches x depth blocks.
 """
 
-import statistics
-
 import torch
+
+from fp8vit.tools.timing import median_ms
 
 SHAPES = {"RoPE ViT-B b128": (128, 197, 768, 12), "EVA02-L b64": (64, 257, 1024, 24),
           "PE-core-L b32": (32, 577, 1024, 24), "ViT-H b128": (128, 257, 1280, 32)}
@@ -33,18 +33,6 @@ def branch(kind, x, a, gamma, g):
     y.backward(g)
 
 
-def median_ms(fn, *args, reps=50, warmup=10):
-    for _ in range(warmup):
-        fn(*args)
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn(*args)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 def main():

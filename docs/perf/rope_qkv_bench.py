@@ -12,14 +12,13 @@ Both are checked against each other first (outputs and the packed gradient, exac
 of float operations). Times: CUDA events, median of 50 after 10 warm-up, ratios within this run.
 """
 
-import statistics
-
 import torch
 
 import fp8vit  # noqa: F401  (loads TE before torch's first cuDNN kernel)
 from fp8vit import _te
 from fp8vit.eva import rope_angles
 from fp8vit.layers import SplitQKV
+from fp8vit.tools.timing import median_ms
 
 SHAPES = {"EVA02-B b128": (128, 257, 12, 64), "EVA02-L b64": (64, 257, 16, 64),
           "RoPE ViT-B b128": (128, 197, 12, 64), "PE-core-L b32": (32, 577, 16, 64)}
@@ -47,18 +46,6 @@ def step(fn, qkv, table, H, D, grads):
     return outs, x.grad
 
 
-def median_ms(fn, *args, reps=50, warmup=10):
-    for _ in range(warmup):
-        fn(*args)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(*args)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main():

@@ -9,12 +9,13 @@ reached the last one. On CPU, where the work is synchronous, it reads the host c
 
 from __future__ import annotations
 
+import statistics
 import time
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
-__all__ = ["Stopwatch", "format_duration"]
+__all__ = ["Stopwatch", "median_ms", "format_duration"]
 
 
 class Stopwatch:
@@ -71,6 +72,27 @@ class Stopwatch:
             return (end - self._start) * 1e3, end
         end.synchronize()  # the GPU has run everything issued before this read
         return self._start.elapsed_time(end), end
+
+
+def median_ms(fn: Callable, *args, device: Union[str, torch.device] = "cuda", reps: int = 50,
+              warmup: int = 10) -> float:
+    """Median time of ``fn(*args)`` on ``device`` over ``reps`` calls after ``warmup`` untimed ones,
+    each call timed alone with a :class:`Stopwatch` (the host waits for each): for microbenchmarks.
+
+    Args:
+        fn: the work to time; its result is dropped.
+        device: where ``fn`` runs.
+        reps, warmup: timed and untimed calls.
+    """
+    for _ in range(warmup):
+        fn(*args)
+    watch = Stopwatch(device)
+    times = []
+    for _ in range(reps):
+        watch.start()
+        fn(*args)
+        times.append(watch.elapsed_ms())
+    return statistics.median(times)
 
 
 def format_duration(seconds: float) -> str:
