@@ -437,9 +437,13 @@ def test_bench_nproc_runs_each_process_count_and_reports_scaling(tmp_path):
     out = tmp_path / "s.json"
     res = subprocess.run([sys.executable, "-m", "fp8vit.tools.bench", "--model", "micro", "--nproc", "2", "1",
                           "--variants", "timm-bf16", "fp8vit-bf16", "--steps", "2", "--warmup", "1",
-                          "--no-pipelined", "--json", str(out)], capture_output=True, text=True, timeout=600)
+                          "--no-pipelined", "--price-per-hour", "3.6", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "=== 2 processes: " in res.stdout and "2 processes in DDP" in res.stdout
+    # $ per 1M images prices every process's GPU: 2 x $3.6/h at the two processes' img/s
+    two = json.loads(out.read_text())["runs"]["2"]["results"][0] if out.exists() else None
+    assert two and f"{2 * 3.6 / 3600 / two['images_per_s'] * 1e6:9.2f}" in res.stdout
     data = json.loads(out.read_text())
     assert data["nproc"] == [1, 2] and set(data["runs"]) == {"1", "2"}
     for n in (1, 2):

@@ -20,7 +20,8 @@ and pipelined (steps issued back to back, as a training loop without ``.item()``
 
 Several GPUs: under ``torchrun --nproc-per-node N`` every process runs the variants on its own GPU
 with the model in ``DistributedDataParallel`` (after the CUDA-graph capture, before
-``torch.compile``), ``--batch-size`` images per GPU; rank 0 reports, img/s over all N.
+``torch.compile``), ``--batch-size`` images per GPU; rank 0 reports: img/s and $ per 1M images over
+all N GPUs, TFLOP/s and memory per GPU.
 ``--nproc 1 N ...`` runs the whole bench once per process count (1: one plain process, no DDP;
 N: under ``torch.distributed.run``) and adds the scaling table: img/s at each count and the scaling
 efficiency img/s(N) / (N * img/s(1)) per variant. On a CPU the processes use gloo.
@@ -473,7 +474,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "torchao-fp8-compile and fp8vit's fastest here (fp8vit-fp8-<the GPU's default "
                    "recipe>-graphed), a few minutes at ViT-H")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
-    p.add_argument("--price-per-hour", type=float, default=None, help="GPU price, for $ per 1M images")
+    p.add_argument("--price-per-hour", type=float, default=None, help="the price of one GPU per hour, for $ per 1M images")
     p.add_argument("--mlp-recompute", type=int, default=0, metavar="K",
                    help="fp8vit variants recompute the MLP activations of every K-th block in backward "
                    "(fp8vit.set_mlp_recompute(every=K); default 0: none)")
@@ -590,7 +591,8 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
                     else f"{format_duration(spent_s)} in all")
             print(f"{tag}: {what} ({format_duration(took_s)}; {left})", flush=True)
         print(f"\n{model}, batch {batch}{' per process' if world > 1 else ''}, {env['device']}{recompute}{ddp}:")
-        print(_table(rows, _peak(env["device"]), a.price_per_hour))
+        # img/s counts every process's images: the price is that of all their GPUs
+        print(_table(rows, _peak(env["device"]), a.price_per_hour * world if a.price_per_hour else None))
         results.extend(rows)
     if extra:
         print(f"\nlargest batch that fits, {model}{recompute}:")
