@@ -21,10 +21,10 @@ from . import _te
 from .backend import resolve_backend
 from .errors import ConversionError
 from .families import FAMILIES, fp8vit_block_for
-from .graphs import _is_dtensor
 from .layers import FP8Block
 from .linear import is_block, is_swapped, restore_owner, swap_refusal, switch_owner, to_fp8_linear, to_torch_linear
 from .summary import EXCLUDED, ConversionSummary, forget_summary, record_summary
+from .weights import is_sharded
 
 __all__ = ["convert_to_te", "convert_from_te", "set_grad_checkpointing", "set_mlp_recompute", "set_block_fp8",
            "ModuleFilter", "FALLBACKS"]
@@ -276,7 +276,7 @@ def convert_from_te(model: nn.Module) -> nn.Module:
     # DTensor shards: loading them into the new block's plain tensors failed deep inside
     # load_state_dict ("aten.copy_.default got mixed torch.Tensor and DTensor"), and a rebuilt
     # block would not be sharded anyway. Refused before anything changes, saying how instead.
-    sharded = [n for n, p in model.named_parameters() if _is_dtensor(p)]
+    sharded = [n for n, p in model.named_parameters() if is_sharded(p)]
     if sharded:
         raise ValueError(f"convert_from_te: this {type(model).__name__} is sharded ({len(sharded)} DTensor "
                          f"parameters, e.g. {sharded[0]!r}: FSDP2's fully_shard, fp8vit.shard_model); its timm "

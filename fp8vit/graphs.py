@@ -51,6 +51,7 @@ from .detect import gpu_info
 from .errors import FP8UnavailableError
 from .layers import FP8Block
 from .recipes import recipe_name, resolve_recipe
+from .weights import is_sharded
 
 __all__ = ["make_graphed_blocks", "GraphedBlocks", "graphed_modules", "WHY_NOT_WITH_FSDP2"]
 
@@ -65,14 +66,6 @@ WHY_NOT_WITH_FSDP2 = (
     "go to weight.main_grad, past FSDP2's reduce-scatter (TE's own FSDP2 test of "
     "fuse_wgrad_accumulation is a strict xfail: tests/pytorch/distributed/fsdp2_tests/"
     "run_fsdp2_fused_adam.py). Graphed blocks train data-parallel under DDP; FSDP2 runs eagerly")
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    # torch builds without distributed support have no DTensor (and no FSDP2)
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-    return isinstance(t, DTensor)
 
 
 def graphed_modules(model: nn.Module) -> list:
@@ -310,7 +303,7 @@ def make_graphed_blocks(
     if dtype not in AUTOCAST_DTYPES:
         raise ValueError(f"make_graphed_blocks(dtype={dtype}): use one of {AUTOCAST_DTYPES}")
     param = next(blocks.parameters())
-    if _is_dtensor(param):
+    if is_sharded(param):
         raise ValueError(f"make_graphed_blocks: the blocks' parameters are {type(param).__name__}s, sharded by "
                          f"FSDP2 (fully_shard); {WHY_NOT_WITH_FSDP2}: capture before sharding is refused too, "
                          "so graph the model and wrap it in DDP, or shard it and train eagerly")

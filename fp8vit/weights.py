@@ -36,7 +36,7 @@ import torch
 from .config import BlockConfig
 
 __all__ = ["Part", "Tie", "rename", "block_ties", "name_pairs", "timm_to_te", "te_to_timm",
-           "te_requires_grad", "timm_requires_grad", "copy_requires_grad", "timm_shapes"]
+           "te_requires_grad", "timm_requires_grad", "copy_requires_grad", "timm_shapes", "is_sharded"]
 
 _EXTRA = "_extra_state"
 
@@ -274,3 +274,12 @@ def timm_shapes(layout: Layout, te_shapes: Mapping[str, Sequence[int]]) -> Dict[
             s[tie.dim] = max(p.start + length, old[0][tie.dim] if old else 0)
             ends[p.name] = (s, tie.dim)
     return {name: tuple(s) for name, (s, _) in ends.items()}
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` shard (FSDP2's ``fully_shard`` parameters): what conversion
+    back to timm and CUDA-graph capture refuse."""
+    if not torch.distributed.is_available():  # torch built without distributed: no DTensor, no FSDP2
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
