@@ -50,7 +50,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
 
 from .config import resolve_norm
 from .layers import FP8Block
-from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties, torch_norm
+from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties, norm_in_dtype, torch_norm
 from .weights import (Part, Tie, copy_requires_grad, rename, te_requires_grad, te_to_timm, timm_requires_grad,
                       timm_to_te)
 
@@ -466,17 +466,13 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         post = self.cfg.post_norm  # EvaBlockPostNorm: each branch's norm follows it
         a = self._attention(x, attn_mask, is_causal, mult, rope)
         if post:
-            a = self.post_norm1(a)
-        if self.gamma_1 is not None:
-            a = self.gamma_1 * a
-        x = x + self._residual(self.drop_path1(a), x)
+            a = norm_in_dtype(self.post_norm1, a)
+        x = self._add_branch(x, a, self.gamma_1, self.drop_path1)
         h = x if self.norm2 is None else self.norm2(x)
         h = self._run_mlp(self.mlp, h, mult, gelu_gemm)
         if post:
-            h = self.post_norm2(h)
-        if self.gamma_2 is not None:
-            h = self.gamma_2 * h
-        return x + self._residual(self.drop_path2(h), x)
+            h = norm_in_dtype(self.post_norm2, h)
+        return self._add_branch(x, h, self.gamma_2, self.drop_path2)
 
     def _split_qkv(self, qkv: torch.Tensor):
         """The fused GEMM's output ``[B, N, (H + 2 Hkv) * D (+ A)]`` -> q ``[B, N, H, D]``, k, v

@@ -19,7 +19,7 @@ from torch import nn
 from .backend import Backend, get_backend, resolve_backend
 from .recipes import recipe_name, row_multiple
 
-__all__ = ["FP8Block", "aligned_rows", "SplitQKV", "additive_to_bool", "te_mask_kwargs"]
+__all__ = ["FP8Block", "aligned_rows", "SplitQKV", "LayerScaleAdd", "additive_to_bool", "te_mask_kwargs"]
 
 
 class FP8Block(nn.Module):
@@ -147,6 +147,22 @@ class FP8Block(nn.Module):
         # LayerScale's fp32 gamma promotes the branch to fp32; keep the stream in x's dtype.
         return y if self.fp32_residual or y.dtype == x.dtype else y.to(x.dtype)
 
+    def _add_branch(self, x: torch.Tensor, y: torch.Tensor, gamma: Optional[torch.Tensor],
+                    drop_path: nn.Module) -> torch.Tensor:
+        """``x + drop_path(gamma * y)``: a residual branch with timm's LayerScale (``gamma`` None:
+        none), in ``x``'s dtype.
+
+        Under autocast (``y`` and the stream in bf16, ``gamma`` an fp32 parameter) the product runs
+        in the stream's dtype (:class:`LayerScaleAdd`): timm's ``gamma * y`` promotes every branch
+        output to fp32 and back, about 8 ms of a 42 ms RoPE ViT-B/16 step on an H200
+        (docs/performance.md, lever 22). In fp32, or with ``fp32_residual``, it is timm's expression.
+        """
+        if gamma is not None and not self.fp32_residual and y.dtype == x.dtype != gamma.dtype:
+            return LayerScaleAdd.apply(x, drop_path(y), gamma)  # DropPath scales rows: it commutes
+        if gamma is not None:
+            y = gamma * y
+        return x + self._residual(drop_path(y), x)
+
     def _run_mlp(self, mlp: nn.Module, x: torch.Tensor, mult: int, gelu_gemm: bool) -> torch.Tensor:
         """``mlp(x)`` over aligned rows, with this block's MLP recompute and GELU-in-GEMM switches.
         ``self.cfg.fused_mlp`` says whether ``mlp`` is one TE ``LayerNormMLP`` (it recomputes
@@ -209,6 +225,36 @@ class SplitQKV(torch.autograd.Function):
                 and dq.stride() == ctx.packed_stride[:2] + ctx.packed_stride[3:]):
             return dq.as_strided((B, N, 3, H, D), ctx.packed_stride, dq.storage_offset())
         return torch.stack((dq, dk, dv), dim=2)
+
+
+class LayerScaleAdd(torch.autograd.Function):
+    """``x + gamma * y`` for a bf16 (or fp16) stream ``x``, branch ``y`` ``[..., C]`` and an fp32
+    LayerScale ``gamma`` ``[C]``, without fp32 intermediates.
+
+    timm computes ``gamma * y`` in fp32 (type promotion), casts it back and adds: in a training step
+    that is an fp32 ``[B, N, C]`` product, its cast, and in backward fp32 gradients, about 2.4x the
+    bytes of the add alone (``docs/perf/layerscale_bench.py``). Here the forward is one
+    ``addcmul`` with ``gamma`` rounded to ``y``'s dtype (the sum is taken in fp32 and rounded once;
+    timm rounds the product, then the sum), and the backward gives ``dx = g``, ``dy = g * gamma``
+    in ``y``'s dtype and ``dgamma`` as an fp32 sum over rows of ``g * y`` (each product rounded to
+    ``y``'s dtype: 2^-9 relative in bf16, where timm's products are exact).
+    """
+
+    @staticmethod
+    def forward(ctx, x, y, gamma):
+        g = gamma.to(y.dtype)
+        ctx.save_for_backward(y, g)
+        ctx.gamma_dtype = gamma.dtype
+        return torch.addcmul(x, y, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, g = ctx.saved_tensors
+        dy = grad * g if ctx.needs_input_grad[1] else None
+        dgamma = None
+        if ctx.needs_input_grad[2]:
+            dgamma = (grad * y).flatten(0, -2).sum(0, dtype=torch.float32).to(ctx.gamma_dtype)
+        return grad, dy, dgamma
 
 
 def te_mask_kwargs(attn_mask: Optional[torch.Tensor], is_causal: bool) -> dict:

@@ -71,7 +71,7 @@ from .config import resolve_activation, resolve_norm_module
 from .weights import Part, Tie, rename
 
 __all__ = ["HIDDEN_MULTIPLE", "MLP_KINDS", "MlpConfig", "mlp_config_from_timm", "mlp_config_from_kwargs",
-           "BuiltMlp", "build_mlp", "UnfusedMlp", "torch_norm", "mlp_ties", "init_gates_like_timm_"]
+           "BuiltMlp", "build_mlp", "UnfusedMlp", "torch_norm", "norm_in_dtype", "mlp_ties", "init_gates_like_timm_"]
 
 HIDDEN_MULTIPLE = 16  # what every FP8 recipe on Hopper needs of a GEMM's inner dims (TE 2.20)
 
@@ -288,6 +288,29 @@ def mlp_config_from_kwargs(in_features: int, hidden_features: int, *, mlp_layer:
     return dataclasses.replace(cfg, act_layer=act_layer)  # the caller's object: configs compare equal
 
 
+def norm_in_dtype(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """``norm(h)`` (a :func:`torch_norm` module) with ``h``'s dtype in and out under autocast.
+
+    Autocast runs torch's norms in fp32: a bf16 ``h`` is copied to fp32, normalized to an fp32
+    output, and its backward runs in fp32 too; for EVA02-L/14's inner norm over 2730 hidden units
+    that is about 14 ms of norm kernels plus the casts in a 104 ms step on an H200 (docs/
+    performance.md, lever 23). torch's kernels take bf16 in and out and keep the statistics in
+    fp32, so here the norm runs without autocast on ``h`` as it is, with the weight (and bias)
+    rounded to ``h``'s dtype (the output is rounded to bf16 before fc2's GEMM either way; the
+    weight gradient comes back through that rounding, 2^-9 relative in bf16). Without autocast, or
+    for an fp32 ``h``, it is ``norm(h)``.
+    """
+    dev = h.device.type
+    if h.dtype == norm.weight.dtype or dev not in ("cuda", "cpu") or not torch.is_autocast_enabled(dev):
+        return norm(h)
+    with torch.autocast(dev, enabled=False):
+        w = norm.weight.to(h.dtype)
+        if isinstance(norm, nn.LayerNorm):
+            b = None if norm.bias is None else norm.bias.to(h.dtype)
+            return F.layer_norm(h, norm.normalized_shape, w, b, norm.eps)
+        return F.rms_norm(h, norm.normalized_shape, w, norm.eps)
+
+
 def torch_norm(kind: str, eps: float, features: int, **tdd) -> nn.Module:
     """A torch norm with TE's semantics for ``kind`` (``"LayerNorm"``/``"RMSNorm"``), for the norms
     TE cannot fuse into a GEMM. ``tdd``: ``device``, ``dtype``."""
@@ -422,7 +445,7 @@ class UnfusedMlp(nn.Module):
             h = self.act(h)
         h = self.drop1(h)
         if self.norm is not None:
-            h = F.pad(self.norm(h[..., :self.hidden]), (0, self.pad))
+            h = F.pad(norm_in_dtype(self.norm, h[..., :self.hidden]), (0, self.pad))
         elif self._slice:
             h = F.pad(h[..., :self.hidden], (0, self.pad))
         return self.drop2(self.fc2(h))

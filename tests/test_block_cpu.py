@@ -146,3 +146,51 @@ def test_split_qkv_hands_back_a_packed_gradient_without_copying():
     ref = qkv.detach().clone().requires_grad_()
     sum((t * gi).sum() for t, gi in zip(ref.unbind(2), g)).backward()
     assert torch.equal(qkv.grad, ref.grad)
+
+
+def test_layer_scale_add_keeps_the_stream_dtype_and_gives_fp32_gamma_grads():
+    # x + gamma * y for a bf16 stream and an fp32 gamma without fp32 intermediates: against the
+    # same sum in fp64, within bf16 rounding (a few 2^-8 relative), dx passed through exactly.
+    from fp8vit.layers import LayerScaleAdd
+    g64 = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, 32, generator=g64).bfloat16().requires_grad_()
+    y = torch.randn(3, 5, 32, generator=g64).bfloat16().requires_grad_()
+    gamma = (torch.rand(32, generator=g64) + 0.5).requires_grad_()
+    out = LayerScaleAdd.apply(x, y, gamma)
+    assert out.dtype == torch.bfloat16
+    ref = x.double() + gamma.double() * y.double()
+    scale = (x.double().abs() + (gamma.double() * y.double()).abs()).max()
+    assert float((out.detach().double() - ref.detach()).abs().max()) <= 2 ** -7 * float(scale.detach())
+    g = torch.randn(3, 5, 32, generator=g64).bfloat16()
+    out.backward(g)
+    assert torch.equal(x.grad, g)
+    dy = g.double() * gamma.double()
+    assert float((y.grad.double() - dy).abs().max()) <= 2 ** -7 * float(dy.abs().max())
+    assert gamma.grad.dtype == torch.float32
+    dgamma = (g.double() * y.double()).sum((0, 1))
+    bound = 2 ** -8 * (g.double() * y.double()).abs().sum((0, 1))
+    assert bool(((gamma.grad.double() - dgamma).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("case", ["layerscale_qknorm"])
+def test_layerscale_under_bf16_autocast_matches_timm(case):
+    # Under autocast LayerScale runs in the stream's dtype (LayerScaleAdd), where timm promotes to
+    # fp32: the block output and every gradient, gamma's included, within bf16 noise of timm's.
+    block, te = _pair(case)
+    for b in (block, te):
+        b.ls1.gamma.data.uniform_(0.5, 1.5), b.ls2.gamma.data.uniform_(-1.5, -0.5)
+    te.load_state_dict(fp8vit.TE_Block.from_timm(block, backend="reference").state_dict())
+    x = torch.randn(2, 9, 64)
+    outs, grads = [], []
+    for b in (block, te):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = b(x)
+        assert y.dtype == (torch.bfloat16 if b is te else torch.float32)  # timm's stream stays fp32
+        y.float().square().sum().backward()
+        outs.append(y.detach().float())
+        grads.append({"ls1": b.ls1.gamma.grad, "ls2": b.ls2.gamma.grad})
+    from helpers import snr_db
+    assert snr_db(outs[0], outs[1]) > 35
+    for k in ("ls1", "ls2"):
+        assert grads[1][k].dtype == torch.float32
+        assert snr_db(grads[0][k], grads[1][k]) > 25, k

@@ -351,3 +351,31 @@ def test_other_float_masks_are_refused_naming_a_value():
         warnings.simplefilter("error")
         with pytest.raises(ValueError, match="either attn_mask or is_causal"):
             te(x, attn_mask=torch.zeros(4, 4), is_causal=True)
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_norm_in_dtype_keeps_bf16_under_autocast(kind):
+    # CUDA autocast runs torch's norms in fp32; norm_in_dtype keeps bf16 in and out, with
+    # fp32 statistics: the output within bf16 rounding of the fp32 norm, fp32 weight gradients.
+    from fp8vit.mlp import norm_in_dtype, torch_norm
+    norm = torch_norm(kind, 1e-6, 40)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.uniform_(-0.5, 0.5)
+    h = (torch.randn(6, 40) * 3 + 1).bfloat16()
+    g = torch.randn(6, 40)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm_in_dtype(norm, h)
+    assert out.dtype == torch.bfloat16
+    (out.float() * g).sum().backward()
+    got = {n: p.grad.clone() for n, p in norm.named_parameters()}
+    norm.zero_grad()
+    ref = norm(h.float())  # fp32 throughout
+    (ref * g).sum().backward()
+    assert float((out.float() - ref).abs().max()) <= 2 ** -7 * float(ref.abs().max())
+    for n, p in norm.named_parameters():
+        assert got[n].dtype == torch.float32
+        assert float((got[n] - p.grad).abs().max()) <= 2 ** -6 * float(p.grad.abs().max()), n
+    with torch.no_grad():  # FP32 in, or no autocast: the module itself, bit for bit
+        assert torch.equal(norm_in_dtype(norm, h.float()), norm(h.float()))
