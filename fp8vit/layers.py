@@ -152,12 +152,14 @@ class FP8Block(nn.Module):
         """``x + drop_path(gamma * y)``: a residual branch with timm's LayerScale (``gamma`` None:
         none), in ``x``'s dtype.
 
-        Under autocast (``y`` and the stream in bf16, ``gamma`` an fp32 parameter) the product runs
-        in the stream's dtype (:class:`LayerScaleAdd`): timm's ``gamma * y`` promotes every branch
-        output to fp32 and back, about 8 ms of a 42 ms RoPE ViT-B/16 step on an H200
-        (docs/performance.md, lever 22). In fp32, or with ``fp32_residual``, it is timm's expression.
+        With a half-precision stream (``y`` and ``x`` in bf16 under autocast, ``gamma`` an fp32
+        parameter or, under FSDP2's bf16 compute, a bf16 one) it is :class:`LayerScaleAdd`, the
+        product in the stream's dtype: timm's ``gamma * y`` promotes every branch output to fp32
+        and back, about 8 ms of a 42 ms RoPE ViT-B/16 step on an H200 (docs/performance.md,
+        lever 22). One path for both gamma dtypes keeps a bf16-sharded model computing what the
+        unsharded one does. In fp32, or with ``fp32_residual``, it is timm's expression.
         """
-        if gamma is not None and not self.fp32_residual and y.dtype == x.dtype != gamma.dtype:
+        if gamma is not None and not self.fp32_residual and y.dtype == x.dtype in (torch.bfloat16, torch.float16):
             return LayerScaleAdd.apply(x, drop_path(y), gamma)  # DropPath scales rows: it commutes
         if gamma is not None:
             y = gamma * y

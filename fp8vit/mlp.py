@@ -297,11 +297,13 @@ def norm_in_dtype(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
     performance.md, lever 23). torch's kernels take bf16 in and out and keep the statistics in
     fp32, so here the norm runs without autocast on ``h`` as it is, with the weight (and bias)
     rounded to ``h``'s dtype (the output is rounded to bf16 before fc2's GEMM either way; the
-    weight gradient comes back through that rounding, 2^-9 relative in bf16). Without autocast, or
-    for an fp32 ``h``, it is ``norm(h)``.
+    weight gradient comes back through that rounding, 2^-9 relative in bf16). A bf16 weight (FSDP2's
+    bf16 compute) takes the same path, so a sharded model computes what the unsharded one does.
+    Without autocast, or for an fp32 ``h``, it is ``norm(h)``.
     """
     dev = h.device.type
-    if h.dtype == norm.weight.dtype or dev not in ("cuda", "cpu") or not torch.is_autocast_enabled(dev):
+    if h.dtype not in (torch.bfloat16, torch.float16) or dev not in ("cuda", "cpu") \
+            or not torch.is_autocast_enabled(dev):
         return norm(h)
     with torch.autocast(dev, enabled=False):
         w = norm.weight.to(h.dtype)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Next session's H200 plan (written in session 12, after its device time ran out). Each call < 10 min.
+#   run(command="OUT=$OUT bash docs/perf/s13.sh 1", carry=[".kit"])   then 2, 3, 4
+#
+# 1. The whole GPU suite: never run after levers 22 (LayerScaleAdd) and 23 (norm_in_dtype) on
+#    test_fp8_gpu, test_graphs_gpu, test_conformance_gpu (timm's model tests on converted models,
+#    LayerScale models among them), test_linear_gpu, test_safety_gpu, test_examples_gpu; and
+#    test_fsdp2_trains_as_the_unsharded_model with its changed scale bounds (forward 5%, backward 25%).
+# 2-4. docs/scaling.md at world size 1, GPU-bound: ViT-H/14, ViT-g/14, ViT-G/14 at a batch just under
+#    fp8vit-scaleplan's largest (an upper bound: the measured peaks were 2-20% under it), in DDP eager,
+#    DDP with CUDA graphs, FSDP2 bf16 compute, FSDP2 + FP8 weights; then DDP eager at ~15% above the
+#    bound (does the largest batch exceed the formula's?). 30 steps, the first 8 untimed.
+set -o pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-docs/results}
+mkdir -p "$out"
+scale() {  # model  batch  graphed-batch  probe-batch
+  . /tmp/te_env.sh 2>/dev/null || { bash .kit/setup.sh > "$out/te_setup.log" 2>&1; . /tmp/te_env.sh; }
+  export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+  for mode in ddp ddp-graphs fsdp fsdp-fp8w probe; do
+    b=$2
+    case $mode in ddp|probe) flag= ;; ddp-graphs) flag=--cuda-graphs; b=$3 ;; fsdp) flag=--fsdp ;;
+      fsdp-fp8w) flag="--fsdp --fp8-weights" ;; esac
+    [ $mode = probe ] && b=$4
+    echo "== $1 $mode batch $b"
+    timeout 110 torchrun --standalone --nproc-per-node 1 examples/train_vit.py $flag --model $1 \
+      --batch-size $b --steps 30 --price-per-hour 3.5 > "$out/scale_ws1_${1}_${mode}_b${b}.log" 2>&1
+    echo "rc $?"; grep -E "^done|OutOfMemory" "$out/scale_ws1_${1}_${mode}_b${b}.log" | tail -2
+  done
+}
+case $1 in
+  1) bash docs/perf/h200.sh tests:tests/gpu ;;
+  2) scale vit_huge_patch14_224 448 384 528 ;;
+  3) scale vit_giant_patch14_224 288 256 352 ;;
+  4) scale vit_gigantic_patch14_224 160 144 192 ;;
+  *) echo "usage: bash docs/perf/s13.sh 1|2|3|4"; exit 2 ;;
+esac
