@@ -225,7 +225,7 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
 
     def _forward(self, x, attn_mask, is_causal, mult: int, gelu_gemm: bool):
         x = self._stream(x)
-        x = self._add_branch(x, self._attention(x, attn_mask, is_causal, mult), _gamma(self.ls1), self.drop_path1)
+        x = self._ls_add(x, self._attention(x, attn_mask, is_causal, mult), self.ls1, self.drop_path1)
         h = x if self.norm2 is None else self.norm2(x)
         if mult > 1 and not self.cfg.mlp.fp8_widths_ok(mult):
             # MXFP8 scales blocks of 32: an MLP whose widths are not multiples of it runs without FP8.
@@ -236,7 +236,14 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
                 mlp = self._run_mlp(self.mlp, h, 1, False)
         else:
             mlp = self._run_mlp(self.mlp, h, mult, gelu_gemm)
-        return self._add_branch(x, mlp, _gamma(self.ls2), self.drop_path2)
+        return self._ls_add(x, mlp, self.ls2, self.drop_path2)
+
+    def _ls_add(self, x: torch.Tensor, y: torch.Tensor, ls: nn.Module, drop_path: nn.Module) -> torch.Tensor:
+        """``x + drop_path(ls(y))``: timm's ``LayerScale`` through :meth:`FP8Block._add_branch` (in
+        the stream's dtype under autocast), any other ``ls`` module (``nn.Identity``, a user's) as is."""
+        if isinstance(ls, LayerScale):
+            return self._add_branch(x, y, ls.gamma, drop_path)
+        return self._add_branch(x, ls(y), None, drop_path)
 
     def extra_repr(self) -> str:
         c = self.cfg
@@ -249,11 +256,6 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
 
 # timm's per-module init functions, by name -> the weight_init mode they implement.
 _TIMM_INIT_MODES = {"init_weights_vit_timm": "", "init_weights_vit_jax": "jax", "init_weights_vit_moco": "moco"}
-
-
-def _gamma(ls: nn.Module) -> Optional[torch.Tensor]:
-    """The LayerScale ``gamma`` of ``ls1``/``ls2`` (built as timm's ``LayerScale`` or ``nn.Identity``)."""
-    return ls.gamma if isinstance(ls, LayerScale) else None
 
 
 def _init_like_timm(p: torch.Tensor, timm_name: str, mode: str, init_values: Optional[float]) -> None:

@@ -230,8 +230,9 @@ class SplitQKV(torch.autograd.Function):
 
 
 class LayerScaleAdd(torch.autograd.Function):
-    """``x + gamma * y`` for a bf16 (or fp16) stream ``x``, branch ``y`` ``[..., C]`` and an fp32
-    LayerScale ``gamma`` ``[C]``, without fp32 intermediates.
+    """``x + gamma * y`` for a bf16 (or fp16) stream ``x``, branch ``y`` ``[..., C]`` and a
+    LayerScale ``gamma`` ``[C]`` (fp32, or bf16 under FSDP2's bf16 compute), without fp32
+    intermediates.
 
     timm computes ``gamma * y`` in fp32 (type promotion), casts it back and adds: in a training step
     that is an fp32 ``[B, N, C]`` product, its cast, and in backward fp32 gradients, about 2.4x the
@@ -239,7 +240,8 @@ class LayerScaleAdd(torch.autograd.Function):
     ``addcmul`` with ``gamma`` rounded to ``y``'s dtype (the sum is taken in fp32 and rounded once;
     timm rounds the product, then the sum), and the backward gives ``dx = g``, ``dy = g * gamma``
     in ``y``'s dtype and ``dgamma`` as an fp32 sum over rows of ``g * y`` (each product rounded to
-    ``y``'s dtype: 2^-9 relative in bf16, where timm's products are exact).
+    ``y``'s dtype: 2^-9 relative in bf16, where timm's products are exact), returned in
+    ``gamma``'s dtype.
     """
 
     @staticmethod

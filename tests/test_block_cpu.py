@@ -172,11 +172,10 @@ def test_layer_scale_add_keeps_the_stream_dtype_and_gives_fp32_gamma_grads():
     assert bool(((gamma.grad.double() - dgamma).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("case", ["layerscale_qknorm"])
-def test_layerscale_under_bf16_autocast_matches_timm(case):
+def test_layerscale_under_bf16_autocast_matches_timm():
     # Under autocast LayerScale runs in the stream's dtype (LayerScaleAdd), where timm promotes to
-    # fp32: the block output and every gradient, gamma's included, within bf16 noise of timm's.
-    block, te = _pair(case)
+    # fp32: the block output and both gammas' gradients within bf16 noise of timm's.
+    block, te = _pair("layerscale_qknorm")
     for b in (block, te):
         b.ls1.gamma.data.uniform_(0.5, 1.5), b.ls2.gamma.data.uniform_(-1.5, -0.5)
     te.load_state_dict(fp8vit.TE_Block.from_timm(block, backend="reference").state_dict())
@@ -194,3 +193,25 @@ def test_layerscale_under_bf16_autocast_matches_timm(case):
     for k in ("ls1", "ls2"):
         assert grads[1][k].dtype == torch.float32
         assert snr_db(grads[0][k], grads[1][k]) > 25, k
+
+
+def test_a_replaced_layer_scale_module_is_applied():
+    # ls1/ls2 are timm's LayerScale (handled in the stream's dtype) or nn.Identity; a module a user
+    # puts there instead runs as it is, never skipped.
+    class Times(torch.nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.c = c
+
+        def forward(self, y):
+            return self.c * y
+
+    _, te = _pair("layerscale_qknorm")
+    x = torch.randn(2, 9, 64)
+    with torch.no_grad():
+        te.ls1.gamma.fill_(3.0), te.ls2.gamma.fill_(-2.0)
+        ref = te(x)
+        te.ls1, te.ls2 = Times(3.0), Times(-2.0)
+        assert torch.equal(te(x), ref)
+        te.ls2 = torch.nn.Identity()
+        assert not torch.allclose(te(x), ref)
