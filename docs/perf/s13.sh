@@ -6,6 +6,10 @@
 #    test_fp8_gpu, test_graphs_gpu, test_conformance_gpu (timm's model tests on converted models,
 #    LayerScale models among them), test_linear_gpu, test_safety_gpu, test_examples_gpu; and
 #    test_fsdp2_trains_as_the_unsharded_model with its changed scale bounds (forward 5%, backward 25%).
+#    Then what lever 22 leaves of LayerScale's cost (layerscale_bench.py's fp8vit column; predicted
+#    ~2 ms per RoPE ViT-B step against timm's 7.8) and lever 22 on the classic block: DeiT3-B/16
+#    (LayerScale) against timm eager and compile (not measured before; no prediction of the ratio
+#    beyond "above ViT-B's 1.70x", since LayerScale is extra fp32 work for timm).
 # 2-4. docs/scaling.md at world size 1, GPU-bound: ViT-H/14, ViT-g/14, ViT-G/14 at a batch just under
 #    fp8vit-scaleplan's largest (an upper bound: the measured peaks were 2-20% under it), in DDP eager,
 #    DDP with CUDA graphs, FSDP2 bf16 compute, FSDP2 + FP8 weights; then DDP eager at ~15% above the
@@ -29,7 +33,11 @@ scale() {  # model  batch  graphed-batch  probe-batch
   done
 }
 case $1 in
-  1) bash docs/perf/h200.sh tests:tests/gpu ;;
+  1)
+    bash docs/perf/h200.sh tests:tests/gpu
+    . /tmp/te_env.sh; export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+    python3 docs/perf/layerscale_bench.py 2>&1 | tee "$out/layerscale_bench_s13.log" | tail -5
+    bash docs/perf/h200.sh bench:deit3_base_patch16_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed ;;
   2) scale vit_huge_patch14_224 448 384 528 ;;
   3) scale vit_giant_patch14_224 288 256 352 ;;
   4) scale vit_gigantic_patch14_224 160 144 192 ;;
