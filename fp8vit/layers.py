@@ -143,10 +143,6 @@ class FP8Block(nn.Module):
             return x.to(torch.get_autocast_dtype(dev))
         return x
 
-    def _residual(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # LayerScale's fp32 gamma promotes the branch to fp32; keep the stream in x's dtype.
-        return y if self.fp32_residual or y.dtype == x.dtype else y.to(x.dtype)
-
     def _add_branch(self, x: torch.Tensor, y: torch.Tensor, gamma: Optional[torch.Tensor],
                     drop_path: nn.Module) -> torch.Tensor:
         """``x + drop_path(gamma * y)``: a residual branch with timm's LayerScale (``gamma`` None:
@@ -162,8 +158,9 @@ class FP8Block(nn.Module):
         if gamma is not None and not self.fp32_residual and y.dtype == x.dtype in (torch.bfloat16, torch.float16):
             return LayerScaleAdd.apply(x, drop_path(y), gamma)  # DropPath scales rows: it commutes
         if gamma is not None:
-            y = gamma * y
-        return x + self._residual(drop_path(y), x)
+            y = gamma * y  # an fp32 gamma promotes the branch to fp32: keep the stream in x's dtype
+        y = drop_path(y)
+        return x + (y if self.fp32_residual or y.dtype == x.dtype else y.to(x.dtype))
 
     def _run_mlp(self, mlp: nn.Module, x: torch.Tensor, mult: int, gelu_gemm: bool) -> torch.Tensor:
         """``mlp(x)`` over aligned rows, with this block's MLP recompute and GELU-in-GEMM switches.
