@@ -14,6 +14,8 @@
 #    fp8vit-scaleplan's largest (an upper bound: the measured peaks were 2-20% under it), in DDP eager,
 #    DDP with CUDA graphs, FSDP2 bf16 compute, FSDP2 + FP8 weights; then DDP eager at ~15% above the
 #    bound (does the largest batch exceed the formula's?). 30 steps, the first 8 untimed.
+# multi. Only if `status` lends a machine with several GPUs: distributed_check.py on all of them, and
+#    the scaling efficiency of ViT-B and ViT-H (timm bf16, fp8vit graphed) from 1 to N processes.
 set -o pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-docs/results}
@@ -41,5 +43,16 @@ case $1 in
   2) scale vit_huge_patch14_224 448 384 528 ;;
   3) scale vit_giant_patch14_224 288 256 352 ;;
   4) scale vit_gigantic_patch14_224 160 144 192 ;;
-  *) echo "usage: bash docs/perf/s13.sh 1|2|3|4"; exit 2 ;;
+  multi)  # only on a machine with several GPUs (run(kind="nvidia-h200-x2" or larger), if status lends one)
+    . /tmp/te_env.sh 2>/dev/null || { bash .kit/setup.sh > "$out/te_setup.log" 2>&1; . /tmp/te_env.sh; }
+    export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+    n=$(nvidia-smi -L | wc -l)
+    timeout 300 torchrun --standalone --nproc-per-node $n tests/gpu/distributed_check.py 2>&1 \
+      | tee "$out/distributed_check_${n}gpu.log" | tail -15
+    for m in base huge; do
+      timeout 240 python3 -m fp8vit.tools.bench --model $m --batch-size 128 --nproc 1 $n \
+        --variants timm-bf16 fp8vit-fp8-delayed-graphed --json "$out/scaling_${m}_${n}gpu.json" 2>&1 \
+        | tee "$out/scaling_${m}_${n}gpu.log" | tail -8
+    done ;;
+  *) echo "usage: bash docs/perf/s13.sh 1|2|3|4|multi"; exit 2 ;;
 esac
