@@ -202,7 +202,7 @@ def _flat(params, grads) -> torch.Tensor:
 
 
 def _local_weight_grads(blk: FP8Block, x: torch.Tensor, grad_out: torch.Tensor, recipe,
-                        call: tuple = ((), {})) -> torch.Tensor:
+                        call: tuple) -> torch.Tensor:
     """``blk``'s weight gradients with FP8 off, on the FP8 run's block input ``x`` and output
     gradient ``grad_out``: the reference for the block's own weight-gradient error. ``call``: the
     block's other arguments in the model's forward, ``(args, kwargs)`` (an EVA block's ``rope``,
