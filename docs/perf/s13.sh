@@ -9,7 +9,9 @@
 #    Then what lever 22 leaves of LayerScale's cost (layerscale_bench.py's fp8vit column; predicted
 #    ~2 ms per RoPE ViT-B step against timm's 7.8) and lever 22 on the classic block: DeiT3-B/16
 #    (LayerScale) against timm eager and compile (not measured before; no prediction of the ratio
-#    beyond "above ViT-B's 1.70x", since LayerScale is extra fp32 work for timm).
+#    beyond "above ViT-B's 1.70x", since LayerScale is extra fp32 work for timm). Lever 24's
+#    microbenchmark (layerscale_triton_bench.py: LayerScale's backward in one Triton pass; its
+#    prediction is in its docstring).
 # 2-4. docs/scaling.md at world size 1, GPU-bound: ViT-H/14, ViT-g/14, ViT-G/14 at a batch just under
 #    fp8vit-scaleplan's largest (an upper bound: the measured peaks were 2-20% under it), in DDP eager,
 #    DDP with CUDA graphs, FSDP2 bf16 compute, FSDP2 + FP8 weights; then DDP eager at ~15% above the
@@ -39,6 +41,7 @@ case $1 in
     bash docs/perf/h200.sh tests:tests/gpu
     . /tmp/te_env.sh; export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
     python3 docs/perf/layerscale_bench.py 2>&1 | tee "$out/layerscale_bench_s13.log" | tail -5
+    python3 docs/perf/layerscale_triton_bench.py 2>&1 | tee "$out/layerscale_triton_bench.log" | tail -5
     bash docs/perf/h200.sh bench:deit3_base_patch16_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed ;;
   2) scale vit_huge_patch14_224 448 384 528 ;;
   3) scale vit_giant_patch14_224 288 256 352 ;;
