@@ -14,6 +14,7 @@ import torch
 
 from . import _te
 from .errors import Check
+from .kernels import triton_support
 from .recipes import default_recipe_name, recipe_support
 
 __all__ = ["GPUInfo", "gpu_info", "fp8_support", "clear_cache", "arch_name"]
@@ -93,8 +94,9 @@ def fp8_support() -> Check:
 def clear_cache() -> None:
     """Forget every cached detection result (e.g. after changing ``CUDA_VISIBLE_DEVICES``).
 
-    Clears the device description and TE's import status and capability answers, so a TE
-    installed or repaired since then is seen.
+    Clears the device description, TE's import status and capability answers, and whether
+    fp8vit's Triton kernels run, so a TE or Triton installed or repaired since then is seen.
     """
     gpu_info.cache_clear()
     _te.clear_cache()
+    triton_support.cache_clear()

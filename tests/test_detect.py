@@ -1,6 +1,7 @@
 """Capability detection with patched devices: reasons name the GPU and its capability."""
 
 import pytest
+import torch
 
 import fp8vit
 from fp8vit import _te, detect
@@ -107,3 +108,15 @@ def test_token_rows_an_fp8_gemm_needs_per_recipe(name, rows):
     assert recipe_name(recipe) == name
     assert row_multiple(recipe_name(recipe)) == rows
     assert row_multiple(None) == 1  # FP8 off: no padding
+
+
+def test_triton_kernels_say_why_they_are_off(monkeypatch):
+    from fp8vit.kernels import triton_support
+    monkeypatch.setenv("FP8VIT_TRITON", "0")
+    detect.clear_cache()
+    assert triton_support() == (False, "turned off by FP8VIT_TRITON=0")
+    monkeypatch.delenv("FP8VIT_TRITON")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    detect.clear_cache()  # the cached answer above must not stick
+    assert triton_support() == (False, "no CUDA device")
+    detect.clear_cache()

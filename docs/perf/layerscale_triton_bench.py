@@ -1,5 +1,5 @@
 """Lever 24 (docs/performance.md): LayerScaleAdd's backward in one pass (a Triton kernel) against
-the shipped torch backward. Experiment only: the kernel lives here until it is measured.
+the torch backward it replaces (lever 22's, still the path off the GPU).
 
     python3 docs/perf/layerscale_triton_bench.py          # on the GPU machine
 
@@ -20,48 +20,12 @@ in a graphed step), median of 50 after 10 warm-up (fp8vit.tools.timing.median_ms
 """
 
 import torch
-import triton
-import triton.language as tl
 
+from fp8vit.kernels import layerscale_backward as triton_bwd
 from fp8vit.tools.timing import median_ms
 
 SHAPES = {"RoPE ViT-B b128": (128, 197, 768, 12), "EVA02-L b64": (64, 257, 1024, 24),
           "PE-core-L b32": (32, 577, 1024, 24), "ViT-H b128": (128, 257, 1280, 32)}
-
-
-@triton.jit
-def _layerscale_bwd(G, Y, GAMMA, DY, PART, R, C, ROWS_PER_PROG: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_C: tl.constexpr):
-    # One program: ROWS_PER_PROG rows x BLOCK_C columns; dy = g * gamma stored, sum(g * y) over its
-    # rows kept in fp32 and written to PART[program row, columns].
-    pid_r = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    gamma = tl.load(GAMMA + cols, mask=cmask, other=0.0).to(tl.float32)
-    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-    for r in range(0, ROWS_PER_PROG, BLOCK_R):
-        rows = pid_r * ROWS_PER_PROG + r + tl.arange(0, BLOCK_R)
-        m = (rows[:, None] < R) & cmask[None, :]
-        offs = rows[:, None].to(tl.int64) * C + cols[None, :]
-        g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
-        y = tl.load(Y + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(DY + offs, (g * gamma[None, :]).to(DY.dtype.element_ty), mask=m)
-        acc += g * y
-    tl.store(PART + pid_r * C + cols, tl.sum(acc, axis=0), mask=cmask)
-
-
-def triton_bwd(g, y, gamma, block_r=32, block_c=128):
-    g2, y2 = g.reshape(-1, g.shape[-1]), y.reshape(-1, y.shape[-1])
-    R, C = g2.shape
-    col_blocks = triton.cdiv(C, block_c)
-    sms = torch.cuda.get_device_properties(g.device).multi_processor_count
-    row_progs = max(1, min(triton.cdiv(R, block_r), 4 * sms // col_blocks))
-    rows_per_prog = triton.cdiv(triton.cdiv(R, row_progs), block_r) * block_r
-    row_progs = triton.cdiv(R, rows_per_prog)
-    dy = torch.empty_like(g2)
-    part = torch.empty(row_progs, C, device=g.device, dtype=torch.float32)
-    _layerscale_bwd[(row_progs, col_blocks)](g2, y2, gamma, dy, part, R, C, rows_per_prog, block_r, block_c)
-    return dy.view_as(g), part.sum(0)
 
 
 def torch_bwd(g, y, gamma):

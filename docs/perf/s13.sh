@@ -11,7 +11,8 @@
 #    (LayerScale) against timm eager and compile (not measured before; no prediction of the ratio
 #    beyond "above ViT-B's 1.70x", since LayerScale is extra fp32 work for timm). Lever 24's
 #    microbenchmark (layerscale_triton_bench.py: LayerScale's backward in one Triton pass; its
-#    prediction is in its docstring).
+#    prediction is in its docstring), and RoPE ViT-B/16 b128 with lever 24 in the library
+#    (predicted 36.8 -> ~35.9 ms, 2.15x -> ~2.2x timm eager).
 # 2-4. docs/scaling.md at world size 1, GPU-bound: ViT-H/14, ViT-g/14, ViT-G/14 at a batch just under
 #    fp8vit-scaleplan's largest (an upper bound: the measured peaks were 2-20% under it), in DDP eager,
 #    DDP with CUDA graphs, FSDP2 bf16 compute, FSDP2 + FP8 weights; then DDP eager at ~15% above the
@@ -42,7 +43,8 @@ case $1 in
     . /tmp/te_env.sh; export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
     python3 docs/perf/layerscale_bench.py 2>&1 | tee "$out/layerscale_bench_s13.log" | tail -5
     python3 docs/perf/layerscale_triton_bench.py 2>&1 | tee "$out/layerscale_triton_bench.log" | tail -5
-    bash docs/perf/h200.sh bench:deit3_base_patch16_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed ;;
+    bash docs/perf/h200.sh bench:deit3_base_patch16_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed \
+      bench:vit_base_patch16_rope_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed ;;
   2) scale vit_huge_patch14_224 448 384 528 ;;
   3) scale vit_giant_patch14_224 288 256 352 ;;
   4) scale vit_gigantic_patch14_224 160 144 192 ;;

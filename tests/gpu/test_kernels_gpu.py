@@ -1,0 +1,53 @@
+"""fp8vit's Triton kernels on the GPU against the torch expressions they replace.
+
+LayerScale's backward (:func:`fp8vit.kernels.layerscale_backward`): ``dy`` bit-identical to torch's
+``grad * gamma``; ``dgamma`` (fp32 sums of exact products) no further from an fp64 sum than 1e-5 of
+the column's sum of ``|grad * y|`` (torch's path, which rounds each product to bf16 first, is
+allowed 1e-2: 2^-9 per product, cancelling). Shapes with rows and columns that are not multiples of
+the kernel's tiles (32 x 128).
+"""
+
+import pytest
+import torch
+
+from fp8vit.kernels import layerscale_backward, triton_support
+from fp8vit.layers import LayerScaleAdd
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _need_triton():
+    ok, why = triton_support()
+    if not ok:
+        pytest.skip(f"fp8vit's Triton kernels cannot run here: {why}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(128, 197, 768), (3, 5, 200), (1, 1, 16), (2, 257, 1280)])
+def test_layerscale_backward_against_torch(shape, dtype):
+    torch.manual_seed(0)
+    g = torch.randn(shape, device="cuda", dtype=dtype)
+    y = torch.randn_like(g)
+    gamma = (torch.rand(shape[-1], device="cuda") * 0.2).to(dtype)
+    dy, dgamma = layerscale_backward(g, y, gamma)
+    assert dy.shape == g.shape and dy.dtype == dtype and dgamma.dtype == torch.float32
+    assert torch.equal(dy, g * gamma)
+    prod = g.double() * y.double()
+    ref, scale = prod.flatten(0, -2).sum(0), prod.abs().flatten(0, -2).sum(0)
+    assert float(((dgamma.double() - ref).abs() / scale).max()) < 1e-5
+
+
+def test_layerscale_add_backward_on_cuda_sums_exact_products():
+    # LayerScaleAdd's backward on CUDA (the kernel) against fp32 sums of the exact products: torch's
+    # path, which rounds each product to bf16 first, misses the tolerance by ~100x.
+    torch.manual_seed(0)
+    x = torch.randn(4, 65, 384, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn_like(x, requires_grad=True)
+    gamma = torch.full((384,), 0.1, device="cuda", requires_grad=True)
+    g = torch.randn_like(x)
+    LayerScaleAdd.apply(x, y, gamma).backward(g)
+    assert torch.equal(x.grad, g) and torch.equal(y.grad, g * gamma.to(torch.bfloat16))
+    ref = (g.float() * y.float()).flatten(0, -2).sum(0)
+    assert gamma.grad.dtype == torch.float32
+    torch.testing.assert_close(gamma.grad, ref, rtol=1e-5, atol=1e-4)
