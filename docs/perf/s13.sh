@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Next session's H200 plan (written in session 12, after its device time ran out). Each call < 10 min.
-#   run(command="OUT=$OUT bash docs/perf/s13.sh 1", carry=[".kit"])   then 2, 3, 4
+#   run(command="OUT=$OUT bash docs/perf/s13.sh 1", carry=[".kit"])   then 2h, 3h (or 2, 3 with more time)
 #
 # 1. The whole GPU suite: never run after levers 22 (LayerScaleAdd) and 23 (norm_in_dtype) on
 #    test_fp8_gpu, test_graphs_gpu, test_conformance_gpu (timm's model tests on converted models,
@@ -23,10 +23,10 @@ set -o pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-docs/results}
 mkdir -p "$out"
-scale() {  # model  batch  graphed-batch  probe-batch
+scale() {  # model  batch  graphed-batch  probe-batch  [modes, default: all five]
   . /tmp/te_env.sh 2>/dev/null || { bash .kit/setup.sh > "$out/te_setup.log" 2>&1; . /tmp/te_env.sh; }
   export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
-  for mode in ddp ddp-graphs fsdp fsdp-fp8w probe; do
+  for mode in ${5:-ddp ddp-graphs fsdp fsdp-fp8w probe}; do
     b=$2
     case $mode in ddp|probe) flag= ;; ddp-graphs) flag=--cuda-graphs; b=$3 ;; fsdp) flag=--fsdp ;;
       fsdp-fp8w) flag="--fsdp --fp8-weights" ;; esac
@@ -37,17 +37,21 @@ scale() {  # model  batch  graphed-batch  probe-batch
     echo "rc $?"; grep -E "^done|OutOfMemory" "$out/scale_ws1_${1}_${mode}_b${b}.log" | tail -2
   done
 }
+H="vit_huge_patch14_224 448 384 528"; g="vit_giant_patch14_224 288 256 352"; G="vit_gigantic_patch14_224 160 144 192"
+four="ddp ddp-graphs fsdp fsdp-fp8w"
 case $1 in
   1)
     bash docs/perf/h200.sh tests:tests/gpu
     . /tmp/te_env.sh; export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
     python3 docs/perf/layerscale_bench.py 2>&1 | tee "$out/layerscale_bench_s13.log" | tail -5
     python3 docs/perf/layerscale_triton_bench.py 2>&1 | tee "$out/layerscale_triton_bench.log" | tail -5
-    bash docs/perf/h200.sh bench:deit3_base_patch16_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed \
-      bench:vit_base_patch16_rope_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed ;;
-  2) scale vit_huge_patch14_224 448 384 528 ;;
-  3) scale vit_giant_patch14_224 288 256 352 ;;
-  4) scale vit_gigantic_patch14_224 160 144 192 ;;
+    bash docs/perf/h200.sh bench:vit_base_patch16_rope_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed \
+      bench:deit3_base_patch16_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed ;;
+  2) scale $H; scale $g "$four" ;;  # if device time is short: 2h (ViT-H and ViT-g, four modes) and 3h
+  2h) scale $H "$four"; scale $g "$four" ;;
+  3) scale $g probe; scale $G ;;
+  3h) scale $G "$four"; scale $H probe ;;
+  4) scale $G ;;
   multi)  # only on a machine with several GPUs (run(kind="nvidia-h200-x2" or larger), if status lends one)
     . /tmp/te_env.sh 2>/dev/null || { bash .kit/setup.sh > "$out/te_setup.log" 2>&1; . /tmp/te_env.sh; }
     export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
