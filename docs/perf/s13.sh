@@ -12,7 +12,8 @@
 #    beyond "above ViT-B's 1.70x", since LayerScale is extra fp32 work for timm). Lever 24's
 #    microbenchmark (layerscale_triton_bench.py: LayerScale's backward in one Triton pass; its
 #    prediction is in its docstring), and RoPE ViT-B/16 b128 with lever 24 in the library
-#    (predicted 36.8 -> ~35.9 ms, 2.15x -> ~2.2x timm eager).
+#    (predicted 36.8 -> ~35.9 ms, 2.15x -> ~2.2x timm eager); lever 25 (rope_packed_bench.py: RoPE
+#    on the packed QKV buffer in one Triton pass, in the library too: with 24, ~34 ms, ~2.3x).
 # 2-4. docs/scaling.md at world size 1, GPU-bound: ViT-H/14, ViT-g/14, ViT-G/14 at a batch just under
 #    fp8vit-scaleplan's largest (an upper bound: the measured peaks were 2-20% under it), in DDP eager,
 #    DDP with CUDA graphs, FSDP2 bf16 compute, FSDP2 + FP8 weights; then DDP eager at ~15% above the
@@ -45,6 +46,7 @@ case $1 in
     . /tmp/te_env.sh; export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
     python3 docs/perf/layerscale_bench.py 2>&1 | tee "$out/layerscale_bench_s13.log" | tail -5
     python3 docs/perf/layerscale_triton_bench.py 2>&1 | tee "$out/layerscale_triton_bench.log" | tail -5
+    python3 docs/perf/rope_packed_bench.py 2>&1 | tee "$out/rope_packed_bench.log" | tail -4
     bash docs/perf/h200.sh bench:vit_base_patch16_rope_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed \
       bench:deit3_base_patch16_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed ;;
   2) scale $H; scale $g "$four" ;;  # if device time is short: 2h (ViT-H and ViT-g, four modes) and 3h
