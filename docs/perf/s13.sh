@@ -41,14 +41,14 @@ scale() {  # model  batch  graphed-batch  probe-batch  [modes, default: all five
 H="vit_huge_patch14_224 448 384 528"; g="vit_giant_patch14_224 288 256 352"; G="vit_gigantic_patch14_224 160 144 192"
 four="ddp ddp-graphs fsdp fsdp-fp8w"
 case $1 in
-  1)
-    bash docs/perf/h200.sh tests:tests/gpu
+  1)  # the lever measurements first, then the suite (the longest part), DeiT3-B last
+    bash docs/perf/h200.sh bench:vit_base_patch16_rope_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed
     . /tmp/te_env.sh; export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
-    python3 docs/perf/layerscale_bench.py 2>&1 | tee "$out/layerscale_bench_s13.log" | tail -5
     python3 docs/perf/layerscale_triton_bench.py 2>&1 | tee "$out/layerscale_triton_bench.log" | tail -5
     python3 docs/perf/rope_packed_bench.py 2>&1 | tee "$out/rope_packed_bench.log" | tail -4
-    bash docs/perf/h200.sh bench:vit_base_patch16_rope_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed \
-      bench:deit3_base_patch16_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed ;;
+    python3 docs/perf/layerscale_bench.py 2>&1 | tee "$out/layerscale_bench_s13.log" | tail -5
+    bash docs/perf/h200.sh tests:tests/gpu
+    bash docs/perf/h200.sh bench:deit3_base_patch16_224:128:timm-bf16,timm-bf16-compile,fp8vit-fp8-delayed-graphed ;;
   2) scale $H; scale $g "$four" ;;  # if device time is short: 2h (ViT-H and ViT-g, four modes) and 3h
   2h) scale $H "$four"; scale $g "$four" ;;
   3) scale $g probe; scale $G ;;
