@@ -34,6 +34,12 @@ def triton_support() -> Check:
     except Exception as e:  # ImportError, or a Triton that fails to set up
         return Check(False, f"importing triton failed with {type(e).__name__}: {e}; "
                             "install the triton that matches torch (it ships with torch's CUDA wheels)")
+    try:  # Triton compiles on first launch (a C compiler builds its launcher): launch one kernel now
+        g = torch.zeros(2, 16, device="cuda", dtype=torch.bfloat16)
+        layerscale_backward(g, g, g[0])
+    except Exception as e:
+        return Check(False, f"Triton is installed but its first kernel failed with {type(e).__name__}: {e}; "
+                            "fix the Triton setup (a C compiler, a writable ~/.triton cache) or set FP8VIT_TRITON=0")
     return Check(True)
 
 
