@@ -49,9 +49,9 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def layerscale_bwd(G, Y, GAMMA, DY, PART, R, C, ROWS_PER_PROG: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_C: tl.constexpr):
-        # One program: ROWS_PER_PROG rows x BLOCK_C columns of g and y [R, C]. Stores dy = g * gamma
+    def layerscale_bwd(G, Y, GAMMA, DY, PART, R, C, ROWS_PER_PROG, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # One program: ROWS_PER_PROG rows x BLOCK_C columns of g and y [R, C] (the sizes are runtime
+        # arguments: one compiled kernel serves every batch shape). Stores dy = g * gamma
         # and sum over its rows of g * y (fp32: each product of two bf16 values is exact) in
         # PART[program row, columns].
         pid_r = tl.program_id(0)
