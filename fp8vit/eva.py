@@ -2,7 +2,7 @@
 Sapiens2, ...) and ``EvaBlockPostNorm`` built from Transformer Engine modules.
 
     x [B, N, C] --+-- qkv: norm1 + Linear (fused) -> [B, N, (H + 2 Hkv) * D (+ A gate)] -> q_norm/k_norm
-                  |   -> RoPE on q and k of the patch tokens (one Triton pass, else TE's kernel) -> DotProductAttention
+                  |   -> RoPE on q and k of the patch tokens (TE's fused kernel) -> DotProductAttention (bshd)
                   |   -> [B, N, A = H*D] -> (inner norm +) proj (gated: inner norm, * sigmoid(gate), proj)
                   |   -> gamma_1 -> drop_path1
                   +-- (+) -> mlp: norm2 fused into fc1; GELU, SwiGLU or GLU; optional norm before fc2
@@ -18,10 +18,7 @@ What differs from the classic ViT block (``block.py``), and how it is kept exact
   zeroed before it reaches the parameter (with RoPE a k bias would not cancel in the softmax, so
   training it would change the model).
 * RoPE: timm passes one table ``[N_patch, 2D]`` (sin, cos) to every block; it rotates q and k of the
-  patch tokens only. On the GPU one Triton pass rotates q and k of the packed QKV buffer with
-  timm's table and maths (:class:`fp8vit.layers.RopeQKV`), so that attention reads the packed
-  buffer in place and its packed gradient goes back unstacked. Without Triton, or with q/k norms,
-  a gate or fewer k/v heads, TE's fused RoPE kernel runs on q and k: it takes angles ``[N, 1, 1, D]``; the table becomes angles
+  patch tokens only. TE's fused RoPE kernel takes angles ``[N, 1, 1, D]``; the table becomes angles
   with zero angles for the prefix (class/register) tokens, which the kernel then leaves exactly as
   they are. Interleaved pairs (timm's default) and rotate-half (``rotate_half=True``) both map to
   the kernel. The angles are computed once per table, not once per block (:func:`forward_rope_angles`).
@@ -52,8 +49,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
     from timm.models._features_fx import register_notrace_module
 
 from .config import resolve_norm
-from .kernels import triton_support
-from .layers import FP8Block, RopeQKV
+from .layers import FP8Block
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties, norm_in_dtype, torch_norm
 from .weights import (Part, Tie, copy_requires_grad, rename, te_requires_grad, te_to_timm, timm_requires_grad,
                       timm_to_te)
@@ -492,23 +488,6 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
             heads = (c.num_heads, c.num_kv_heads, c.num_kv_heads)
             q, k, v = qkv.view(B, N, sum(heads), c.head_dim).split(heads, dim=2)
         return q, k, v, gate
-
-    def _heads(self, qkv: torch.Tensor, rope: Optional[torch.Tensor]):
-        """q, k, v for attention (see ``FP8Block._heads``); RoPE on the packed buffer in one Triton
-        pass each way where it can run (:class:`fp8vit.layers.RopeQKV`): a plain ``[N_patch, 2D]``
-        table without grad, q, k, v of equal heads in one contiguous CUDA buffer, no
-        q/k norm or gate between the GEMM and RoPE."""
-        c = self.cfg
-        B, N, _ = qkv.shape
-        if (rope is not None and not (c.qk_norm or c.gated) and c.num_kv_heads == c.num_heads
-                and qkv.is_cuda and qkv.is_contiguous()
-                and not rope.requires_grad and rope.shape == (N - c.num_prefix_tokens, 2 * c.head_dim)
-                and triton_support().ok):
-            table = rope.to(torch.float32).contiguous()
-            q, k, v = RopeQKV.apply(qkv.view(B, N, 3, c.num_heads, c.head_dim), table, c.num_prefix_tokens,
-                                    not c.rotate_half)
-            return q, k, v, None
-        return super()._heads(qkv, rope)
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor):
         """RoPE on q and k ``[B, N, H, D]`` of the patch tokens, as timm's ``apply_rot_embed_cat``."""

@@ -1,7 +1,6 @@
 """Triton kernels for the elementwise work of a training step that torch runs as several passes.
 
-LayerScale's backward (:func:`layerscale_backward`, for :class:`fp8vit.layers.LayerScaleAdd`) and
-RoPE on a packed QKV buffer (:func:`rope_packed_qkv`, for :class:`fp8vit.layers.RopeQKV`).
+One today: LayerScale's backward (:func:`layerscale_backward`), for :class:`fp8vit.layers.LayerScaleAdd`.
 Triton comes with torch's CUDA wheels; it is imported on first use on a CUDA tensor only, so that
 ``import fp8vit`` stays light and CPU-only installs never touch it. Where it cannot run, the callers
 keep their torch expression (:func:`triton_support` says why). ``FP8VIT_TRITON=0`` turns the
@@ -18,7 +17,7 @@ import torch
 
 from .errors import Check
 
-__all__ = ["triton_support", "layerscale_backward", "rope_packed_qkv"]
+__all__ = ["triton_support", "layerscale_backward"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,50 +68,7 @@ def _kernels():
             acc += g * y
         tl.store(PART + pid_r * C + cols, tl.sum(acc, axis=0), mask=cmask)
 
-    @triton.jit
-    def rope_qk(X, OUT, TABLE, N, NPT, ROW, H2, D: tl.constexpr, HV, BLOCK_H: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, INTERLEAVED: tl.constexpr,
-                BACKWARD: tl.constexpr, COPY_V: tl.constexpr):
-        # One program: one token's row of the packed buffer, ROW = 3 H D elements: q and k, 2H heads
-        # of D channels, then v (H D). The table row [sin | cos] (2D, fp32) of patch token n - NPT;
-        # prefix tokens get cos 1, sin 0 (an exact copy).
-        #   forward  out[j] = x[j] cos[j] + sign[j] x[p(j)] sin[j]       (timm's x * cos + rot(x) * sin)
-        #   backward dx[i]  = g[i] cos[i] - sign[i] g[p(i)] sin[p(i)]    (its transpose)
-        # p pairs channel j with its partner (2i <-> 2i+1 interleaved, j <-> j +- D/2 rotate-half);
-        # sign is -1 on the first of each pair.
-        row = tl.program_id(0).to(tl.int64)
-        n = row % N
-        h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        dm = d < D
-        m = (h < H2) & dm
-        if INTERLEAVED:
-            p = d ^ 1
-            first = (d % 2) == 0
-        else:
-            p = tl.where(d < D // 2, d + D // 2, d - D // 2)
-            first = d < D // 2
-        base = row * ROW
-        x = tl.load(X + base + h * D + d, mask=m, other=0.0).to(tl.float32)
-        xp = tl.load(X + base + h * D + p, mask=m, other=0.0).to(tl.float32)
-        if BACKWARD:  # in place: every load of the row before any store (partners cross warps)
-            tl.debug_barrier()
-        patch = n >= NPT
-        t = TABLE + (n - NPT) * (2 * D)
-        cos = tl.load(t + D + d, mask=dm & patch, other=1.0)
-        if BACKWARD:
-            sin = tl.load(t + p, mask=dm & patch, other=0.0)
-            out = x * cos + tl.where(first, xp, -xp) * sin
-        else:
-            sin = tl.load(t + d, mask=dm & patch, other=0.0)
-            out = x * cos + tl.where(first, -xp, xp) * sin
-        tl.store(OUT + base + h * D + d, out.to(OUT.dtype.element_ty), mask=m)
-        if COPY_V:
-            v = tl.arange(0, BLOCK_V)
-            vm = v < HV
-            tl.store(OUT + base + H2 * D + v, tl.load(X + base + H2 * D + v, mask=vm), mask=vm)
-
-    return triton, layerscale_bwd, rope_qk
+    return triton, layerscale_bwd
 
 
 _BLOCK_R, _BLOCK_C = 32, 128
@@ -134,7 +90,7 @@ def layerscale_backward(grad: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor
         ``dy = grad * gamma`` (``grad``'s dtype, bit-identical to torch's product) and ``dgamma``
         ``[C]`` fp32, the column sums of ``grad * y`` with each product exact.
     """
-    triton, kernel, _ = _kernels()
+    triton, kernel = _kernels()
     C = grad.shape[-1]
     g2, y2 = grad.reshape(-1, C).contiguous(), y.reshape(-1, C).contiguous()
     R = g2.shape[0]
@@ -149,36 +105,3 @@ def layerscale_backward(grad: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor
     part = torch.empty(row_progs, C, device=grad.device, dtype=torch.float32)
     kernel[(row_progs, col_blocks)](g2, y2, gamma.contiguous(), dy, part, R, C, rows_per_prog, _BLOCK_R, _BLOCK_C)
     return dy.view(grad.shape), part.sum(0)
-
-
-def rope_packed_qkv(qkv: torch.Tensor, table: torch.Tensor, num_prefix_tokens: int, interleaved: bool,
-                    backward: bool = False) -> torch.Tensor:
-    """timm's RoPE (``x * cos + rot(x) * sin``) on q and k of a packed QKV buffer, v passed through.
-
-    Forward: a new packed buffer, q and k rotated, v copied: q, k, v stay views of one buffer,
-    which TE's attention reads in place (layout ``bs3hd``; separate q, k and a strided v make it
-    copy all three contiguous). Backward (``backward=True``): the transposed rotation, in place
-    on the packed gradient TE's attention returns (dv untouched), which is then the QKV GEMM's
-    output gradient as it is: no stack of dq, dk, dv.
-
-    Args:
-        qkv: ``[B, N, 3, H, D]`` contiguous, CUDA, half precision (forward: the QKV GEMM's
-            output; backward: the packed gradient of q, k, v, overwritten).
-        table: timm's table ``[N - num_prefix_tokens, 2 D]``, ``cat(sin, cos)`` per patch token
-            and channel, fp32 contiguous.
-        num_prefix_tokens: leading tokens RoPE leaves alone.
-        interleaved: channels ``(2i, 2i + 1)`` are rotated together (timm's ``rot``), else
-            ``(i, i + D/2)`` (``rope_rotate_half``).
-        backward: apply the transposed rotation in place.
-
-    Returns:
-        The rotated packed buffer ``[B, N, 3, H, D]`` (``qkv`` itself in backward). The maths is
-        timm's in fp32, rounded once to ``qkv``'s dtype.
-    """
-    triton, _, kernel = _kernels()
-    B, N, _, H, D = qkv.shape
-    out = qkv if backward else torch.empty_like(qkv)
-    kernel[(B * N,)](qkv, out, table, N, num_prefix_tokens, 3 * H * D, 2 * H, D, H * D,
-                     triton.next_power_of_2(2 * H), triton.next_power_of_2(D), triton.next_power_of_2(H * D),
-                     interleaved, backward, not backward)
-    return out

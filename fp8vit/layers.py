@@ -17,11 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backend import Backend, get_backend, resolve_backend
-from .kernels import layerscale_backward, rope_packed_qkv, triton_support
+from .kernels import layerscale_backward, triton_support
 from .recipes import recipe_name, row_multiple
 
-__all__ = ["FP8Block", "aligned_rows", "SplitQKV", "packed_grad", "RopeQKV", "LayerScaleAdd", "additive_to_bool",
-           "te_mask_kwargs"]
+__all__ = ["FP8Block", "aligned_rows", "SplitQKV", "LayerScaleAdd", "additive_to_bool", "te_mask_kwargs"]
 
 
 class FP8Block(nn.Module):
@@ -97,9 +96,8 @@ class FP8Block(nn.Module):
         """The attention branch of a timm block, on the backend's modules:
 
             x [B, N, C] -> qkv (norm1 + Linear, fused) -> [B, N, 3 * H * D], timm's row order
-              -> :meth:`_heads`: :meth:`_split_qkv` -> q, k, v [B, N, H, D] (TE's "bshd": views
-                 of the GEMM output) -> q_norm/k_norm -> :meth:`_rope`
-              -> DotProductAttention -> [B, N, H*D]
+              -> :meth:`_split_qkv`: q, k, v [B, N, H, D] (TE's "bshd": views of the GEMM output)
+              -> q_norm/k_norm -> :meth:`_rope` -> DotProductAttention -> [B, N, H*D]
               -> (gated: gate_norm(o) * sigmoid(gate)) -> proj -> proj_drop
 
         The family's block provides ``qkv``, ``q_norm``, ``k_norm`` (used if ``cfg.qk_norm``),
@@ -114,26 +112,19 @@ class FP8Block(nn.Module):
             mult: the token-row multiple of the FP8 GEMMs (:func:`aligned_rows`).
             rope: the family's position table, handed to :meth:`_rope` (None: no RoPE).
         """
-        q, k, v, gate = self._heads(aligned_rows(self.qkv, x, mult), rope)
-        o = self._impl.attention(self.attn, q, k, v, **te_mask_kwargs(attn_mask, is_causal))  # [B, N, H*D]
-        if gate is not None:  # timm's order: the (inner) norm, then the gate, then proj
-            o = self.gate_norm(o) * torch.sigmoid(gate)
-        return self.proj_drop(aligned_rows(self.proj, o, mult))
-
-    def _heads(self, qkv: torch.Tensor, rope: Optional[torch.Tensor]):
-        """Hook of :meth:`_attention`: the qkv GEMM's output ``[B, N, (3 * H * D)]`` -> q, k, v
-        ``[B, N, H, D]`` ready for attention and the gate's input (None: no gate): :meth:`_split_qkv`,
-        q_norm/k_norm, :meth:`_rope`. A family that fuses some of these overrides it."""
-        q, k, v, gate = self._split_qkv(qkv)
+        q, k, v, gate = self._split_qkv(aligned_rows(self.qkv, x, mult))
         if self.cfg.qk_norm:
             # The norm runs in fp32 under autocast; TE's attention wants one dtype (SDPA casts too).
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         if rope is not None:
             q, k = self._rope(q, k, rope)
-        return q, k, v, gate
+        o = self._impl.attention(self.attn, q, k, v, **te_mask_kwargs(attn_mask, is_causal))  # [B, N, H*D]
+        if gate is not None:  # timm's order: the (inner) norm, then the gate, then proj
+            o = self.gate_norm(o) * torch.sigmoid(gate)
+        return self.proj_drop(aligned_rows(self.proj, o, mult))
 
     def _split_qkv(self, qkv: torch.Tensor):
-        """Hook of :meth:`_heads`: the qkv GEMM's output ``[B, N, 3 * H * D]`` (timm's
+        """Hook of :meth:`_attention`: the qkv GEMM's output ``[B, N, 3 * H * D]`` (timm's
         ``(3, H, D)`` row order) -> q, k, v ``[B, N, H, D]`` (views, whose gradient comes back
         packed: :class:`SplitQKV`) and the gate's input (None: no gate). A family with other
         layouts (grouped-query attention, a gate) overrides it."""
@@ -142,7 +133,7 @@ class FP8Block(nn.Module):
         return q, k, v, None
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor):
-        """Hook of :meth:`_heads`: rotary position embedding on q and k ``[B, N, H, D]``.
+        """Hook of :meth:`_attention`: rotary position embedding on q and k ``[B, N, H, D]``.
         A family with RoPE overrides it; the classic ViT block has none (identity)."""
         return q, k
 
@@ -225,49 +216,15 @@ class SplitQKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):  # never None: autograd materializes unused gradients as zeros
-        return packed_grad(dq, dk, dv, ctx.packed_stride)
-
-
-def packed_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, packed_stride) -> torch.Tensor:
-    """The gradients of q, k, v views ``[B, N, H, D]`` of a packed ``[B, N, 3, H, D]`` buffer with
-    strides ``packed_stride`` -> the packed gradient: TE's fused attention writes dq, dk, dv as
-    views of one packed buffer, returned as it is; any other layout is stacked (one copy)."""
-    B, N, H, D = dq.shape
-    step = packed_stride[2]
-    if (dq.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()
-            and dk.storage_offset() == dq.storage_offset() + step
-            and dv.storage_offset() == dq.storage_offset() + 2 * step
-            and dq.stride() == dk.stride() == dv.stride()
-            and dq.stride() == tuple(packed_stride[:2]) + tuple(packed_stride[3:])):
-        return dq.as_strided((B, N, 3, H, D), packed_stride, dq.storage_offset())
-    return torch.stack((dq, dk, dv), dim=2)
-
-
-class RopeQKV(torch.autograd.Function):
-    """timm's RoPE on q and k of the packed QKV GEMM output ``[B, N, 3, H, D]`` -> q, k, v
-    ``[B, N, H, D]``, views of one new packed buffer (:func:`fp8vit.kernels.rope_packed_qkv`).
-
-    Against TE's RoPE kernel on q and k (two launches each way, new q and k beside a strided v):
-    TE's attention reads the packed buffer in place where it copies q, k and v contiguous, and
-    writes its gradient packed, which the backward rotates in place and hands to the QKV GEMM
-    as it is (no stack). Args of ``apply``: ``qkv``, ``table`` (timm's ``[N - prefix, 2 D]``
-    sin | cos, fp32 contiguous), ``num_prefix_tokens``, ``interleaved``.
-    """
-
-    @staticmethod
-    def forward(ctx, qkv, table, num_prefix_tokens, interleaved):
-        out = rope_packed_qkv(qkv, table, num_prefix_tokens, interleaved)
-        ctx.save_for_backward(table)
-        ctx.args = (num_prefix_tokens, interleaved)
-        ctx.packed_stride = out.stride()
-        return out.unbind(2)
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        (table,) = ctx.saved_tensors
-        # The packed gradient is TE's fresh buffer (or the stack's): overwritten in place.
-        g = packed_grad(dq, dk, dv, ctx.packed_stride).contiguous()
-        return rope_packed_qkv(g, table, *ctx.args, backward=True), None, None, None
+        B, N, H, D = dq.shape
+        step = ctx.packed_stride[2]
+        if (dq.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()
+                and dk.storage_offset() == dq.storage_offset() + step
+                and dv.storage_offset() == dq.storage_offset() + 2 * step
+                and dq.stride() == dk.stride() == dv.stride()
+                and dq.stride() == ctx.packed_stride[:2] + ctx.packed_stride[3:]):
+            return dq.as_strided((B, N, 3, H, D), ctx.packed_stride, dq.storage_offset())
+        return torch.stack((dq, dk, dv), dim=2)
 
 
 class LayerScaleAdd(torch.autograd.Function):

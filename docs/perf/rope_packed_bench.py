@@ -1,5 +1,7 @@
-"""Lever 25 (docs/performance.md): RoPE on the packed QKV buffer in one Triton pass
-(``fp8vit.layers.RopeQKV``) against TE's RoPE kernel on q and k, the path before it.
+"""Lever 25 (docs/performance.md), rejected: RoPE on the packed QKV buffer in one Triton pass against
+TE's RoPE kernel on q and k, the path fp8vit keeps. The kernel and its autograd function live here
+only: they were in the library for the session-13 run (commit 4ccd229, `docs/results/s13/
+rope_packed_bench.log`) and were taken out after it, as slower. This script is that code, moved.
 
     python3 docs/perf/rope_packed_bench.py          # on the GPU machine, TE installed
 
@@ -16,15 +18,20 @@ Shapes: RoPE ViT-B/16 b128 (197 tokens, 12 x 64), EVA02-B/14 b128 (257 tokens, 1
 Prediction (written before the run): RoPE ViT-B's RoPE kernels (2.6 ms per step), QKV stack
 (0.7 ms) and v copy (~0.3 ms) are ~3.6 ms of the step; the Triton path moves 10 passes of
 [B, N, H D] per block where these move 14 at about half the bandwidth: about 1.8 ms, so
-**-1.5 to -2 ms per RoPE ViT-B step** (with lever 24: 36.8 -> ~34 ms, ~2.3x timm eager).
+**-1.5 to -2 ms per RoPE ViT-B step**. Measured: +1.4 ms (slower), EVA02-B +0.3 ms, PE-core-L
++2.2 ms per step.
 Times: CUDA events around 10 back-to-back calls, median of 50 after 10 warm-up, divided by 10.
 """
 
+import types
+
 import timm
 import torch
+import triton
+import triton.language as tl
 
 from fp8vit.eva import TE_EvaBlock
-from fp8vit.layers import FP8Block
+from fp8vit.layers import SplitQKV
 from fp8vit.tools.timing import median_ms
 
 SHAPES = {"RoPE ViT-B b128": ("vit_base_patch16_rope_224", 128, 224, 12),
@@ -32,13 +39,97 @@ SHAPES = {"RoPE ViT-B b128": ("vit_base_patch16_rope_224", 128, 224, 12),
           "PE-core-L b32": ("vit_pe_core_large_patch14_336", 32, 336, 24)}
 
 
+@triton.jit
+def rope_qk(X, OUT, TABLE, N, NPT, ROW, H2, D: tl.constexpr, HV, BLOCK_H: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, INTERLEAVED: tl.constexpr,
+            BACKWARD: tl.constexpr, COPY_V: tl.constexpr):
+    # One program: one token's row of the packed buffer, ROW = 3 H D elements: q and k, 2H heads
+    # of D channels, then v (H D). The table row [sin | cos] (2D, fp32) of patch token n - NPT;
+    # prefix tokens get cos 1, sin 0 (an exact copy).
+    #   forward  out[j] = x[j] cos[j] + sign[j] x[p(j)] sin[j]       (timm's x * cos + rot(x) * sin)
+    #   backward dx[i]  = g[i] cos[i] - sign[i] g[p(i)] sin[p(i)]    (its transpose)
+    # p pairs channel j with its partner (2i <-> 2i+1 interleaved, j <-> j +- D/2 rotate-half);
+    # sign is -1 on the first of each pair.
+    row = tl.program_id(0).to(tl.int64)
+    n = row % N
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    dm = d < D
+    m = (h < H2) & dm
+    if INTERLEAVED:
+        p = d ^ 1
+        first = (d % 2) == 0
+    else:
+        p = tl.where(d < D // 2, d + D // 2, d - D // 2)
+        first = d < D // 2
+    base = row * ROW
+    x = tl.load(X + base + h * D + d, mask=m, other=0.0).to(tl.float32)
+    xp = tl.load(X + base + h * D + p, mask=m, other=0.0).to(tl.float32)
+    if BACKWARD:  # in place: every load of the row before any store (partners cross warps)
+        tl.debug_barrier()
+    patch = n >= NPT
+    t = TABLE + (n - NPT) * (2 * D)
+    cos = tl.load(t + D + d, mask=dm & patch, other=1.0)
+    if BACKWARD:
+        sin = tl.load(t + p, mask=dm & patch, other=0.0)
+        out = x * cos + tl.where(first, xp, -xp) * sin
+    else:
+        sin = tl.load(t + d, mask=dm & patch, other=0.0)
+        out = x * cos + tl.where(first, -xp, xp) * sin
+    tl.store(OUT + base + h * D + d, out.to(OUT.dtype.element_ty), mask=m)
+    if COPY_V:
+        v = tl.arange(0, BLOCK_V)
+        vm = v < HV
+        tl.store(OUT + base + H2 * D + v, tl.load(X + base + H2 * D + v, mask=vm), mask=vm)
+
+
+def rope_packed_qkv(qkv, table, num_prefix_tokens, interleaved, backward=False):
+    """timm's RoPE on q and k of a packed ``[B, N, 3, H, D]`` buffer (contiguous), v copied; with
+    ``backward`` the transposed rotation in place. ``table``: timm's ``[N - prefix, 2 D]`` sin | cos."""
+    B, N, _, H, D = qkv.shape
+    out = qkv if backward else torch.empty_like(qkv)
+    rope_qk[(B * N,)](qkv, out, table, N, num_prefix_tokens, 3 * H * D, 2 * H, D, H * D,
+                      triton.next_power_of_2(2 * H), triton.next_power_of_2(D), triton.next_power_of_2(H * D),
+                      interleaved, backward, not backward)
+    return out
+
+
+class RopeQKV(torch.autograd.Function):
+    """Packed QKV GEMM output ``[B, N, 3, H, D]`` -> q, k, v views of one new packed buffer, q and k
+    rotated; backward rotates TE's packed gradient in place and hands it on unstacked."""
+
+    @staticmethod
+    def forward(ctx, qkv, table, num_prefix_tokens, interleaved):
+        out = rope_packed_qkv(qkv, table, num_prefix_tokens, interleaved)
+        ctx.save_for_backward(table)
+        ctx.args = (num_prefix_tokens, interleaved)
+        ctx.packed_stride = out.stride()
+        return out.unbind(2)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        (table,) = ctx.saved_tensors
+        # SplitQKV's packed-gradient logic: TE's packed buffer as it is, else a stack.
+        g = SplitQKV.backward(types.SimpleNamespace(packed_stride=ctx.packed_stride), dq, dk, dv).contiguous()
+        return rope_packed_qkv(g, table, *ctx.args, backward=True), None, None, None
+
+
+def heads(blk, kind, qkv, rope):
+    """q, k, v [B, N, H, D] for attention from the QKV GEMM's output [B, N, 3 H D]."""
+    c = blk.cfg
+    if kind == "triton":
+        B, N, _ = qkv.shape
+        return RopeQKV.apply(qkv.view(B, N, 3, c.num_heads, c.head_dim), rope.float().contiguous(),
+                             c.num_prefix_tokens, not c.rotate_half)
+    q, k, v, _ = blk._split_qkv(qkv)
+    if kind == "te":
+        q, k = blk._rope(q, k, rope)
+    return q, k, v
+
+
 def step(blk, kind, qkv, rope, g):
     qkv = qkv.detach().requires_grad_(True)
-    if kind == "triton":
-        q, k, v, _ = blk._heads(qkv, rope)
-    else:
-        q, k, v, _ = FP8Block._heads(blk, qkv, rope if kind == "te" else None)
-    o = blk._impl.attention(blk.attn, q, k, v)
+    o = blk._impl.attention(blk.attn, *heads(blk, kind, qkv, rope))
     o.backward(g)
 
 
@@ -63,8 +154,8 @@ def main():
 
         t = {k: per_call(k) for k in ("te", "triton", "none")}
         with torch.no_grad():
-            o_te = blk._impl.attention(blk.attn, *FP8Block._heads(blk, qkv, rope)[:3])
-            o_tr = blk._impl.attention(blk.attn, *blk._heads(qkv, rope)[:3])
+            o_te = blk._impl.attention(blk.attn, *heads(blk, "te", qkv, rope))
+            o_tr = blk._impl.attention(blk.attn, *heads(blk, "triton", qkv, rope))
         diff = float((o_tr.float() - o_te.float()).abs().max() / o_te.float().abs().max())
         print(f"{name:16s} {t['te']:8.3f} {t['triton']:9.3f} {t['none']:8.3f}   "
               f"{depth * (t['te'] - t['none']):6.2f} ms, {depth * (t['triton'] - t['none']):6.2f} ms, "

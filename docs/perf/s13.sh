@@ -14,6 +14,8 @@
 #    prediction is in its docstring), and RoPE ViT-B/16 b128 with lever 24 in the library
 #    (predicted 36.8 -> ~35.9 ms, 2.15x -> ~2.2x timm eager); lever 25 (rope_packed_bench.py: RoPE
 #    on the packed QKV buffer in one Triton pass, in the library too: with 24, ~34 ms, ~2.3x).
+#    Run at 4ccd229 (logs docs/results/s13/); lever 25 measured slower and was moved out of the
+#    library into rope_packed_bench.py after the run.
 # 2-4. docs/scaling.md at world size 1, GPU-bound: ViT-H/14, ViT-g/14, ViT-G/14 at a batch just under
 #    fp8vit-scaleplan's largest (an upper bound: the measured peaks were 2-20% under it), in DDP eager,
 #    DDP with CUDA graphs, FSDP2 bf16 compute, FSDP2 + FP8 weights; then DDP eager at ~15% above the
