@@ -103,5 +103,6 @@ def layerscale_backward(grad: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor
     row_progs = triton.cdiv(R, rows_per_prog)
     dy = torch.empty_like(g2)
     part = torch.empty(row_progs, C, device=grad.device, dtype=torch.float32)
-    kernel[(row_progs, col_blocks)](g2, y2, gamma.contiguous(), dy, part, R, C, rows_per_prog, _BLOCK_R, _BLOCK_C)
+    with torch.cuda.device(grad.device):  # Triton launches on the current device
+        kernel[(row_progs, col_blocks)](g2, y2, gamma.contiguous(), dy, part, R, C, rows_per_prog, _BLOCK_R, _BLOCK_C)
     return dy.view(grad.shape), part.sum(0)

@@ -2,9 +2,8 @@
 
 LayerScale's backward (:func:`fp8vit.kernels.layerscale_backward`): ``dy`` bit-identical to torch's
 ``grad * gamma``; ``dgamma`` (fp32 sums of exact products) no further from an fp64 sum than 1e-5 of
-the column's sum of ``|grad * y|`` (torch's path, which rounds each product to bf16 first, is
-allowed 1e-2: 2^-9 per product, cancelling). Shapes with rows and columns that are not multiples of
-the kernel's tiles (32 x 128).
+the column's sum of ``|grad * y|``. Shapes with rows and columns that are not multiples of the
+kernel's tiles (32 x 128).
 """
 
 import pytest
