@@ -23,9 +23,7 @@ import torch
 
 from fp8vit.kernels import layerscale_backward as triton_bwd
 from fp8vit.tools.timing import median_ms
-
-SHAPES = {"RoPE ViT-B b128": (128, 197, 768, 12), "EVA02-L b64": (64, 257, 1024, 24),
-          "PE-core-L b32": (32, 577, 1024, 24), "ViT-H b128": (128, 257, 1280, 32)}
+from layerscale_bench import SHAPES  # the same four block shapes (this folder is on sys.path when run)
 
 
 def torch_bwd(g, y, gamma):
