@@ -32,7 +32,7 @@ import triton.language as tl
 
 from fp8vit.eva import TE_EvaBlock
 from fp8vit.layers import SplitQKV
-from fp8vit.tools.timing import median_ms
+from layerscale_triton_bench import per_call_ms  # 10 back-to-back calls per timing (this folder is on sys.path)
 
 SHAPES = {"RoPE ViT-B b128": ("vit_base_patch16_rope_224", 128, 224, 12),
           "EVA02-B b128": ("eva02_base_patch14_224", 128, 224, 12),
@@ -145,14 +145,7 @@ def main():
         A = blk.cfg.num_heads * blk.cfg.head_dim
         qkv = torch.randn(B, N, 3 * A, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(B, N, A, device="cuda", dtype=torch.bfloat16)
-
-        def per_call(kind, calls=10):
-            def many():
-                for _ in range(calls):
-                    step(blk, kind, qkv, rope, g)
-            return median_ms(many) / calls
-
-        t = {k: per_call(k) for k in ("te", "triton", "none")}
+        t = {k: per_call_ms(step, blk, k, qkv, rope, g) for k in ("te", "triton", "none")}
         with torch.no_grad():
             o_te = blk._impl.attention(blk.attn, *heads(blk, "te", qkv, rope))
             o_tr = blk._impl.attention(blk.attn, *heads(blk, "triton", qkv, rope))
