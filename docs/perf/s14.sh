@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Next session's H200 plan (written in session 13, after its device time ran out). Each call < 10 min.
+# Session 14's H200 plan (written in session 13, run in session 14 at commit 017e09d: logs in
+# docs/results/s14/, results in docs/performance.md "Session 14"). Each call < 10 min.
 #   mkdir -p .kit && cp ../shared/te-kit/* .kit/
 #   run(command="OUT=$OUT bash docs/perf/s14.sh 1", carry=[".kit"])   then 2, 3; copy $OUT into docs/results/s14/
 #
