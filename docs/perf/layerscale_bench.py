@@ -38,8 +38,6 @@ def branch(kind, x, a, gamma, g):
     y.backward(g)
 
 
-
-
 def main():
     torch.manual_seed(0)
     print(f"{'shape':16s} {'timm ms':>8s} {'bf16 ms':>8s} {'fp8vit ms':>9s} {'none ms':>8s}   "
