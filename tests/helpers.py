@@ -161,6 +161,26 @@ def block_pair(case_kw: dict, *, backend: str, dim: int = 64, num_heads: int = 4
     return block, fp8vit.TE_Block.from_timm(block, exact_gelu=exact, backend=backend)
 
 
+def assert_matches_timm_on_cpu(block, te):
+    """Assert that ``te`` (a ``TE_Block`` built by ``block_pair`` on the reference backend) computes
+    timm's ``block``: output, input gradient and every parameter gradient, elementwise, in fp32 on the
+    CPU on a [3, 17, 64] input. The same math in another order, so 1e-5 relative is the rounding
+    floor (1e-4 for weight gradients, sums over 51 rows)."""
+    from fp8vit.weights import te_to_timm
+
+    x = torch.randn(3, 17, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y2 = block(x), te(x2)
+    torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g), y2.backward(g)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-5)
+    te_grads = te_to_timm({k: p.grad for k, p in te.named_parameters()}, te.cfg)  # raises on padding != 0
+    assert te_grads.keys() == dict(block.named_parameters()).keys()
+    for k, p in block.named_parameters():
+        torch.testing.assert_close(te_grads[k], p.grad, rtol=1e-4, atol=1e-5, msg=k)
+
+
 def padded_masks(block) -> dict:
     """``{parameter: boolean mask of its padded entries}`` of a TE_Block's MLP (hidden units
     padded for FP8: fc1's rows of each half, fc2's columns)."""

@@ -11,7 +11,7 @@ import torch
 import fp8vit
 from fp8vit.layers import aligned_rows
 from fp8vit.weights import te_to_timm, timm_to_te
-from helpers import BLOCK_CASES, block_pair
+from helpers import BLOCK_CASES, assert_matches_timm_on_cpu, block_pair
 
 torch.manual_seed(0)
 
@@ -33,18 +33,7 @@ def test_state_dict_round_trip_is_exact(case):
 
 @pytest.mark.parametrize("case", list(BLOCK_CASES))
 def test_forward_and_grads_match_timm(case):
-    # fp32 on CPU: same math in another order, so 1e-5 relative is the rounding floor.
-    block, te = _pair(case)
-    x = torch.randn(3, 17, 64, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_(True)
-    y, y2 = block(x), te(x2)
-    torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
-    g = torch.randn_like(y)
-    y.backward(g), y2.backward(g)
-    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-5)
-    te_grads = te_to_timm({k: p.grad for k, p in te.named_parameters()}, te.cfg)
-    for k, p in block.named_parameters():
-        torch.testing.assert_close(te_grads[k], p.grad, rtol=1e-4, atol=1e-5, msg=k)
+    assert_matches_timm_on_cpu(*_pair(case))
 
 
 def test_missing_or_extra_keys_are_listed():

@@ -21,7 +21,7 @@ from fp8vit.config import BlockConfig
 from fp8vit.mlp import (HIDDEN_MULTIPLE, build_mlp, mlp_config_from_kwargs, mlp_config_from_timm, mlp_ties,
                         torch_norm)
 from fp8vit.weights import te_to_timm, timm_to_te
-from helpers import MLP_CASES, PADDED_MLP_CASES, block_pair, padded_masks
+from helpers import MLP_CASES, PADDED_MLP_CASES, assert_matches_timm_on_cpu, block_pair, padded_masks
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp8vit. timm's exact")
 
@@ -30,22 +30,9 @@ def _pair(case, dim=64):
     return block_pair(MLP_CASES[case], backend="reference", dim=dim)
 
 
-
-
 @pytest.mark.parametrize("case", list(MLP_CASES))
 def test_forward_and_grads_match_timm(case):
-    block, te = _pair(case)
-    x = torch.randn(3, 17, 64, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_(True)
-    y, y2 = block(x), te(x2)
-    torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
-    g = torch.randn_like(y)
-    y.backward(g), y2.backward(g)
-    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-5)
-    te_grads = te_to_timm({k: p.grad for k, p in te.named_parameters()}, te.cfg)  # raises on padding != 0
-    assert te_grads.keys() == dict(block.named_parameters()).keys()
-    for k, p in block.named_parameters():
-        torch.testing.assert_close(te_grads[k], p.grad, rtol=1e-4, atol=1e-5, msg=k)
+    assert_matches_timm_on_cpu(*_pair(case))
 
 
 @pytest.mark.parametrize("case", list(MLP_CASES))
