@@ -67,7 +67,7 @@ def parse_args(argv=None):
     if args.fp8_weights and args.no_fp8:
         p.error("--fp8-weights with --no-fp8: FP8 weights are fp8vit's blocks' weights; drop one of the two")
     if args.fsdp and args.cuda_graphs:
-        p.error(f"--fsdp with --cuda-graphs: {fp8vit.distributed.WHY_NOT_WITH_FSDP2}")
+        p.error(f"--fsdp with --cuda-graphs: {fp8vit.training.distributed.WHY_NOT_WITH_FSDP2}")
     return args
 
 

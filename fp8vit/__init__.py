@@ -17,23 +17,23 @@ The command-line tools (``fp8vit-bench``, ``fp8vit-profile``, ``fp8vit-diagnose`
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import _te
-from .backend import set_cudnn_layernorm
-from .block import TE_Block
-from .config import BlockConfig
-from .context import FP8State, fp8_context
-from .convert import (FALLBACKS, convert_from_te, convert_to_te, set_block_fp8, set_grad_checkpointing,
-                      set_mlp_recompute)
-from .detect import GPUInfo, fp8_support, gpu_info
-from .diagnostics import BlockStats, DiagnosisReport, diagnose
-from .distributed import (default_mp_policy, fp8_weight_init, fp8_weight_optimizer, load_checkpoint, save_checkpoint,
+from . import _moved, _te
+from .blocks.backend import set_cudnn_layernorm
+from .blocks.vit import TE_Block
+from .blocks.config import BlockConfig
+from .training.context import FP8State, fp8_context
+from .convert import FALLBACKS, convert_from_te, convert_to_te
+from .training.switches import set_block_fp8, set_grad_checkpointing, set_mlp_recompute
+from .training.detect import GPUInfo, fp8_support, gpu_info
+from .training.diagnostics import BlockStats, DiagnosisReport, diagnose
+from .training.distributed import (default_mp_policy, fp8_weight_init, fp8_weight_optimizer, load_checkpoint, save_checkpoint,
                           shard_model)
 from .errors import Check, ConversionError, FP8UnavailableError, TEUnavailableError
-from .eva import TE_EvaBlock
-from .graphs import GraphedBlocks, make_graphed_blocks
-from .guards import NonFiniteEvent, NonFiniteGuard
-from .numerics import snr_db
-from .recipes import RECIPE_NAMES, RecipeName, make_recipe
+from .blocks.eva import TE_EvaBlock
+from .training.graphs import GraphedBlocks, make_graphed_blocks
+from .training.guards import NonFiniteEvent, NonFiniteGuard
+from .training.numerics import snr_db
+from ._te.recipes import RECIPE_NAMES, RecipeName, make_recipe
 from .summary import ConversionSummary, conversion_summary
 
 try:
@@ -89,3 +89,4 @@ __all__ = [
 ]
 
 _te.preload()
+_moved.install()

@@ -1,6 +1,6 @@
 """Convert a built timm model for FP8 and back, keeping weights: its blocks become fp8vit's fused
-blocks where fp8vit has a family for them (``fp8vit.families``), and, with ``fallback="linear"``,
-the ``nn.Linear``s of the other blocks become FP8 Linears (``fp8vit.linear``).
+blocks where fp8vit has a family for them (``fp8vit.blocks.families``), and, with ``fallback="linear"``,
+the ``nn.Linear``s of the other blocks become FP8 Linears (``fp8vit.blocks.linear``).
 
 Modelled on torchao's ``convert_to_float8_training(module, *, module_filter_fn, config)``:
 in place, returns the model, an optional filter decides per module.
@@ -17,19 +17,18 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from . import _te
-from .backend import resolve_backend
+from .blocks.backend import resolve_backend
+from .blocks.base import FP8Block
+from .blocks.families import FAMILIES, fp8vit_block_for
+from .blocks.linear import (holds_linear, is_block, is_swapped, restore_owner, swap_refusal, switch_owner, to_fp8_linear,
+                            to_torch_linear)
+from .blocks.weights import is_sharded
 from .errors import ConversionError
-from .families import FAMILIES, fp8vit_block_for
-from .layers import FP8Block
-from .linear import is_block, is_swapped, restore_owner, swap_refusal, switch_owner, to_fp8_linear, to_torch_linear
 from .summary import EXCLUDED, ConversionSummary, forget_summary, record_summary
-from .weights import is_sharded
+from .training.switches import (ModuleFilter, checkpointing_on, install_checkpointing, remove_checkpointing,
+                                set_grad_checkpointing)
 
-__all__ = ["convert_to_te", "convert_from_te", "set_grad_checkpointing", "set_mlp_recompute", "set_block_fp8",
-           "ModuleFilter", "FALLBACKS"]
-
-ModuleFilter = Callable[[nn.Module, str], bool]
+__all__ = ["convert_to_te", "convert_from_te", "ModuleFilter", "FALLBACKS"]
 
 # What convert_to_te does with a block it cannot fuse (see its docstring).
 FALLBACKS = ("linear", "keep", "error")
@@ -56,7 +55,7 @@ def convert_to_te(
 ) -> nn.Module:
     """Give ``model`` FP8, in place: fp8vit's fused blocks where it has them, else (optionally) FP8 Linears.
 
-    Every block whose exact class fp8vit has a family for (``fp8vit.families``: timm's
+    Every block whose exact class fp8vit has a family for (``fp8vit.blocks.families``: timm's
     ``vision_transformer.Block`` -> ``TE_Block``, ``eva.EvaBlock`` and ``eva.EvaBlockPostNorm`` ->
     ``TE_EvaBlock``) becomes that family's fused block: weights
     copied exactly (timm's QKV layout kept), as are training mode, device, dtype and frozen
@@ -82,7 +81,7 @@ def convert_to_te(
         fp32_residual: keep the residual stream in fp32 under autocast (timm's behaviour; slower,
             see ``TE_Block``).
         fallback: for the blocks fp8vit cannot fuse. ``"linear"``: swap their ``nn.Linear``s for
-            TE's FP8 ``Linear`` (``fp8vit.linear``: the same parameters and state dict keys, any
+            TE's FP8 ``Linear`` (``fp8vit.blocks.linear``: the same parameters and state dict keys, any
             leading dims, FP8 only inside ``fp8_context``; Linears whose features are not
             multiples of 16 stay as they are). ``"keep"``: leave them as they are (they run in
             bf16 under autocast). ``"error"``: raise :class:`ConversionError`. The default is
@@ -117,7 +116,7 @@ def convert_to_te(
         switch_owner(new, parent, name)
         setattr(parent, name, new)
     if summary.num_fused or summary.num_swapped:
-        _install_checkpointing(model)
+        install_checkpointing(model)
     record_summary(model, summary)
     if plan.empty:
         warnings.warn(f"fp8vit.convert_to_te: {type(model).__name__} holds nothing fp8vit can convert: "
@@ -128,7 +127,7 @@ def convert_to_te(
 
 
 _NOTHING = (f"no block of fp8vit's families ({', '.join(t for f in FAMILIES for t in f.timm_blocks)}) and no "
-            "other block holding nn.Linears (fp8vit.linear.is_block)")
+            "other block holding nn.Linears (fp8vit.blocks.linear.is_block)")
 
 
 @dataclasses.dataclass
@@ -181,7 +180,7 @@ class _Plan:
         cls = fp8vit_block_for(mod)
         if cls is not None or is_block(mod, root=mod is self.root):
             if not self._allowed(mod, fqn):
-                if _holds_linear(mod):
+                if holds_linear(mod):
                     self.kept[EXCLUDED].append(fqn)
                 return
             name = type(mod).__name__
@@ -238,10 +237,6 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
-def _holds_linear(mod: nn.Module) -> bool:
-    return any(isinstance(m, nn.Linear) or is_swapped(m) for m in mod.modules())
-
-
 def _head_paths(model: nn.Module) -> set:
     """Paths of the classifier head: the model's ``head*`` children and what ``get_classifier()``
     returns (timm's API; a tuple for distilled models)."""
@@ -285,8 +280,7 @@ def convert_from_te(model: nn.Module) -> nn.Module:
                          "process too), and convert that one back")
     if isinstance(model, FP8Block):
         return model.to_timm()
-    checkpointing = any(m.grad_checkpointing for m in model.modules() if isinstance(m, FP8Block)) or any(
-        isinstance(vars(m).get("forward"), _CheckpointedForward) for m in model.modules())
+    checkpointing = checkpointing_on(model)
     set_grad_checkpointing(model, False)
     new = {fqn: mod.to_timm() for fqn, mod in model.named_modules() if isinstance(mod, FP8Block)}
     for fqn, block in new.items():
@@ -297,186 +291,8 @@ def convert_from_te(model: nn.Module) -> nn.Module:
         setattr(parent, name, to_torch_linear(mod))
         restore_owner(mod, parent)
     forget_summary(model)
-    if isinstance(vars(model).get("set_grad_checkpointing"), _SetGradCheckpointing):
-        del model.set_grad_checkpointing  # back to the class's own method
-        if checkpointing:
-            model.set_grad_checkpointing(True)
-    return model
-
-
-def set_block_fp8(model: nn.Module, names: "str | Sequence[str]", enabled: bool) -> List[str]:
-    """Turn FP8 on or off for the named modules of ``model`` (others are untouched).
-
-    A name may be an fp8vit block, a swapped Linear (``fallback="linear"``), or any module holding
-    such (then all of those it holds). With FP8 off they run their GEMMs in the autocast dtype
-    inside ``fp8_context``.
-
-    Args:
-        model: a converted model.
-        names: one block's name (``"blocks.0"``) or a sequence of them, as in ``model.named_modules()``.
-        enabled: FP8 on (True) or off (False) for those blocks.
-
-    Returns:
-        the names, as a list.
-
-    Raises:
-        ValueError: a name that is none of these in ``model``; nothing is changed then.
-    """
-    names = [names] if isinstance(names, str) else list(names)  # a str is one name, not its characters
-    mods = dict(model.named_modules())
-    targets, bad = [], []
-    for n in names:
-        mod = mods.get(n)
-        inner = [] if mod is None else [m for m in mod.modules() if isinstance(m, FP8Block) or is_swapped(m)]
-        if inner:
-            targets.extend(inner)
-        else:
-            bad.append(n)
-    if bad:
-        known = [n for n, m in mods.items() if isinstance(m, FP8Block) or is_swapped(m)]
-        if not known:
-            raise ValueError(f"set_block_fp8: {bad}: this model has no fp8vit blocks or swapped Linears; "
-                             "convert it with fp8vit.convert_to_te first")
-        listed = ", ".join(known) if len(known) <= 4 else f"{known[0]}, {known[1]}, ..., {known[-1]}"
-        raise ValueError(f"set_block_fp8: {bad} are not fp8vit blocks (TE_Block, ...), swapped Linears or "
-                         f"modules holding them in this model; its {len(known)} are {listed} "
-                         "(fp8vit.conversion_summary(model) lists what was converted)")
-    for mod in targets:
-        mod.fp8_enabled = enabled
-    return names
-
-
-def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> nn.Module:
-    """Activation checkpointing for every block of a converted ``model``.
-
-    fp8vit's blocks checkpoint themselves through TE's checkpoint, which restores the FP8 state on
-    recompute (timm's ``checkpoint_seq`` recomputes outside the FP8 autocast, and TE then saves a
-    different set of tensors: "a different number of tensors was saved"). The other blocks
-    (timm blocks kept by ``module_filter_fn`` or the fallback, and blocks whose Linears were
-    swapped) checkpoint themselves too, each as a whole (the innermost blocks holding Linears),
-    with TE's checkpoint where they hold TE Linears and torch's otherwise, since timm's own
-    checkpointing must stay off around TE modules.
-    """
-    for mod in model.modules():
-        if isinstance(vars(mod).get("forward"), _CheckpointedForward):
-            del mod.forward
-        if isinstance(mod, FP8Block):
-            mod.grad_checkpointing = enable
-    if enable:
-        for mod in _checkpoint_units(model):
-            mod.forward = _CheckpointedForward(mod)
-    return model
-
-
-def _checkpoint_units(model: nn.Module) -> List[nn.Module]:
-    """The blocks other than fp8vit's that checkpoint themselves (:func:`set_grad_checkpointing`):
-    blocks (``fp8vit.linear.is_block``, or of a family) that hold Linears and no other block."""
-    units: List[nn.Module] = []
-
-    def visit(mod: nn.Module, root: bool) -> bool:  # True: mod is or holds a block
-        if isinstance(mod, FP8Block):
-            return True
-        nested = False
-        for child in mod.children():
-            nested |= visit(child, False)
-        block = fp8vit_block_for(mod) is not None or is_block(mod, root)
-        if block and not nested and _holds_linear(mod):
-            units.append(mod)
-        return nested or block
-
-    visit(model, True)
-    return units
-
-
-def set_mlp_recompute(model: nn.Module, enable: bool = True, *, every: int = 1,
-                      module_filter_fn: Optional[ModuleFilter] = None) -> nn.Module:
-    """Recompute the MLP activations of fp8vit's blocks (``TE_Block``, ...) in backward instead of saving them.
-
-    Selective activation checkpointing: the MLP's saved activations (fc1's output and the
-    activation's, ``[B, N, 4C]`` each) are most of a block's. With TE's fused ``LayerNormMLP`` this is
-    TE's own ``checkpoint=True`` (LayerNorm, fc1 and the activation rerun in backward, with the
-    forward's FP8 scales; fc2 is not rerun). Memory and time scale with the number of blocks chosen,
-    so a subset trades between the two (``every=2``: blocks 0, 2, 4, ...). :func:`make_graphed_blocks` captures it with
-    the blocks when the MLP is TE's fused one. Measured on ViT-H/16, blocks graphed with cuDNN
-    LayerNorm (H200, docs/performance.md, levers 14 and 15): the largest batch grows from 576 images
-    to 768 with every second block (592 to 784 with ``fused_wgrad=False``, +5% step time) and to 1120
-    with all (+10%, ``fused_wgrad=False``). Blocks whose whole forward
-    is checkpointed (:func:`set_grad_checkpointing`) ignore it.
-
-    Args:
-        model: a converted model.
-        enable: True to recompute, False to save the activations again.
-        every: change every ``every``-th of the chosen fp8vit blocks, in model order, starting
-            with the first (1: all of them; 2: the 1st, 3rd, 5th, ...).
-        module_filter_fn: ``fn(module, fqn) -> bool``; only fp8vit blocks for which it returns
-            True are chosen (None: all of them).
-
-    Returns:
-        ``model``.
-
-    Raises:
-        ValueError: ``model`` has no fp8vit block, ``module_filter_fn`` selects none of them, or
-            ``every`` is not a positive integer.
-    """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"set_mlp_recompute: every={every!r}; it must be an integer >= 1 "
-                         "(1: every chosen block, 2: every second, ...)")
-    blocks = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, FP8Block)]
-    if not blocks:
-        raise ValueError(f"set_mlp_recompute: {type(model).__name__} has no fp8vit block (TE_Block, ...); "
-                         "run fp8vit.convert_to_te(model) first (swapped Linears have no MLP to recompute)")
-    chosen = [m for fqn, m in blocks if module_filter_fn is None or module_filter_fn(m, fqn)]
-    if not chosen:
-        raise ValueError(f"set_mlp_recompute: module_filter_fn selected none of the {len(blocks)} fp8vit blocks "
-                         f"({blocks[0][0]} ... {blocks[-1][0]}); it must return True for the blocks to change")
-    for blk in chosen[::every]:
-        blk.recompute_mlp = bool(enable)
-    return model
-
-
-class _CheckpointedForward:
-    """The ``forward`` of a block other than fp8vit's, with activation checkpointing: TE's
-    checkpoint where the block holds TE's swapped Linears (it restores their FP8 state on
-    recompute), torch's otherwise. An object, not a closure, so that the model still pickles."""
-
-    def __init__(self, block: nn.Module):
-        self.block = block
-        self.te = any(isinstance(m, _te.SwappedLinear) for m in block.modules())
-
-    def __call__(self, *args, **kwargs):
-        forward = type(self.block).forward
-        if not torch.is_grad_enabled():
-            return forward(self.block, *args, **kwargs)
-        if self.te:
-            return _te.checkpoint(forward, self.block, *args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(forward, self.block, *args, use_reentrant=False, **kwargs)
-
-
-class _SetGradCheckpointing:
-    """``model.set_grad_checkpointing`` of a converted timm model: the class's own method for the
-    other parts (e.g. the patch embedding), with timm's own checkpointing kept off around the
-    blocks (``checkpoint_seq`` over ``blocks``, a Swin stage's flag), then
-    :func:`set_grad_checkpointing` for the blocks. An object, not a closure, so the model pickles."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def __call__(self, enable: bool = True) -> None:
-        type(self.model).set_grad_checkpointing(self.model, enable)
-        blocks = {id(m) for m in self.model.modules() if isinstance(m, FP8Block)}
-        blocks |= {id(m) for m in _checkpoint_units(self.model)}
-        for mod in self.model.modules():
-            if (not isinstance(mod, FP8Block) and isinstance(vars(mod).get("grad_checkpointing"), bool)
-                    and any(id(m) in blocks for m in mod.modules())):
-                mod.grad_checkpointing = False
-        set_grad_checkpointing(self.model, enable)
-
-
-def _install_checkpointing(model: nn.Module) -> None:
-    """Route ``model.set_grad_checkpointing`` to the blocks' own checkpointing (see above)."""
-    if getattr(type(model), "set_grad_checkpointing", None) is None or "set_grad_checkpointing" in vars(model):
-        return
-    model.set_grad_checkpointing = _SetGradCheckpointing(model)
-    # A model converted while checkpointing was on keeps it, now through TE.
-    if getattr(model, "grad_checkpointing", False):
+    if remove_checkpointing(model) and checkpointing:  # back to the class's own method
         model.set_grad_checkpointing(True)
+    return model
+
+

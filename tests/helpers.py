@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8vit.numerics import snr_db  # noqa: F401 - one definition, shared by the tests
+from fp8vit.training.numerics import snr_db  # noqa: F401 - one definition, shared by the tests
 
 
 def max_rel_err(ref: torch.Tensor, test: torch.Tensor) -> float:
@@ -166,7 +166,7 @@ def assert_matches_timm_on_cpu(block, te):
     timm's ``block``: output, input gradient and every parameter gradient, elementwise, in fp32 on the
     CPU on a [3, 17, 64] input. The same math in another order, so 1e-5 relative is the rounding
     floor (1e-4 for weight gradients, sums over 51 rows)."""
-    from fp8vit.weights import te_to_timm
+    from fp8vit.blocks.weights import te_to_timm
 
     x = torch.randn(3, 17, 64, requires_grad=True)
     x2 = x.detach().clone().requires_grad_(True)
@@ -231,7 +231,7 @@ def fp32_against_timm(block, te, x: torch.Tensor) -> dict:
     with torch.no_grad():
         out = max_rel_err(y, te(x))
     dx_te = grad_of(te)
-    te_grads = fp8vit.weights.te_to_timm({k: p.grad for k, p in te.named_parameters()}, te.cfg)
+    te_grads = fp8vit.blocks.weights.te_to_timm({k: p.grad for k, p in te.named_parameters()}, te.cfg)
     floor = 1e-2 * max(float(p.grad.norm()) for p in block.parameters())
     grads = {k: float((p.grad - te_grads[k]).norm()) / max(float(p.grad.norm()), floor)
              for k, p in block.named_parameters()}

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import fp8vit
-from fp8vit.layers import aligned_rows
-from fp8vit.weights import te_to_timm, timm_to_te
+from fp8vit.blocks.base import aligned_rows
+from fp8vit.blocks.weights import te_to_timm, timm_to_te
 from helpers import BLOCK_CASES, assert_matches_timm_on_cpu, block_pair
 
 torch.manual_seed(0)
@@ -85,7 +85,7 @@ def test_bad_inputs_are_named():
 @pytest.mark.parametrize("batch, tokens, multiple", [(1, 197, 16), (3, 65, 16), (63, 197, 32), (2, 8, 16)])
 def test_row_padding_is_exact(batch, tokens, multiple):
     # Padding rows to the FP8 multiple must not change outputs or gradients.
-    lin = fp8vit.reference.LayerNormLinear(32, 48)
+    lin = fp8vit.blocks.reference.LayerNormLinear(32, 48)
     x = torch.randn(batch, tokens, 32, requires_grad=True)
     y = aligned_rows(lin, x, multiple)
     assert y.shape == (batch, tokens, 48)
@@ -121,7 +121,7 @@ def test_te_backend_on_cpu_is_refused():
 
 
 def test_split_qkv_hands_back_a_packed_gradient_without_copying():
-    from fp8vit.layers import SplitQKV
+    from fp8vit.blocks.base import SplitQKV
     qkv = torch.randn(2, 5, 3, 4, 8, requires_grad=True)
     q, k, v = SplitQKV.apply(qkv)
     assert q.data_ptr() == qkv.data_ptr() and torch.equal(v, qkv[:, :, 2])  # views, timm's order
@@ -140,7 +140,7 @@ def test_split_qkv_hands_back_a_packed_gradient_without_copying():
 def test_layer_scale_add_keeps_the_stream_dtype_and_gives_fp32_gamma_grads():
     # x + gamma * y for a bf16 stream and an fp32 gamma without fp32 intermediates: against the
     # same sum in fp64, within bf16 rounding (a few 2^-8 relative), dx passed through exactly.
-    from fp8vit.layers import LayerScaleAdd
+    from fp8vit.blocks.base import LayerScaleAdd
     g64 = torch.Generator().manual_seed(3)
     x = torch.randn(3, 5, 32, generator=g64).bfloat16().requires_grad_()
     y = torch.randn(3, 5, 32, generator=g64).bfloat16().requires_grad_()

@@ -10,7 +10,8 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 import fp8vit
-from fp8vit.config import BlockConfig, resolve_activation, resolve_norm
+from fp8vit.blocks.config import BlockConfig
+from fp8vit.blocks.timm_layers import resolve_activation, resolve_norm
 
 
 def test_every_timm_block_keyword_is_accepted():

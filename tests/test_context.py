@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import fp8vit
-from fp8vit import _warn, context, detect
-from fp8vit.detect import GPUInfo
+from fp8vit import _warn
+from fp8vit.training import context, detect
+from fp8vit.training.detect import GPUInfo
 from fp8vit.errors import Check
 
 

@@ -234,7 +234,7 @@ def test_block_fn_follows_timm_init_modes(mode, fix_init):
     torch.manual_seed(0)
     te = VisionTransformer(block_fn=functools.partial(fp8vit.TE_Block, backend="reference"), **kw)
     for i, (a, b) in enumerate(zip(ref.blocks, te.blocks)):
-        got, names = b.state_dict(), dict(fp8vit.weights.name_pairs(b.cfg))
+        got, names = b.state_dict(), dict(fp8vit.blocks.weights.name_pairs(b.cfg))
         for timm_name, t in a.state_dict().items():
             g = got[names[timm_name]]
             if t.dim() == 1 and float(t.std()) == 0:  # constants: norms, zero biases, gamma
@@ -307,15 +307,15 @@ def test_mlp_recompute_every_kth_block():
 
 # --------------------------------------------------------------------------- block families (registry)
 def test_registry_maps_timm_block_to_te_block_and_checks_the_contract(monkeypatch):
-    from fp8vit import families
+    from fp8vit.blocks import families
     assert families.block_classes()[Block] is fp8vit.TE_Block
     for timm_cls, cls in families.block_classes().items():  # every family, the lead's included
-        assert issubclass(cls, fp8vit.layers.FP8Block) and callable(cls.from_timm) and callable(cls.to_timm)
+        assert issubclass(cls, fp8vit.blocks.base.FP8Block) and callable(cls.from_timm) and callable(cls.to_timm)
     monkeypatch.setattr(families, "FAMILIES", families.FAMILIES + (
         families.Family("torch.nn.Linear", ("timm.models.vision_transformer.ResPostBlock",)),))
     families.block_classes.cache_clear()
     try:
-        with pytest.raises(TypeError, match="torch.nn.Linear must subclass fp8vit.layers.FP8Block"):
+        with pytest.raises(TypeError, match="torch.nn.Linear must subclass fp8vit.blocks.base.FP8Block"):
             families.block_classes()
     finally:
         monkeypatch.undo()
@@ -347,7 +347,7 @@ def _beit():
 
 
 def _swapped(model):
-    return [n for n, m in model.named_modules() if fp8vit.linear.is_swapped(m)]
+    return [n for n, m in model.named_modules() if fp8vit.blocks.linear.is_swapped(m)]
 
 
 def test_linear_fallback_keeps_weights_keys_and_maths():
@@ -417,7 +417,7 @@ def test_linear_fallback_keeps_what_fp8_cannot_run_and_says_why():
     assert len([w for w in rec if "fp8vit" in str(w.message)]) == 1  # one warning per call
     assert out is block  # a bare block fp8vit cannot fuse: converted in place
     summary = fp8vit.conversion_summary(block)
-    reason = f"Linear features not multiples of {fp8vit.linear.FEATURE_MULTIPLE} (FP8 GEMMs need them)"
+    reason = f"Linear features not multiples of {fp8vit.blocks.linear.FEATURE_MULTIPLE} (FP8 GEMMs need them)"
     assert dict(summary.kept) == {reason: ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")}
     assert summary.num_swapped == 0 and reason in str(rec[0].message)
     torch.testing.assert_close(block(x), ref)
@@ -521,7 +521,7 @@ class _ViewOutLinear(torch.autograd.Function):
         return g @ w, g2.t() @ x2, None if ctx.needs_input_grad[2] is False else g2.sum(0)
 
 
-class _FakeTELinear(fp8vit.reference.Linear):
+class _FakeTELinear(fp8vit.blocks.reference.Linear):
     def __init__(self, in_features, out_features, bias=True, params_dtype=None, device="cpu"):
         super().__init__(in_features, out_features, bias, params_dtype, device)
         self.in_features, self.out_features = in_features, out_features
@@ -543,12 +543,12 @@ _Swapped = type("_Swapped", (fp8vit._te.SwappedLinear, _FakeTELinear), {})
 
 def _recipe(name):
     import types
-    return types.SimpleNamespace(**{pred: (lambda n=n: n == name) for n, pred in fp8vit.recipes._PREDICATE.items()})
+    return types.SimpleNamespace(**{pred: (lambda n=n: n == name) for n, pred in fp8vit._te.recipes._PREDICATE.items()})
 
 
 @pytest.mark.parametrize("recipe,mult", [("delayed", 16), ("current", 16), ("mxfp8", 32)])
 def test_swapped_linear_pads_rows_to_the_recipe_multiple(monkeypatch, recipe, mult):
-    monkeypatch.setattr(fp8vit._te, "active_fp8_recipe", lambda: _recipe(recipe))
+    monkeypatch.setattr(fp8vit._te.module_types, "active_fp8_recipe", lambda: _recipe(recipe))
     torch.manual_seed(0)
     lin = _Swapped(64, 32)
     x = torch.randn(3, 5, 7, 64, requires_grad=True)  # 105 rows, any leading dims
@@ -568,20 +568,20 @@ def test_swapped_linear_pads_rows_to_the_recipe_multiple(monkeypatch, recipe, mu
 
 def test_swapped_linear_runs_bf16_where_fp8_is_off_or_cannot_run(monkeypatch):
     entered = []
-    monkeypatch.setattr(fp8vit._te, "autocast", lambda enabled, recipe: entered.append(enabled) or contextlib.nullcontext())
-    monkeypatch.setattr(fp8vit._te, "active_fp8_recipe", lambda: _recipe("delayed"))
+    monkeypatch.setattr(fp8vit._te.module_types, "autocast", lambda enabled, recipe: entered.append(enabled) or contextlib.nullcontext())
+    monkeypatch.setattr(fp8vit._te.module_types, "active_fp8_recipe", lambda: _recipe("delayed"))
     lin = _Swapped(64, 32)
     lin(torch.randn(3, 64))
     assert entered == []  # FP8 on: no nested autocast
     lin.fp8_enabled = False
     lin(torch.randn(3, 64))
     assert entered == [False] and lin.seen[-1] == (3, 64)  # off: unpadded, TE's FP8 autocast off
-    monkeypatch.setattr(fp8vit._te, "active_fp8_recipe", lambda: _recipe("mxfp8"))
+    monkeypatch.setattr(fp8vit._te.module_types, "active_fp8_recipe", lambda: _recipe("mxfp8"))
     odd = _Swapped(48, 32)  # 48 % 32 != 0: MXFP8 cannot run it
     with pytest.warns(RuntimeWarning, match=r"48 -> 32 features\) runs in bf16.*multiples of 32"):
         odd(torch.randn(3, 48))
     assert entered == [False, False]
-    monkeypatch.setattr(fp8vit._te, "active_fp8_recipe", lambda: None)
+    monkeypatch.setattr(fp8vit._te.module_types, "active_fp8_recipe", lambda: None)
     lin.fp8_enabled = True
     lin(torch.randn(3, 64))
     assert entered == [False, False] and lin.seen[-1] == (3, 64)  # outside fp8_context: TE as is
@@ -607,14 +607,14 @@ def test_swapped_linear_output_may_be_modified_in_place(monkeypatch):
     # BEiT with qkv_bias_separate: qkv = self.qkv(x); qkv += bias. TE's output is a view made inside
     # its autograd Function, which autograd refuses to modify in place: the swapped Linear hands it
     # out as a tensor of its own (no copy), and gradients still flow.
-    monkeypatch.setattr(fp8vit._te, "active_fp8_recipe", lambda: None)
+    monkeypatch.setattr(fp8vit._te.module_types, "active_fp8_recipe", lambda: None)
     x = torch.randn(2, 5, 32, requires_grad=True)
     lin = _Swapped(32, 48)
     raw = _FakeTELinear.forward(lin, x)
     with pytest.raises(RuntimeError, match="view.*modified inplace"):
         raw += 1  # what timm's in-place add would meet without the hand-over
     owner = _beit().blocks[0].attn
-    fp8vit.linear.switch_owner(lin, owner, "qkv")
+    fp8vit.blocks.linear.switch_owner(lin, owner, "qkv")
     assert owner.qkv_bias_separate and lin.restore_owner == {"qkv_bias_separate": False}
     out = lin(x)
     out += 1

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import fp8vit
-from fp8vit import _te, detect
+from fp8vit import _te
+from fp8vit.training import detect
 
 
 @pytest.fixture
@@ -90,7 +91,7 @@ def test_summary_lists_each_recipe(fake_device):
 
 def test_clear_cache_forgets_te_import_and_capability_answers(monkeypatch):
     # A TE installed or repaired after the first probe is seen after clear_cache().
-    monkeypatch.setattr(_te.importlib, "import_module", lambda name: (_ for _ in ()).throw(ImportError("boom")))
+    monkeypatch.setattr(_te.loader.importlib, "import_module", lambda name: (_ for _ in ()).throw(ImportError("boom")))
     detect.clear_cache()
     assert not _te.te_status().ok and "boom" in _te.te_status().reason
     monkeypatch.undo()
@@ -103,7 +104,7 @@ def test_token_rows_an_fp8_gemm_needs_per_recipe(name, rows):
     # TE_Block pads the token rows to this multiple; the name comes from a TE recipe object, probed
     # by its predicates (stood in for here: TE is not needed).
     from types import SimpleNamespace
-    from fp8vit.recipes import _PREDICATE, recipe_name, row_multiple
+    from fp8vit._te.recipes import _PREDICATE, recipe_name, row_multiple
     recipe = SimpleNamespace(**{pred: (lambda n=n: n == name) for n, pred in _PREDICATE.items()})
     assert recipe_name(recipe) == name
     assert row_multiple(recipe_name(recipe)) == rows
@@ -111,7 +112,7 @@ def test_token_rows_an_fp8_gemm_needs_per_recipe(name, rows):
 
 
 def test_triton_kernels_say_why_they_are_off(monkeypatch):
-    from fp8vit.kernels import triton_support
+    from fp8vit._te.kernels import triton_support
     monkeypatch.setenv("FP8VIT_TRITON", "0")
     detect.clear_cache()
     assert triton_support() == (False, "turned off by FP8VIT_TRITON=0")

@@ -11,8 +11,8 @@ from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
 
 import fp8vit
-from fp8vit import diagnostics as dg
-from fp8vit import numerics as nm
+from fp8vit.training import diagnostics as dg
+from fp8vit.training import numerics as nm
 
 
 def test_snr_known_values():

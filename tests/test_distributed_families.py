@@ -1,4 +1,4 @@
-"""fp8vit.distributed on every block family, on the CPU (reference backend, 2 gloo processes): the
+"""fp8vit.training.distributed on every block family, on the CPU (reference backend, 2 gloo processes): the
 classic ViT (``TE_Block``) and timm's ``Eva`` (``TE_EvaBlock``: EVA02, a RoPE ViT, ``EvaBlockPostNorm``;
 the tiny models of ``helpers.FAMILY_MODELS``). test_distributed.py checks the distributed API on a
 ViT; ``Eva`` differs where it matters here: it hands each block its RoPE table by keyword
@@ -27,7 +27,7 @@ import timm
 import torch
 
 import fp8vit
-import fp8vit.eva
+import fp8vit.blocks.eva
 from helpers import (EXAMPLES, FAMILY_MODELS, FP32_ATOL, STEPS, WORLD, dp_batches, dp_train, family_timm_model,
                      free_port, full_params, load_example, max_diff, max_rel_err, rank_results, rel_update_err,
                      run_ranks)
@@ -115,18 +115,18 @@ def _case_fsdp_default_policy(rank, tmp, key):
 
     sharded.blocks[1].register_forward_pre_hook(inputs, with_kwargs=True)
     calls = [0]
-    angles = fp8vit.eva.rope_angles
+    angles = fp8vit.blocks.eva.rope_angles
 
     def counted(*args):
         calls[0] += 1
         return angles(*args)
 
-    fp8vit.eva.rope_angles = counted
+    fp8vit.blocks.eva.rope_angles = counted
     try:
         with torch.no_grad():
             got = [_InContext(sharded)(x) for _ in range(2)]
     finally:
-        fp8vit.eva.rope_angles = angles
+        fp8vit.blocks.eva.rope_angles = angles
     # training under fp8_context against fp32 training in one process. Another sharded copy: after
     # a forward without grad, FSDP2 leaves the root's parameters unsharded (it reshards them after
     # backward), and an optimizer built then holds those instead of the root's shards.

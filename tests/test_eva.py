@@ -11,8 +11,8 @@ from torch import nn
 from timm.models.eva import EvaBlock, EvaBlockPostNorm
 
 import fp8vit
-from fp8vit.eva import TE_EvaBlock, rope_angles
-from fp8vit.reference import rope as reference_rope
+from fp8vit.blocks.eva import TE_EvaBlock, rope_angles
+from fp8vit.blocks.reference import rope as reference_rope
 
 # Small versions of the EVA-family models the issue names; each covers an option set:
 # q/v biases + separate q/k/v + SwiGLU with the inner norm (EVA02-B/L), packed SwiGLU (EVA02-T),
@@ -232,15 +232,15 @@ def test_rope_angles_reproduce_timm(interleaved):
 
 
 def _count_angle_computations(monkeypatch) -> list:
-    """Each call of fp8vit.eva.rope_angles (the atan2 + cat) appends its arguments to the list returned."""
+    """Each call of fp8vit.blocks.eva.rope_angles (the atan2 + cat) appends its arguments to the list returned."""
     calls = []
-    uncounted = fp8vit.eva.rope_angles
+    uncounted = fp8vit.blocks.eva.rope_angles
 
     def counted(*args):
         calls.append(args)
         return uncounted(*args)
 
-    monkeypatch.setattr(fp8vit.eva, "rope_angles", counted)
+    monkeypatch.setattr(fp8vit.blocks.eva, "rope_angles", counted)
     return calls
 
 
@@ -258,7 +258,7 @@ def test_rope_angles_once_per_forward_bit_identical_to_uncached(monkeypatch):
     cached = step()
     assert len(calls) == 1  # one table for 4 blocks
     # the uncached path: every block computes its own angles
-    monkeypatch.setattr(fp8vit.eva, "forward_rope_angles", lambda *args: fp8vit.eva.rope_angles(*args))
+    monkeypatch.setattr(fp8vit.blocks.eva, "forward_rope_angles", lambda *args: fp8vit.blocks.eva.rope_angles(*args))
     del calls[:]
     uncached = step()
     assert len(calls) == 4
@@ -270,7 +270,7 @@ def test_rope_angles_once_per_forward_bit_identical_to_uncached(monkeypatch):
 def test_rope_angles_cache_keys(monkeypatch):
     """Recomputed for another table, an in-place change, another token count or inference mode, a
     table that requires grad, and during CUDA-graph capture; never past the table's life."""
-    from fp8vit.eva import forward_rope_angles
+    from fp8vit.blocks.eva import forward_rope_angles
 
     calls = _count_angle_computations(monkeypatch)
     table = torch.rand(16, 8)
@@ -296,7 +296,7 @@ def test_rope_angles_cache_keys(monkeypatch):
     assert len(calls) == 10
     monkeypatch.undo()
     del calls[:], table  # the cache's entry goes with its table
-    assert fp8vit.eva._LAST_ANGLES[0] is None
+    assert fp8vit.blocks.eva._LAST_ANGLES[0] is None
 
 
 def test_rope_angles_refuses_other_tables():
@@ -323,7 +323,7 @@ def test_timm_block_keeps_no_skeleton_parameters():
     names = {n for n, _ in te.named_parameters()}
     assert not any("skeleton" in n for n in names)
     assert sum(p.numel() for p in te.parameters()) == sum(p.numel() for p in blk.parameters())
-    assert isinstance(te, fp8vit.layers.FP8Block)
+    assert isinstance(te, fp8vit.blocks.base.FP8Block)
 
 
 def test_boolean_and_additive_padding_masks_match_timm():

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fp8vit import _te
+from fp8vit._te import extra_state
 
 
 class Format(enum.Enum):
@@ -59,14 +60,14 @@ class FakeTEModule(nn.Module):
         self.legacy_calls.append(state)
 
 
-class Module(_te._SafeExtraState, FakeTEModule):
+class Module(extra_state.SafeExtraState, FakeTEModule):
     pass
 
 
 @pytest.fixture(autouse=True)
 def fake_recipe_module(monkeypatch):
-    monkeypatch.setattr(_te, "recipe_module",
-                        lambda: types.SimpleNamespace(DelayedScaling=DelayedScaling, Format=Format))
+    recipe_module = types.SimpleNamespace(DelayedScaling=DelayedScaling, Format=Format)
+    monkeypatch.setattr(extra_state, "te_module", {"transformer_engine.common.recipe": recipe_module}.__getitem__)
 
 
 def _trained(recipe=None):

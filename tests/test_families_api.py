@@ -22,7 +22,7 @@ import torch
 
 import fp8vit
 import fp8vit._warn
-import fp8vit.diagnostics as dg
+import fp8vit.training.diagnostics as dg
 from fp8vit.tools import bench
 from fp8vit.tools import diagnose as diagnose_cli
 from helpers import FAMILY_MODELS, family_timm_model, load_example, max_rel_err
@@ -128,7 +128,7 @@ def test_linear_fallback_for_an_eva_block_it_cannot_fuse(key):
     fp8vit.convert_from_te(model)
     want, got = timm_model.state_dict(), model.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    # EvaAttention's switch to call its swapped qkv (fp8vit.linear.switch_owner) is set back
+    # EvaAttention's switch to call its swapped qkv (fp8vit.blocks.linear.switch_owner) is set back
     assert getattr(model.blocks[0].attn, "qkv_bias_separate", None) == getattr(
         timm_model.blocks[0].attn, "qkv_bias_separate", None)
     assert torch.equal(model.eval()(x), ref)
@@ -269,7 +269,7 @@ def test_diagnose_cli_runs_an_eva_model(tmp_path, monkeypatch, capsys):
     # No FP8 on the CPU: the FP8 passes run as the bf16 pass (as test_diagnostics emulates FP8), so
     # every block's own error is zero: infinite SNR, unless a rerun computes another function
     # (an EVA block rerun without its RoPE table, as diagnose once did).
-    bf16 = fp8vit.context.fp8_context
+    bf16 = fp8vit.training.context.fp8_context
     monkeypatch.setattr(dg, "fp8_context", lambda recipe, enabled, strict: bf16(enabled=False))
     report = tmp_path / "r.json"
     assert diagnose_cli.main(EVA_TOOL_ARGS + ["--json", str(report)]) == 0

@@ -40,7 +40,7 @@ def test_only_gradients_aliasing_the_graph_buffers_are_copied_before_a_replay():
     # The logic that keeps accumulation right when gradients leave the graphs uncopied (the GPU
     # tests check it end to end): a .grad that is a view of a graph buffer is replaced by a copy
     # with the same values; a .grad elsewhere (e.g. a DDP bucket view) and a None stay as they are.
-    from fp8vit.graphs import _Dispatch
+    from fp8vit.training.graphs import _Dispatch
     static = torch.randn(6)                      # stands in for the backward graph's buffer
     aliased, own, none = (torch.nn.Parameter(torch.zeros(6)) for _ in range(3))
     aliased.grad = static.detach()
@@ -59,7 +59,7 @@ def test_only_gradients_aliasing_the_graph_buffers_are_copied_before_a_replay():
 def test_every_block_switch_read_by_forward_is_watched_after_capture(switch):
     # The graphs replay what was captured: flipping any block switch that changes the forward must
     # make the next call run eagerly (with a warning), never be silently ignored.
-    from fp8vit.graphs import _switches
+    from fp8vit.training.graphs import _switches
     model = _vit()
     before = _switches(model.blocks)
     setattr(model.blocks[1], switch, not getattr(model.blocks[1], switch))
@@ -103,7 +103,7 @@ def test_main_grads_reach_autograd_uncopied_and_are_copied_before_the_next_repla
     # The node before the graphed blocks hands each fused weight its main_grad: p.grad becomes a
     # view of it (no copy), accumulation adds to it, and before the next replay (which rewrites
     # main_grad) a p.grad still aliasing it is copied.
-    from fp8vit.graphs import _Dispatch, _MainGradsToAutograd
+    from fp8vit.training.graphs import _Dispatch, _MainGradsToAutograd
     w = torch.nn.Parameter(torch.zeros(4))
     w.main_grad = torch.randn(4)                 # what the backward graph wrote
     x = torch.randn(4, requires_grad=True)

@@ -1,4 +1,4 @@
-"""fp8vit.mlp on the reference backend: every timm MLP kind on a classic Block against timm.
+"""fp8vit.blocks.mlp on the reference backend: every timm MLP kind on a classic Block against timm.
 
 fp32 on CPU, where the reference modules compute what timm computes in another order: outputs and
 gradients agree to 1e-5 relative, weights round-trip bit for bit. The padded cases (hidden 170,
@@ -17,10 +17,10 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 import fp8vit
-from fp8vit.config import BlockConfig
-from fp8vit.mlp import (HIDDEN_MULTIPLE, build_mlp, mlp_config_from_kwargs, mlp_config_from_timm, mlp_ties,
+from fp8vit.blocks.config import BlockConfig
+from fp8vit.blocks.mlp import (HIDDEN_MULTIPLE, build_mlp, mlp_config_from_kwargs, mlp_config_from_timm, mlp_ties,
                         torch_norm)
-from fp8vit.weights import te_to_timm, timm_to_te
+from fp8vit.blocks.weights import te_to_timm, timm_to_te
 from helpers import MLP_CASES, PADDED_MLP_CASES, assert_matches_timm_on_cpu, block_pair, padded_masks
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp8vit. timm's exact")
@@ -62,7 +62,7 @@ def test_fused_or_unfused_per_kind():
         _, te = _pair(case)
         fused = case in expected
         assert te.cfg.fused_mlp == fused, case
-        assert isinstance(te.mlp, fp8vit.reference.LayerNormMLP) == fused, case
+        assert isinstance(te.mlp, fp8vit.blocks.reference.LayerNormMLP) == fused, case
         if fused:
             assert te.mlp.activation == expected[case], case
     assert _pair("geglu_mlp")[1].norm2 is not None  # two norms in a row: the block's runs in torch
@@ -221,7 +221,7 @@ def test_mlp_module_api_for_other_block_families():
     assert cfg == mlp_config_from_kwargs(64, 170, mlp_layer=SwiGLU, act_layer=nn.SiLU, align_to=8,
                                          norm_layer=functools.partial(nn.LayerNorm, eps=1e-6))
     assert (cfg.hidden, cfg.pad, cfg.norm, cfg.fused) == (176, 0, ("LayerNorm", 1e-6), False)
-    built = build_mlp(cfg, "LayerNorm", 1e-6, fp8vit.reference.modules(), {"device": "cpu"}, {"device": "cpu"})
+    built = build_mlp(cfg, "LayerNorm", 1e-6, fp8vit.blocks.reference.modules(), {"device": "cpu"}, {"device": "cpu"})
     holder = nn.Module()
     holder.ffn = built.mlp
     sd = {f"pre.{k}": v for k, v in pre.state_dict().items()}
@@ -344,7 +344,7 @@ def test_other_float_masks_are_refused_naming_a_value():
 def test_norm_in_dtype_keeps_bf16_under_autocast(kind):
     # CUDA autocast runs torch's norms in fp32; norm_in_dtype keeps bf16 in and out, with
     # fp32 statistics: the output within bf16 rounding of the fp32 norm, fp32 weight gradients.
-    from fp8vit.mlp import norm_in_dtype, torch_norm
+    from fp8vit.blocks.mlp import norm_in_dtype, torch_norm
     norm = torch_norm(kind, 1e-6, 40)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)

@@ -5,12 +5,14 @@ import sys
 
 import pytest
 
+import fp8vit
 from fp8vit import _te
+from fp8vit._te import loader, ops
 
 
 def test_not_installed_gives_install_command():
     err = ModuleNotFoundError("No module named 'transformer_engine'", name="transformer_engine")
-    reason = _te._explain_import_error(err)
+    reason = loader._explain_import_error(err)
     assert "not installed" in reason
     # TE's own package name (fp8vit is not on PyPI), at the version fp8vit needs, or the extra from a clone
     assert f'pip install "transformer-engine[pytorch]>={_te.MIN_TE_VERSION}"' in reason
@@ -19,13 +21,13 @@ def test_not_installed_gives_install_command():
 
 def test_cudnn_clash_is_named_with_fix():
     err = ImportError("/usr/lib/libcudnn_cnn.so.9: undefined symbol: cudnnGetLibConfig, version libcudnn_graph.so.9")
-    reason = _te._explain_import_error(err)
+    reason = loader._explain_import_error(err)
     assert "different cuDNN" in reason and "undefined symbol" in reason
     assert "before running any model" in reason and "CUDNN_PATH" in reason
 
 
 def test_other_errors_keep_the_message():
-    reason = _te._explain_import_error(RuntimeError("boom 42"))
+    reason = loader._explain_import_error(RuntimeError("boom 42"))
     assert "boom 42" in reason and "RuntimeError" in reason
 
 
@@ -41,10 +43,10 @@ def test_import_fp8vit_without_te_or_gpu():
 
 
 def test_load_te_raises_with_reason(monkeypatch):
-    monkeypatch.setattr(_te, "_import", lambda: (None, "because reasons"))
+    monkeypatch.setattr(loader, "_import", lambda: (None, "because reasons"))
     try:
         _te.load_te()
-    except _te.TEUnavailableError as err:
+    except fp8vit.TEUnavailableError as err:
         assert "because reasons" in str(err)
     else:
         raise AssertionError("load_te did not raise")
@@ -52,7 +54,7 @@ def test_load_te_raises_with_reason(monkeypatch):
 
 def test_too_old_te_is_refused_with_the_versions(monkeypatch):
     # Older TE unpickles a checkpoint's FP8 state on load: fp8vit does not run on it.
-    monkeypatch.setattr(_te, "te_version", lambda: "2.8.0")
+    monkeypatch.setattr(loader, "te_version", lambda: "2.8.0")
     _te.clear_cache()
     try:
         check = _te.te_status()
@@ -67,11 +69,11 @@ def test_resolve_backend_raises_for_a_broken_te_on_a_gpu_machine(monkeypatch):
     # TE installed but failing to import, CUDA present: no silent fallback to the reference modules.
     import pytest
     import torch
-    from fp8vit import backend
+    from fp8vit.blocks import backend
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(_te, "installed", lambda: True)
-    monkeypatch.setattr(_te, "te_status", lambda: _te.Check(False, "undefined symbol: foo"))
-    with pytest.raises(_te.TEUnavailableError, match="installed but unusable: undefined symbol: foo.*'reference'"):
+    monkeypatch.setattr(_te, "te_status", lambda: fp8vit.Check(False, "undefined symbol: foo"))
+    with pytest.raises(fp8vit.TEUnavailableError, match="installed but unusable: undefined symbol: foo.*'reference'"):
         backend.resolve_backend(None)
     assert backend.resolve_backend("reference") == "reference"  # asked for: fine
 
@@ -83,9 +85,9 @@ def test_cudnn_layernorm_switch_names_bad_input_and_missing_support(monkeypatch)
     with pytest.raises(TypeError, match=r"enabled=1\): pass True or False"):
         fp8vit.set_cudnn_layernorm(1)
     # A TE whose core library lacks the switch: the error names the TE version and what to do.
-    monkeypatch.setattr(_te, "load_te", lambda: None)
-    monkeypatch.setattr(_te, "te_version", lambda: "9.9")
-    monkeypatch.setitem(sys.modules, "transformer_engine.common", types.SimpleNamespace(_TE_LIB_CTYPES=object()))
-    with pytest.raises(_te.TEUnavailableError, match="Transformer Engine 9.9 does not expose nvte_enable_cudnn_norm"):
+    common = types.SimpleNamespace(_TE_LIB_CTYPES=object())
+    monkeypatch.setattr(ops, "te_module", {"transformer_engine.common": common}.__getitem__)
+    monkeypatch.setattr(ops, "te_version", lambda: "9.9")
+    with pytest.raises(fp8vit.TEUnavailableError, match="Transformer Engine 9.9 does not expose nvte_enable_cudnn_norm"):
         fp8vit.set_cudnn_layernorm(True)
     assert not _te.cudnn_norm_enabled()  # a refused switch changes nothing

@@ -18,7 +18,7 @@ Times: CUDA events, median of 50 after 10 warm-up; per step = 2 branches x depth
 
 import torch
 
-from fp8vit.layers import LayerScaleAdd
+from fp8vit.blocks.base import LayerScaleAdd
 from fp8vit.tools.timing import median_ms
 
 SHAPES = {"RoPE ViT-B b128": (128, 197, 768, 12), "EVA02-L b64": (64, 257, 1024, 24),

@@ -3,7 +3,7 @@ the torch backward it replaces (lever 22's, still the path off the GPU).
 
     python3 docs/perf/layerscale_triton_bench.py          # on the GPU machine
 
-The shipped backward (fp8vit.layers.LayerScaleAdd, lever 22) of ``x + gamma * y`` reads the
+The shipped backward (fp8vit.blocks.base.LayerScaleAdd, lever 22) of ``x + gamma * y`` reads the
 incoming gradient ``g`` [R, C] twice and writes two [R, C] bf16 tensors:
     dy = g * gamma                 read g,    write dy
     dgamma = (g * y).sum(0, fp32)  read g, y, write g*y; read g*y
@@ -21,7 +21,7 @@ in a graphed step), median of 50 after 10 warm-up (fp8vit.tools.timing.median_ms
 
 import torch
 
-from fp8vit.kernels import layerscale_backward as triton_bwd
+from fp8vit._te.kernels import layerscale_backward as triton_bwd
 from fp8vit.tools.timing import median_ms
 from layerscale_bench import SHAPES  # the same four block shapes (this folder is on sys.path when run)
 

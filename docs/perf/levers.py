@@ -93,7 +93,7 @@ def build(variant, size):
 
 def _attention_qkv_layer(self, x, attn_mask, is_causal, mult):
     """TE_Block._attention before lever 2: the packed buffer handed to TE as qkv_layer."""
-    from fp8vit.layers import aligned_rows
+    from fp8vit.blocks.base import aligned_rows
     B, N, _ = x.shape
     qkv = aligned_rows(self.qkv, x, mult).view(B, N, 3, self.cfg.num_heads, self.cfg.head_dim)
     o = self.attn(qkv_layer=qkv, qkv_interleave_dim=-3)

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8vit.eva import TE_EvaBlock
-from fp8vit.layers import SplitQKV
+from fp8vit.blocks.eva import TE_EvaBlock
+from fp8vit.blocks.base import SplitQKV
 from layerscale_triton_bench import per_call_ms  # 10 back-to-back calls per timing (this folder is on sys.path)
 
 SHAPES = {"RoPE ViT-B b128": ("vit_base_patch16_rope_224", 128, 224, 12),

@@ -4,7 +4,7 @@ kernel with timm's (3, H, D) order kept (docs/performance.md, lever 19, catch (b
     python3 docs/perf/rope_qkv_bench.py          # on the GPU machine, TE installed
 
 Per shape (EVA02-B b128, EVA02-L b64, RoPE ViT-B b128, PE-core-L b32), forward + backward of:
-  today   q, k, v = views of qkv [B, N, 3, H, D] (fp8vit.layers.SplitQKV); TE's fused RoPE on q and on k
+  today   q, k, v = views of qkv [B, N, 3, H, D] (fp8vit.blocks.base.SplitQKV); TE's fused RoPE on q and on k
           (two launches each way); the backward stacks dq, dk, dv into the packed gradient
   fused   TE's apply_fused_qkv_rotary_pos_emb on qkv viewed as one head of width 3A (interleaved
           pairs, angles repeated per head): one launch each way, the gradient comes back packed
@@ -16,8 +16,8 @@ import torch
 
 import fp8vit  # noqa: F401  (loads TE before torch's first cuDNN kernel)
 from fp8vit import _te
-from fp8vit.eva import rope_angles
-from fp8vit.layers import SplitQKV
+from fp8vit.blocks.eva import rope_angles
+from fp8vit.blocks.base import SplitQKV
 from fp8vit.tools.timing import median_ms
 
 SHAPES = {"EVA02-B b128": (128, 257, 12, 64), "EVA02-L b64": (64, 257, 16, 64),

@@ -44,7 +44,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import _te
-from ..detect import gpu_info
+from ..training.detect import gpu_info
 from .console import WarningLog
 from .timing import Stopwatch, format_duration
 from .workload import (SIZES, VARIANTS, Variant, build_workload, make_optimizer, synthetic_batch, train_flops,

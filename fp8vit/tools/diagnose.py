@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from ..diagnostics import diagnose
+from ..training.diagnostics import diagnose
 from ..errors import FP8UnavailableError
 from .workload import SIZES, build_workload, synthetic_batch
 

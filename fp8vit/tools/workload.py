@@ -33,12 +33,13 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from .. import _te
-from ..backend import set_cudnn_layernorm
-from ..context import fp8_context
-from ..convert import convert_to_te, set_mlp_recompute
-from ..graphs import GraphedBlocks, make_graphed_blocks
-from ..linear import is_block
-from ..recipes import RECIPE_NAMES
+from ..blocks.backend import set_cudnn_layernorm
+from ..training.context import fp8_context
+from ..convert import convert_to_te
+from ..training.switches import set_mlp_recompute
+from ..training.graphs import GraphedBlocks, make_graphed_blocks
+from ..blocks.linear import is_block
+from .._te.recipes import RECIPE_NAMES
 
 __all__ = ["SIZES", "VARIANTS", "Variant", "Workload", "build_workload", "make_optimizer", "train_step_fn",
            "synthetic_batch", "train_flops", "te_layer_block_fn"]
@@ -139,7 +140,7 @@ def te_layer_block_fn() -> type:
 
 
 def _block_linears(model: nn.Module) -> set:
-    """Paths of the ``nn.Linear``s inside blocks (``fp8vit.linear.is_block``; not the head): the
+    """Paths of the ``nn.Linear``s inside blocks (``fp8vit.blocks.linear.is_block``; not the head): the
     Linears fp8vit's generic path considers, with no condition on their features."""
     mods = dict(model.named_modules())
     out = set()

@@ -17,7 +17,7 @@ import timm
 import torch
 
 import fp8vit
-from fp8vit.layers import aligned_rows
+from fp8vit.blocks.base import aligned_rows
 from helpers import BLOCK_CASES, block_pair, fp32_against_timm, max_rel_err, snr_db
 
 pytestmark = pytest.mark.gpu

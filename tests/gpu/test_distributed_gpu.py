@@ -1,4 +1,4 @@
-"""fp8vit.distributed on the GPU with TE: FSDP2 at world size 1 (it still shards, all-gathers and
+"""fp8vit.training.distributed on the GPU with TE: FSDP2 at world size 1 (it still shards, all-gathers and
 reduce-scatters through its NCCL group) under FP8, distributed checkpoints with the delayed-scaling
 state, FP8 primary weights, the refusals of CUDA graphs under FSDP2; and, where several GPUs are
 visible, ``distributed_check.py`` under torchrun (DDP with graphed blocks and FSDP2 on N ranks)."""

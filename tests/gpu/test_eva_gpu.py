@@ -13,7 +13,7 @@ from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 
 import fp8vit
 from fp8vit import _te
-from fp8vit.eva import TE_EvaBlock, rope_angles
+from fp8vit.blocks.eva import TE_EvaBlock, rope_angles
 from helpers import fp8_step, max_rel_err, rel_l2_err, snr_db
 
 pytestmark = pytest.mark.gpu

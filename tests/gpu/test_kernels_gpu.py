@@ -1,6 +1,6 @@
 """fp8vit's Triton kernels on the GPU against the torch expressions they replace.
 
-LayerScale's backward (:func:`fp8vit.kernels.layerscale_backward`): ``dy`` bit-identical to torch's
+LayerScale's backward (:func:`fp8vit._te.kernels.layerscale_backward`): ``dy`` bit-identical to torch's
 ``grad * gamma``; ``dgamma`` (fp32 sums of exact products) no further from an fp64 sum than 1e-5 of
 the column's sum of ``|grad * y|``. Shapes with rows and columns that are not multiples of the
 kernel's tiles (32 x 128).
@@ -9,8 +9,8 @@ kernel's tiles (32 x 128).
 import pytest
 import torch
 
-from fp8vit.kernels import layerscale_backward, triton_support
-from fp8vit.layers import LayerScaleAdd
+from fp8vit._te.kernels import layerscale_backward, triton_support
+from fp8vit.blocks.base import LayerScaleAdd
 
 pytestmark = pytest.mark.gpu
 

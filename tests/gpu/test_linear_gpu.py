@@ -17,7 +17,7 @@ from helpers import GRAD_DB, LOGITS_DB, fp8_step, snr_db
 pytestmark = pytest.mark.gpu
 
 MODELS = {
-    # 197 tokens; BEiT's attention calls F.linear on qkv.weight unless switched (fp8vit.linear)
+    # 197 tokens; BEiT's attention calls F.linear on qkv.weight unless switched (fp8vit.blocks.linear)
     "beit": ("beit_base_patch16_224", dict(depth=2)),
     # [B, H, W, C] blocks, window attention over [B * windows, 49, C]
     "swin": ("swin_tiny_patch4_window7_224", dict(depths=(2, 2), num_heads=(3, 6))),
@@ -39,7 +39,7 @@ def _model(key="beit", **kw):
 
 
 def _swapped(model):
-    return {n: m for n, m in model.named_modules() if fp8vit.linear.is_swapped(m)}
+    return {n: m for n, m in model.named_modules() if fp8vit.blocks.linear.is_swapped(m)}
 
 
 

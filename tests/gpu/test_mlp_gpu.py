@@ -23,7 +23,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 import fp8vit
-from fp8vit.weights import te_to_timm
+from fp8vit.blocks.weights import te_to_timm
 from helpers import GRAD_DB, LOGITS_DB, MLP_CASES, block_pair, fp32_against_timm, fp8_step, max_rel_err, padded_masks, snr_db
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:fp8vit. timm's exact")]

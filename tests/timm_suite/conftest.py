@@ -105,13 +105,13 @@ NETWORK_TESTS = ["test_model_inference", "test_model_load_pretrained", "test_mod
 #   fp8vit/reference.py, DotProductAttention.forward compares an unannotated argument that
 #   TorchScript types as Tensor with a str (`mask_type == "causal"`) and _NormParams._ln passes a
 #   possibly-None bias to an unannotated parameter; once one compile fails, later ones in the same
-#   process fail with "Can't redefine method: forward on class fp8vit.reference.DotProductAttention".
+#   process fail with "Can't redefine method: forward on class fp8vit.blocks.reference.DotProductAttention".
 #   TE backend: TE's modules are not scriptable either.
 _SCRIPT = "TorchScript cannot compile fp8vit's modules (fp8vit/reference.py; TE modules neither)"
 # state_dict layout: a converted model's block keys are TE_Block's (qkv.layer_norm_weight,
 #   mlp.fc1_weight, ...), not timm's. The test writes a checkpoint from a converted model and loads it
 #   with create_model(pretrained=True), which loads before the conversion. By design:
-#   fp8vit.convert_from_te / fp8vit.weights.te_to_timm give timm's keys back.
+#   fp8vit.convert_from_te / fp8vit.blocks.weights.te_to_timm give timm's keys back.
 _KEYS = "checkpoint written from a converted model has TE_Block keys; timm loads it before conversion"
 XFAIL: list = [
     ("test_model_forward_torchscript", ("*",), _SCRIPT),

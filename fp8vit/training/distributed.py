@@ -41,10 +41,11 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch import nn
 
-from . import _te
+from .. import _te
 from .detect import gpu_info
 from .graphs import WHY_NOT_WITH_FSDP2, graphed_modules
-from .recipes import check_recipe_name, recipe_name, resolve_recipe
+from .._te.recipes import check_recipe_name, recipe_name
+from .detect import resolve_recipe
 
 __all__ = ["shard_model", "default_mp_policy", "fp8_weight_init", "fp8_weight_optimizer", "save_checkpoint",
            "load_checkpoint", "WHY_NOT_WITH_FSDP2"]

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backend import Backend, get_backend, resolve_backend
-from .kernels import layerscale_backward, triton_support
-from .recipes import recipe_name, row_multiple
+from .._te.kernels import layerscale_backward, triton_support
+from .._te.recipes import recipe_name, row_multiple
 
 __all__ = ["FP8Block", "aligned_rows", "SplitQKV", "LayerScaleAdd", "additive_to_bool", "te_mask_kwargs"]
 
@@ -240,7 +240,7 @@ class LayerScaleAdd(torch.autograd.Function):
     in ``y``'s dtype and ``dgamma`` as an fp32 sum over rows of ``g * y`` (each product rounded to
     ``y``'s dtype: 2^-9 relative in bf16, where timm's products are exact), returned in
     ``gamma``'s dtype. On the GPU the backward is one Triton pass
-    (:func:`fp8vit.kernels.layerscale_backward`: ``dy`` identical, ``dgamma``'s products exact).
+    (:func:`fp8vit._te.kernels.layerscale_backward`: ``dy`` identical, ``dgamma``'s products exact).
     """
 
     @staticmethod

@@ -22,20 +22,18 @@ by contrast, interleaves QKV as ``(heads, 3, head_dim)`` by default. The norms a
 GEMM that follows them: timm's ``norm1`` becomes ``qkv.layer_norm_*`` and ``norm2`` the MLP's
 ``layer_norm_*``.
 
-The functions take a layout as a sequence of ties, or as a block config with a layout
-(:class:`~fp8vit.config.BlockConfig`: the classic ``Block``'s, see :func:`block_ties`).
+The functions take a layout as a sequence of ties, or as a block config that has one (its
+``ties()``: :meth:`fp8vit.blocks.config.BlockConfig.ties`, :meth:`fp8vit.blocks.eva.EvaBlockConfig.ties`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
-from .config import BlockConfig
-
-__all__ = ["Part", "Tie", "rename", "block_ties", "name_pairs", "timm_to_te", "te_to_timm",
+__all__ = ["Part", "Tie", "rename", "name_pairs", "timm_to_te", "te_to_timm",
            "te_requires_grad", "timm_requires_grad", "copy_requires_grad", "timm_shapes", "is_sharded"]
 
 _EXTRA = "_extra_state"
@@ -73,7 +71,13 @@ class Tie:
     pad: int = 0
 
 
-Layout = Union[BlockConfig, Sequence[Tie]]
+class HasTies(Protocol):
+    """A block config that knows its layout (``BlockConfig``, ``EvaBlockConfig``)."""
+
+    def ties(self) -> List[Tie]: ...
+
+
+Layout = Union[HasTies, Sequence[Tie]]
 
 
 def rename(timm_name: str, te_name: str) -> Tie:
@@ -81,36 +85,8 @@ def rename(timm_name: str, te_name: str) -> Tie:
     return Tie(te_name, (Part(timm_name),))
 
 
-def _ties(layout) -> Tuple[Tie, ...]:
-    return tuple(block_ties(layout)) if isinstance(layout, BlockConfig) else tuple(layout)
-
-
-def block_ties(cfg: BlockConfig) -> List[Tie]:
-    """The layout of a ``TE_Block`` (timm's classic ``Block``) with config ``cfg``."""
-    from .mlp import mlp_ties  # mlp.py builds on this module; imported when first needed
-
-    ln = cfg.norm == "LayerNorm"  # RMSNorm has no bias
-    ties = [rename("norm1.weight", "qkv.layer_norm_weight"), rename("attn.qkv.weight", "qkv.weight"),
-            rename("attn.proj.weight", "proj.weight")]
-    if ln:
-        ties.append(rename("norm1.bias", "qkv.layer_norm_bias"))
-    if cfg.qkv_bias:
-        ties.append(rename("attn.qkv.bias", "qkv.bias"))
-    if cfg.proj_bias:
-        ties.append(rename("attn.proj.bias", "proj.bias"))
-    if cfg.scale_attn_norm:  # the norm before proj is fused into proj (a LayerNormLinear)
-        ties.append(rename("attn.norm.weight", "proj.layer_norm_weight"))
-        if ln:
-            ties.append(rename("attn.norm.bias", "proj.layer_norm_bias"))
-    if cfg.qk_norm:
-        for t in ("q_norm", "k_norm"):
-            ties.append(rename(f"attn.{t}.weight", f"{t}.weight"))
-            if ln:
-                ties.append(rename(f"attn.{t}.bias", f"{t}.bias"))
-    if cfg.init_values is not None:
-        ties += [rename("ls1.gamma", "ls1.gamma"), rename("ls2.gamma", "ls2.gamma")]
-    ties += mlp_ties(cfg.mlp, cfg.norm)
-    return ties
+def _ties(layout: Layout) -> Tuple[Tie, ...]:
+    return tuple(layout.ties()) if hasattr(layout, "ties") else tuple(layout)
 
 
 def name_pairs(layout: Layout) -> List[Tuple[str, str]]:

@@ -223,7 +223,7 @@ class FP8Linear(Linear):
         super().__init__(in_features, out_features, bias, params_dtype, device)
         self.in_features, self.out_features = in_features, out_features  # nn.Linear's (and te.Linear's)
         self.fp8_enabled = True
-        self.restore_owner = {}  # owner settings fp8vit.linear.switch_owner changed, for convert_from_te
+        self.restore_owner = {}  # owner settings fp8vit.blocks.linear.switch_owner changed, for convert_from_te
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -5,7 +5,7 @@ Shared by the block families: a family reads an :class:`MlpConfig` from its timm
 (:func:`mlp_config_from_kwargs`), builds the modules with :func:`build_mlp` (given the block's
 pre-MLP norm, which TE fuses into fc1, or none in a post-norm block, and the backend's modules), runs them with
 ``FP8Block._run_mlp(built.mlp, x, mult, gelu_gemm)``, and maps weights with
-:func:`mlp_ties` (in :mod:`fp8vit.weights`' form).
+:func:`mlp_ties` (in :mod:`fp8vit.blocks.weights`' form).
 
 timm's MLPs (``C`` in features, ``H`` hidden units feeding fc2) and what runs for them:
 
@@ -38,7 +38,7 @@ or a TE ``Linear``. Every path is exact: nothing is approximated but a GELU the 
 **Padding for FP8.** FP8 GEMMs need both inner dims to be multiples of 16 (TE 2.20); EVA02-L's
 SwiGLU has ``H = 2730``. fp8vit rounds ``H`` up to ``Hp``, a multiple of :data:`HIDDEN_MULTIPLE`,
 ALWAYS (every backend, FP8 on or off), so parameter shapes do not depend on the machine and a
-checkpoint moves between machines unchanged; :mod:`fp8vit.weights` pads and slices on conversion
+checkpoint moves between machines unchanged; :mod:`fp8vit.blocks.weights` pads and slices on conversion
 (bit-exact). Each padded unit has zero fc1 rows (in each half) and bias, and a zero fc2 column:
 its pre-activations are 0, its output ``act(0) * 0 = 0`` when gated (also for ``glu``'s
 ``sigmoid(0) = 0.5``) or ``act(0)`` otherwise, multiplied by the zero fc2 column either way, so
@@ -50,7 +50,7 @@ The inner norm normalizes the real units only: when padded, it runs in torch on 
 and the result is zero-padded for fc2 (TE's fused norm would count the padding). With zero
 gradients, SGD, Adam(W) and weight decay keep the padding zero; so do fp8vit's init (also TE's
 ``reset_parameters``: the padded modules' init methods zero it) and weight loading.
-:func:`fp8vit.weights.te_to_timm` checks it. MXFP8 needs multiples of 32: a padded width that is
+:func:`fp8vit.blocks.weights.te_to_timm` checks it. MXFP8 needs multiples of 32: a padded width that is
 not one runs that MLP with FP8 off, warned once (:meth:`MlpConfig.fp8_widths_ok`).
 """
 
@@ -67,7 +67,7 @@ from timm.layers import GluMlp, Mlp, SwiGLU, get_act_layer
 from timm.models.vitamin import GeGluMlp
 from torch import nn
 
-from .config import resolve_activation, resolve_norm_module
+from .timm_layers import resolve_activation, resolve_norm_module
 from .weights import Part, Tie, rename
 
 __all__ = ["HIDDEN_MULTIPLE", "MLP_KINDS", "MlpConfig", "mlp_config_from_timm", "mlp_config_from_kwargs",
@@ -455,7 +455,7 @@ class UnfusedMlp(nn.Module):
 
 def mlp_ties(cfg: MlpConfig, norm: Optional[str], *, timm_mlp: str = "mlp.", te_mlp: str = "mlp.",
              timm_norm: str = "norm2.", te_norm: str = "norm2.") -> List[Tie]:
-    """The weight layout (:mod:`fp8vit.weights`) of an MLP built by :func:`build_mlp`, with the
+    """The weight layout (:mod:`fp8vit.blocks.weights`) of an MLP built by :func:`build_mlp`, with the
     block's pre-MLP norm.
 
     Args:

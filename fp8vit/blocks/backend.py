@@ -2,7 +2,7 @@
 
 =============  ============================================================================
 ``"te"``       TE's fused modules on CUDA; FP8 inside ``fp8_context``
-``"reference"``  ``fp8vit.reference``: the same parameters and maths in plain PyTorch, no FP8;
+``"reference"``  ``fp8vit.blocks.reference``: the same parameters and maths in plain PyTorch, no FP8;
                runs anywhere (CPU tests, machines without TE)
 =============  ============================================================================
 
@@ -22,9 +22,10 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 import torch.utils.checkpoint
 
-from . import _te, reference
-from ._warn import warn_once
-from .errors import TEUnavailableError
+from .. import _te
+from . import reference
+from .._warn import warn_once
+from ..errors import TEUnavailableError
 
 __all__ = ["BACKENDS", "Backend", "get_backend", "resolve_backend", "set_cudnn_layernorm"]
 

@@ -16,7 +16,7 @@ Which Linears are swapped (:func:`swap_refusal`): exactly ``nn.Linear`` (or timm
 multiples of 16 (TE's FP8 GEMMs need them; MXFP8 needs 32, which the swapped Linear checks when
 it runs and otherwise runs in bf16).
 
-The swapped Linear (``fp8vit._te.SwappedLinear``; ``fp8vit.reference.FP8Linear`` on the reference
+The swapped Linear (``fp8vit._te.SwappedLinear``; ``fp8vit.blocks.reference.FP8Linear`` on the reference
 backend) holds the very same ``weight`` and ``bias`` parameters, so its state dict keys are
 ``nn.Linear``'s and an optimizer built before the swap still updates them. It takes any leading
 dims, pads the token rows to the recipe's multiple under FP8, and runs FP8 only inside
@@ -30,9 +30,10 @@ from typing import Optional
 
 from torch import nn
 
-from . import _te, reference
+from .. import _te
+from . import reference
 
-__all__ = ["FEATURE_MULTIPLE", "is_block", "is_swapped", "swap_refusal", "to_fp8_linear", "switch_owner",
+__all__ = ["FEATURE_MULTIPLE", "holds_linear", "is_block", "is_swapped", "swap_refusal", "to_fp8_linear", "switch_owner",
            "to_torch_linear", "restore_owner"]
 
 # TE's FP8 GEMMs need the inner (feature) dims to be multiples of 16 (MXFP8: 32, checked at run time).
@@ -133,3 +134,8 @@ def restore_owner(module: nn.Module, owner: nn.Module) -> None:
     """Give ``owner`` back the settings :func:`to_fp8_linear` changed for the swapped ``module``."""
     for attr, value in getattr(module, "restore_owner", {}).items():
         setattr(owner, attr, value)
+
+
+def holds_linear(mod: nn.Module) -> bool:
+    """Whether ``mod`` holds an ``nn.Linear`` or a swapped FP8 Linear."""
+    return any(isinstance(m, nn.Linear) or is_swapped(m) for m in mod.modules())

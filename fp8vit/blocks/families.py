@@ -7,7 +7,7 @@ that this table imports nothing until it is first used.
 
 Contract of an fp8vit block class (checked when the table is first resolved):
 
-* it subclasses :class:`fp8vit.layers.FP8Block`;
+* it subclasses :class:`fp8vit.blocks.base.FP8Block`;
 * ``cls.from_timm(block, *, exact_gelu=False, backend=None, fp32_residual=False)`` returns the
   fp8vit block with ``block``'s weights, or raises ``ValueError`` saying what it cannot honour;
 * ``instance.to_timm()`` returns the timm block.
@@ -22,7 +22,7 @@ from typing import Dict, Optional, Tuple
 
 from torch import nn
 
-from .layers import FP8Block
+from .base import FP8Block
 
 __all__ = ["Family", "FAMILIES", "block_classes", "fp8vit_block_for", "family_name"]
 
@@ -32,7 +32,7 @@ class Family:
     """One block family.
 
     Attributes:
-        block: import path of the fp8vit block class, e.g. ``"fp8vit.block.TE_Block"``.
+        block: import path of the fp8vit block class, e.g. ``"fp8vit.blocks.vit.TE_Block"``.
         timm_blocks: import paths of the timm block classes it replaces (exact classes).
     """
 
@@ -41,8 +41,8 @@ class Family:
 
 
 FAMILIES: Tuple[Family, ...] = (
-    Family("fp8vit.block.TE_Block", ("timm.models.vision_transformer.Block",)),
-    Family("fp8vit.eva.TE_EvaBlock", ("timm.models.eva.EvaBlock", "timm.models.eva.EvaBlockPostNorm")),
+    Family("fp8vit.blocks.vit.TE_Block", ("timm.models.vision_transformer.Block",)),
+    Family("fp8vit.blocks.eva.TE_EvaBlock", ("timm.models.eva.EvaBlock", "timm.models.eva.EvaBlockPostNorm")),
 )
 
 
@@ -69,10 +69,10 @@ def block_classes() -> Dict[type, type]:
     for fam in FAMILIES:
         cls = _resolve(fam.block)
         if cls is None:
-            raise ImportError(f"fp8vit.families: {fam.block} does not import; fix its entry in FAMILIES")
+            raise ImportError(f"fp8vit.blocks.families: {fam.block} does not import; fix its entry in FAMILIES")
         missing = [m for m in ("from_timm", "to_timm") if not callable(getattr(cls, m, None))]
         if not (isinstance(cls, type) and issubclass(cls, FP8Block)) or missing:
-            raise TypeError(f"fp8vit.families: {fam.block} must subclass fp8vit.layers.FP8Block and "
+            raise TypeError(f"fp8vit.blocks.families: {fam.block} must subclass fp8vit.blocks.base.FP8Block and "
                             f"define from_timm and to_timm (missing: {missing})")
         for path in fam.timm_blocks:
             timm_cls = _resolve(path)

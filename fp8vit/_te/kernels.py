@@ -1,6 +1,6 @@
 """Triton kernels for the elementwise work of a training step that torch runs as several passes.
 
-One today: LayerScale's backward (:func:`layerscale_backward`), for :class:`fp8vit.layers.LayerScaleAdd`.
+One today: LayerScale's backward (:func:`layerscale_backward`), for :class:`fp8vit.blocks.base.LayerScaleAdd`.
 Triton comes with torch's CUDA wheels; it is imported on first use on a CUDA tensor only, so that
 ``import fp8vit`` stays light and CPU-only installs never touch it. Where it cannot run, the callers
 keep their torch expression (:func:`triton_support` says why). ``FP8VIT_TRITON=0`` turns the
@@ -15,7 +15,7 @@ from typing import Tuple
 
 import torch
 
-from .errors import Check
+from ..errors import Check
 
 __all__ = ["triton_support", "layerscale_backward"]
 

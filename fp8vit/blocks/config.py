@@ -2,122 +2,26 @@
 
 Every keyword of timm's ``Block`` is either honoured with timm's meaning or rejected here,
 before any TE module is built, so the checks run (and are tested) on machines without a GPU.
-The MLP's part of the config is :class:`fp8vit.mlp.MlpConfig`, shared with the other block
-families; the norm and activation resolution every family uses is here.
+The MLP's part of the config is :class:`~fp8vit.blocks.mlp.MlpConfig`, shared with the other block
+families, as is the norm and activation resolution (:mod:`fp8vit.blocks.timm_layers`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Callable, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, get_act_layer
-from timm.layers import activations as timm_act
 from timm.models.vision_transformer import Attention
 
-from ._warn import warn_once
+from .mlp import MlpConfig, mlp_config_from_kwargs, mlp_config_from_timm, mlp_ties
+from .timm_layers import resolve_norm, resolve_norm_module
+from .weights import Tie, rename
 
-if TYPE_CHECKING:  # mlp.py builds on the resolvers below; BlockConfig's methods import it lazily
-    from .mlp import MlpConfig
-
-__all__ = ["BlockConfig", "config_from_timm_block", "resolve_norm", "resolve_norm_module",
-           "resolve_activation", "GELU_TANH_NOTE"]
-
-# Measured once on CPU in fp32 (docs/numerics.md, tests/test_config.py checks the bound):
-# max |gelu_erf(x) - gelu_tanh(x)| over all x is below 5e-4, at |x| ~ 2.
-GELU_TANH_NOTE = (
-    "timm's exact (erf) GELU runs as TE's tanh-approximate GELU kernel, which differs by at most "
-    "5e-4 per activation (docs/numerics.md). Pass exact_gelu=True to keep the erf GELU (the MLP "
-    "then runs unfused: TE fc1, torch GELU, TE fc2)."
-)
-
-
-def _instantiate(layer: Callable, *args):
-    """Instantiate a timm layer constructor on the meta device, to read its settings."""
-    try:
-        return layer(*args, device="meta")
-    except TypeError:  # older layers without a device argument
-        return layer(*args)
-
-
-def resolve_norm(norm_layer: Callable, dim: int) -> Tuple[str, float]:
-    """``norm_layer`` -> (TE normalization name, eps).
-
-    Args:
-        norm_layer: a LayerNorm or RMSNorm constructor (``nn.LayerNorm``, timm's ``LayerNorm``,
-            ``partial(nn.LayerNorm, eps=1e-6)``, ``nn.RMSNorm``, timm's ``RMSNorm``).
-        dim: channels.
-
-    Raises:
-        ValueError: any other norm, or one without a learnable affine (TE always has one).
-    """
-    return resolve_norm_module(_instantiate(norm_layer, dim))
-
-
-def resolve_norm_module(norm: nn.Module) -> Tuple[str, float]:
-    """A built norm -> (TE normalization name, eps); see :func:`resolve_norm`."""
-    name = type(norm).__name__
-    kind = name.lower().replace("fp32", "")  # the Fp32 variants compute in fp32, as TE's kernels do
-    weight = getattr(norm, "weight", None)
-    if kind == "layernorm" and isinstance(norm, nn.LayerNorm):
-        if weight is None or norm.bias is None:
-            raise ValueError(f"norm_layer {name} without weight and bias (elementwise_affine="
-                             f"{norm.elementwise_affine}) is not supported: TE's LayerNorm has both")
-        return "LayerNorm", float(norm.eps)
-    if kind == "rmsnorm" and weight is not None:
-        eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
-        return "RMSNorm", float(eps)
-    raise ValueError(f"norm_layer {name} is not supported by fp8vit: TE fuses a LayerNorm or "
-                     "RMSNorm over the last dim, with a learnable weight, into its GEMMs; use one of those")
-
-
-# TE's gated kernels, by the activation they apply to the first half of fc1's output.
-_GATED_KERNELS = {"gelu": "geglu", "qgelu": "qgeglu", "relu": "reglu", "silu": "swiglu", "sigmoid": "glu"}
-
-
-def resolve_activation(act_layer: Union[str, Callable], exact_gelu: bool,
-                       gated: bool = False) -> Tuple[Callable, Optional[str]]:
-    """``act_layer`` -> (torch activation constructor, TE kernel name or None).
-
-    None means no TE kernel computes exactly this activation, and the MLP runs unfused with
-    the torch activation between TE's fc1 and fc2.
-
-    Args:
-        act_layer: the activation constructor (or timm's name for it).
-        exact_gelu: keep an erf GELU exact (no TE kernel) instead of TE's tanh GELU.
-        gated: the kernel for a gated MLP: TE applies it to the first half of fc1's output and
-            multiplies by the second (``swiglu``, ``glu``, ``geglu``, ``reglu``, ``qgeglu``).
-    """
-    if isinstance(act_layer, str):
-        act_layer = get_act_layer(act_layer)
-    act = act_layer()
-
-    def _of(*names):
-        return tuple(c for c in (getattr(timm_act, n, None) for n in names) if c is not None)
-
-    base = None
-    if isinstance(act, _of("GELUTanh")) or (isinstance(act, nn.GELU) and act.approximate == "tanh"):
-        base = "gelu"
-    elif isinstance(act, nn.GELU) or isinstance(act, _of("GELU")):
-        if exact_gelu:
-            return act_layer, None
-        warn_once(f"fp8vit: {GELU_TANH_NOTE}", UserWarning, stacklevel=3)
-        base = "gelu"
-    elif isinstance(act, nn.ReLU):
-        base = "relu"
-    elif isinstance(act, (nn.SiLU,) + _of("Swish")):
-        base = "silu"
-    elif type(act).__name__ == "QuickGELU":  # x * sigmoid(1.702 x), TE's "qgelu"
-        base = "qgelu"
-    elif isinstance(act, (nn.Sigmoid,) + _of("Sigmoid")):
-        base = "sigmoid"  # TE has it gated only ("glu")
-    if gated:
-        return act_layer, _GATED_KERNELS.get(base)
-    return act_layer, base if base != "sigmoid" else None  # None: torch activation, exact
-
+__all__ = ["BlockConfig", "config_from_timm_block"]
 
 def _mlp_ratio(hidden: int, dim: int) -> float:
     """The ``mlp_ratio`` for which timm's ``int(dim * mlp_ratio)`` gives back ``hidden``."""
@@ -153,7 +57,7 @@ class BlockConfig:
 
     dim: int
     num_heads: int
-    mlp: "MlpConfig"
+    mlp: MlpConfig
     qkv_bias: bool = False
     proj_bias: bool = True
     qk_norm: bool = False
@@ -187,7 +91,7 @@ class BlockConfig:
 
     @property
     def fused_mlp(self) -> bool:
-        """The MLP is one ``te.LayerNormMLP`` (see :attr:`fp8vit.mlp.MlpConfig.fused`)."""
+        """The MLP is one ``te.LayerNormMLP`` (see :attr:`~fp8vit.blocks.mlp.MlpConfig.fused`)."""
         return self.mlp.fused
 
     @classmethod
@@ -217,14 +121,13 @@ class BlockConfig:
 
         ``mlp_layer`` may be timm's ``Mlp``, ``SwiGLU``, ``GluMlp`` (``SwiGLUPacked`` and other
         partials of it), ``GeGluMlp`` (ViTamin), or a partial of one of them: it is built on the
-        meta device, as timm's ``Block`` calls it, and read back (:mod:`fp8vit.mlp`).
+        meta device, as timm's ``Block`` calls it, and read back (:mod:`fp8vit.blocks.mlp`).
         ``depth`` only matters to timm's DiffAttention, which is rejected, so it has no effect,
         as in timm's ``Block`` with standard attention.
 
         Raises:
             ValueError: a setting TE_Block cannot honour, naming it and what to do instead.
         """
-        from .mlp import mlp_config_from_kwargs
 
         if dim % num_heads:
             raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
@@ -255,6 +158,33 @@ class BlockConfig:
                     drop_path=self.drop_path, act_layer=self.act_layer, norm_layer=self.norm_layer,
                     mlp_layer=self.mlp.timm_layer)
 
+    def ties(self) -> List[Tie]:
+        """The weight layout (:mod:`fp8vit.blocks.weights`) of a ``TE_Block`` with this config: timm
+        ``Block`` tensors -> TE tensors, names relative to the block."""
+        cfg = self
+        ln = cfg.norm == "LayerNorm"  # RMSNorm has no bias
+        ties = [rename("norm1.weight", "qkv.layer_norm_weight"), rename("attn.qkv.weight", "qkv.weight"),
+                rename("attn.proj.weight", "proj.weight")]
+        if ln:
+            ties.append(rename("norm1.bias", "qkv.layer_norm_bias"))
+        if cfg.qkv_bias:
+            ties.append(rename("attn.qkv.bias", "qkv.bias"))
+        if cfg.proj_bias:
+            ties.append(rename("attn.proj.bias", "proj.bias"))
+        if cfg.scale_attn_norm:  # the norm before proj is fused into proj (a LayerNormLinear)
+            ties.append(rename("attn.norm.weight", "proj.layer_norm_weight"))
+            if ln:
+                ties.append(rename("attn.norm.bias", "proj.layer_norm_bias"))
+        if cfg.qk_norm:
+            for t in ("q_norm", "k_norm"):
+                ties.append(rename(f"attn.{t}.weight", f"{t}.weight"))
+                if ln:
+                    ties.append(rename(f"attn.{t}.bias", f"{t}.bias"))
+        if cfg.init_values is not None:
+            ties += [rename("ls1.gamma", "ls1.gamma"), rename("ls2.gamma", "ls2.gamma")]
+        ties += mlp_ties(cfg.mlp, cfg.norm)
+        return ties
+
 
 def _reject(block: nn.Module, what: str) -> None:
     raise ValueError(f"{type(block).__name__} with {what} cannot be converted to TE_Block")
@@ -263,13 +193,12 @@ def _reject(block: nn.Module, what: str) -> None:
 def config_from_timm_block(block: nn.Module, *, exact_gelu: bool = False) -> BlockConfig:
     """Read the settings of a built timm ``Block`` (the inverse of constructing one).
 
-    The MLP is read from the module (:func:`fp8vit.mlp.mlp_config_from_timm`) and must be what
+    The MLP is read from the module (:func:`fp8vit.blocks.mlp.mlp_config_from_timm`) and must be what
     timm's ``Block`` builds from keywords, so that :meth:`TE_Block.to_timm` can rebuild it.
 
     Raises:
         ValueError: a part of the block TE_Block does not implement, named.
     """
-    from .mlp import mlp_config_from_timm
 
     attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
     if not isinstance(attn, Attention):

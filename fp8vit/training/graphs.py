@@ -44,19 +44,20 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-from . import _te
-from ._warn import warn_once
+from .. import _te
+from .._warn import warn_once
 from .context import AUTOCAST_DTYPES
 from .detect import gpu_info
-from .errors import FP8UnavailableError
-from .layers import FP8Block
-from .recipes import recipe_name, resolve_recipe
-from .weights import is_sharded
+from ..errors import FP8UnavailableError
+from ..blocks.base import FP8Block
+from .._te.recipes import recipe_name
+from .detect import resolve_recipe
+from ..blocks.weights import is_sharded
 
 __all__ = ["make_graphed_blocks", "GraphedBlocks", "graphed_modules", "WHY_NOT_WITH_FSDP2"]
 
 # Why make_graphed_blocks and FSDP2 (fully_shard) are refused together, from the sources (not
-# measured: it needs a GPU). Said by make_graphed_blocks and by fp8vit.distributed.shard_model.
+# measured: it needs a GPU). Said by make_graphed_blocks and by fp8vit.training.distributed.shard_model.
 WHY_NOT_WITH_FSDP2 = (
     "TE's make_graphed_callables makes each module's parameters part of its graphs' static input "
     "surface (transformer_engine/pytorch/graph.py, _make_graphed_callables), while FSDP2 registers "

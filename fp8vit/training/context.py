@@ -8,10 +8,11 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from . import _te
-from ._warn import warn_once
+from .. import _te
+from .._warn import warn_once
 from .detect import gpu_info
-from .recipes import check_recipe_name, recipe_name, resolve_recipe
+from .._te.recipes import check_recipe_name, recipe_name
+from .detect import resolve_recipe
 
 __all__ = ["fp8_context", "FP8State", "AUTOCAST_DTYPES"]
 

@@ -3,7 +3,7 @@
     x [B, N, C] --+-- qkv: LayerNorm+Linear (fused) -> [B, N, 3, H, D] -> q_norm/k_norm
                   |   -> DotProductAttention (bshd, no mask, bidirectional) -> [B, N, C]
                   |   -> proj (Linear; LayerNorm+Linear with scale_attn_norm) -> ls1 -> drop_path1
-                  +-- (+) -> mlp: LayerNorm+fc1+act+fc2 (one LayerNormMLP, or unfused: fp8vit.mlp)
+                  +-- (+) -> mlp: LayerNorm+fc1+act+fc2 (one LayerNormMLP, or unfused: fp8vit.blocks.mlp)
                              -> ls2 -> drop_path2 -> (+)
 
 Why not ``te.TransformerLayer``: its defaults are GPT's (causal mask, ``sbhd`` layout, dropout
@@ -30,11 +30,11 @@ try:
 except ImportError:  # timm < 1.0 keeps it with the FX helpers
     from timm.models._features_fx import register_notrace_module
 
-from ._warn import warn_once
+from .._warn import warn_once
 from .config import BlockConfig, config_from_timm_block
-from .layers import FP8Block
+from .base import FP8Block
 from .mlp import build_mlp, init_gates_like_timm_
-from .weights import (block_ties, copy_requires_grad, name_pairs, te_requires_grad, te_to_timm, timm_requires_grad, timm_shapes,
+from .weights import (copy_requires_grad, name_pairs, te_requires_grad, te_to_timm, timm_requires_grad, timm_shapes,
                       timm_to_te)
 
 __all__ = ["TE_Block"]
@@ -177,7 +177,7 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
             mode = _TIMM_INIT_MODES.get(sys._getframe(1).f_code.co_name, "")
         # Initialise timm-shaped tensors as timm does, then lay them out as TE's: concatenated
         # GLU halves get each half's own fan-in/fan-out, padded units come out zero.
-        ties = block_ties(self.cfg)
+        ties = self.cfg.ties()
         params = dict(self.named_parameters())
         holder = dict(name_pairs(ties))
         with torch.no_grad():

@@ -20,8 +20,8 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from . import _te
-from .layers import FP8Block
+from .. import _te
+from ..blocks.base import FP8Block
 
 __all__ = ["NonFiniteGuard", "NonFiniteEvent"]
 

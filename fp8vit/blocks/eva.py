@@ -48,9 +48,9 @@ try:
 except ImportError:  # timm < 1.0 keeps it with the FX helpers
     from timm.models._features_fx import register_notrace_module
 
-from .config import resolve_norm
-from .layers import FP8Block
+from .base import FP8Block
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties, norm_in_dtype, torch_norm
+from .timm_layers import resolve_norm
 from .weights import (Part, Tie, copy_requires_grad, rename, te_requires_grad, te_to_timm, timm_requires_grad,
                       timm_to_te)
 
@@ -83,7 +83,7 @@ class EvaBlockConfig:
         attn_drop, proj_drop, drop_path: dropout rates as in timm.
         layer_scale: whether ``gamma_1`` / ``gamma_2`` exist (LayerScale on attention / MLP).
         norm, norm_eps: the block's norms (norm1, norm2, the inner norms): TE name and eps.
-        mlp: the MLP (``fp8vit.mlp``).
+        mlp: the MLP (``fp8vit.blocks.mlp``).
     """
 
     dim: int
@@ -134,6 +134,10 @@ class EvaBlockConfig:
     def fused_mlp(self) -> bool:
         """The MLP is one TE ``LayerNormMLP`` (as ``BlockConfig.fused_mlp``)."""
         return self.mlp.fused
+
+    def ties(self) -> List[Tie]:
+        """The weight layout (:mod:`fp8vit.blocks.weights`) of a ``TE_EvaBlock`` with this config."""
+        return _ties(self)
 
 
 def _reject(block: nn.Module, what: str) -> None:
@@ -215,7 +219,7 @@ def _check_norm(block, name: str, module: nn.Module, norm: str, eps: float) -> N
 
 
 def _ties(cfg: EvaBlockConfig) -> List[Tie]:
-    """The weight layout (:mod:`fp8vit.weights`) of a ``TE_EvaBlock``: timm ``EvaBlock`` (or
+    """The weight layout (:mod:`fp8vit.blocks.weights`) of a ``TE_EvaBlock``: timm ``EvaBlock`` (or
     ``EvaBlockPostNorm``) tensors -> TE tensors, names relative to the block."""
     ln = cfg.norm == "LayerNorm"  # RMSNorm has no bias
 
@@ -407,7 +411,7 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         new = cls(cfg, timm_skeleton=copy.deepcopy(block).to("meta"), device=ref.device, dtype=ref.dtype,
                   backend=backend, fp32_residual=fp32_residual, q_norm=qn, k_norm=kn)
         new.load_timm_state_dict(block.state_dict())
-        copy_requires_grad(block, new, te_requires_grad, _ties(cfg))
+        copy_requires_grad(block, new, te_requires_grad, cfg.ties())
         return new.train(block.training)
 
     def load_timm_state_dict(self, sd) -> None:
@@ -416,7 +420,7 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         Raises:
             ValueError: keys that do not match this block's configuration, listed.
         """
-        res = self.load_state_dict(timm_to_te(sd, _ties(self.cfg)), strict=False)
+        res = self.load_state_dict(timm_to_te(sd, self.cfg.ties()), strict=False)
         missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
         if missing or res.unexpected_keys:
             raise ValueError(f"TE_EvaBlock: tensors not set {missing}, unknown {res.unexpected_keys}")
@@ -426,11 +430,11 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         mode). FP8 scaling state is dropped."""
         ref = self.qkv.weight
         block = copy.deepcopy(self._timm_skeleton).to_empty(device=ref.device)
-        block.load_state_dict(te_to_timm(self.state_dict(), _ties(self.cfg)), strict=True)
+        block.load_state_dict(te_to_timm(self.state_dict(), self.cfg.ties()), strict=True)
         init = getattr(block.attn, "init_non_persistent_buffers", None)
         if init is not None:  # EvaAttention's zero k_bias buffer is not in the state dict
             init()
-        copy_requires_grad(self, block, timm_requires_grad, _ties(self.cfg))
+        copy_requires_grad(self, block, timm_requires_grad, self.cfg.ties())
         return block.train(self.training)
 
     # ------------------------------------------------------------------ forward

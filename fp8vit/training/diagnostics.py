@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _te
+from .. import _te
 from .context import fp8_context
-from .convert import set_block_fp8
-from .layers import FP8Block
+from .switches import set_block_fp8
+from ..blocks.base import FP8Block
 from .numerics import E4M3_MAX, E4M3_TINY, E5M2_MAX, E5M2_TINY, snr_db, underflow_fraction
-from .recipes import recipe_name
+from .._te.recipes import recipe_name
 
 __all__ = ["diagnose", "DiagnosisReport", "BlockStats", "SCHEMA_VERSION"]
 

@@ -1,0 +1,156 @@
+"""What a TE module saves and pickles: FP8 scaling state as plain tensors, and modules that
+``torch.save(model)`` can pickle whole.
+
+TE stores delayed scaling's scales and amax histories in ``_extra_state`` as a pickled byte
+tensor, and since 2.20 refuses to load it without ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (a
+pickle can run arbitrary code). :class:`SafeExtraState` stores the same state as a dict of
+tensors and plain values, which ``torch.load(weights_only=True)`` reads safely.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .loader import te_module
+
+__all__ = ["EXTRA_STATE_FORMAT", "SafeExtraState"]
+
+# Format tag of the plain-tensor FP8 scaling state written by fp8vit (see SafeExtraState).
+EXTRA_STATE_FORMAT = "fp8vit.delayed_scaling.v1"
+
+
+class SafeExtraState:
+    """Mixin for TE modules: FP8 delayed-scaling state as plain tensors, never a pickle; and
+    modules that pickle whole (``torch.save(model)``).
+
+    TE stores the delayed-scaling scales and amax histories in ``_extra_state`` as a pickled
+    byte tensor, and since 2.20 refuses to load it without ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``
+    (a pickle can run arbitrary code). Here the same state is a dict of tensors, ints, floats,
+    bools and strings, which ``torch.load(weights_only=True)`` reads safely. Stateless recipes
+    (current, block, mxfp8) and modules that never ran FP8 store TE's empty tensor as before.
+    Old TE pickles still go through TE's own (guarded) loader.
+    """
+
+    def get_extra_state(self):
+        meta = self.fp8_meta
+        recipe = meta.get("recipe")
+        ran_fp8 = meta.get("fp8_checkpoint") or self.fp8 or self.fp8_calibration
+        if not ran_fp8 or recipe is None or not recipe.delayed() or "scaling_fwd" not in meta:
+            return torch.empty(0, dtype=torch.uint8)
+        if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
+            raise ValueError(
+                f"cannot checkpoint DelayedScaling with a custom callable ({recipe}); "
+                "fp8vit stores scaling state without pickles: use amax_compute_algo='max' or "
+                "'most_recent' and no scaling_factor_compute_algo"
+            )
+        extra = {
+            k: v for k, v in meta.items()
+            if k != "buffer_index_and_autocast_key" and isinstance(v, (bool, int, float, str))
+        }
+        return {
+            "format": EXTRA_STATE_FORMAT,
+            "recipe": {
+                "margin": int(recipe.margin),
+                "fp8_format": recipe.fp8_format.name,
+                "amax_history_len": int(recipe.amax_history_len),
+                "amax_compute_algo": recipe.amax_compute_algo,
+                "reduce_amax": bool(recipe.reduce_amax),
+                "fp8_dpa": bool(recipe.fp8_dpa),
+                "fp8_mha": bool(recipe.fp8_mha),
+            },
+            "scale_fwd": meta["scaling_fwd"].scale.detach().cpu().clone(),
+            "amax_history_fwd": meta["scaling_fwd"].amax_history.detach().cpu().clone(),
+            "scale_bwd": meta["scaling_bwd"].scale.detach().cpu().clone(),
+            "amax_history_bwd": meta["scaling_bwd"].amax_history.detach().cpu().clone(),
+            "extra_fp8_variables": extra,
+        }
+
+    def set_extra_state(self, state):
+        if not (isinstance(state, dict) and state.get("format") == EXTRA_STATE_FORMAT):
+            return super().set_extra_state(state)
+        rec = te_module("transformer_engine.common.recipe")
+        r = dict(state["recipe"])
+        r["fp8_format"] = getattr(rec.Format, r["fp8_format"])
+        recipe = rec.DelayedScaling(**r)
+        # .get: a distributed checkpoint (DCP) stores no entry for an empty dict
+        self.fp8_meta.update(state.get("extra_fp8_variables", {}))
+        self.fp8_meta["recipe"] = recipe
+        self.init_fp8_meta_tensors(recipe)
+        with torch.no_grad():
+            for key, which in (("fwd", "scaling_fwd"), ("bwd", "scaling_bwd")):
+                dst = self.fp8_meta[which]
+                for name in ("scale", "amax_history"):
+                    src = state[f"{name}_{key}"]
+                    tgt = getattr(dst, name)
+                    if src.shape != tgt.shape:
+                        raise ValueError(
+                            f"{type(self).__name__}: checkpoint {name}_{key} has shape "
+                            f"{tuple(src.shape)}, this module expects {tuple(tgt.shape)}"
+                        )
+                    tgt.copy_(src)
+        return None
+
+
+    # ----------------------------------------------------------------- whole-module pickling
+    # Pickle refuses closures. TE's attention modules register one as a load_state_dict post-hook
+    # (it drops old TE versions' "core_attention._extra_state" from the missing keys): replaced by
+    # the same function at module level. TE keeps each parameter's init function (a closure) in
+    # param_init_meta, only for reset_parameters(): a pickled module keeps its fp8_meta_index and an
+    # init function that says it is gone.
+    # UnfusedDotProductAttention keeps its mask function as a closure too: same treatment.
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for mod in self.modules():
+            hooks = mod._load_state_dict_post_hooks
+            for key, hook in list(hooks.items()):
+                if _is_local(hook, "remove_extra_states_check"):
+                    hooks[key] = _drop_old_attention_extra_state
+            for owner in (mod, getattr(mod, "scale_mask_softmax", None)):
+                if _is_local(getattr(owner, "mask_func", None), "mask_func"):
+                    owner.mask_func = _attention_mask_func
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        inits = state.get("param_init_meta")
+        if isinstance(inits, dict):
+            state = dict(state, param_init_meta={n: m.fp8_meta_index for n, m in inits.items()})
+        return state
+
+    def __setstate__(self, state):
+        inits = state.get("param_init_meta")
+        if isinstance(inits, dict) and all(v is None or isinstance(v, int) for v in inits.values()):
+            meta_cls = te_module("transformer_engine.pytorch.module._common")._ParameterInitMeta
+            state = dict(state, param_init_meta={
+                n: meta_cls(init_fn=_UnpickledInit(type(self).__name__, n), fp8_meta_index=i)
+                for n, i in inits.items()})
+        super().__setstate__(state)
+
+
+def _is_local(fn, name: str) -> bool:
+    return getattr(fn, "__qualname__", "").endswith(f"<locals>.{name}")
+
+
+def _attention_mask_func(x, y):
+    """TE's ``UnfusedDotProductAttention.mask_func``, picklable (same names, same module)."""
+    b = te_module("transformer_engine.pytorch.attention.dot_product_attention.backends")
+    return b.export.onnx_attention_mask_func(x, y) if b.is_in_onnx_export_mode() else b.attention_mask_func(x, y)
+
+
+def _drop_old_attention_extra_state(module, incompatible_keys) -> None:
+    """TE's ``remove_extra_states_check`` load hook, picklable: TE < 1.8 checkpoints have no
+    ``core_attention._extra_state``, which is not an error."""
+    for key in list(incompatible_keys.missing_keys):
+        if "core_attention._extra_state" in key:
+            incompatible_keys.missing_keys.remove(key)
+
+
+class _UnpickledInit:
+    """Init function of a TE parameter after whole-module unpickling (TE's was a closure)."""
+
+    def __init__(self, module: str, param: str):
+        self.module, self.param = module, param
+
+    def __call__(self, tensor):
+        raise ValueError(f"{self.module}.{self.param}: this module was unpickled, and TE's parameter "
+                         "init function does not survive pickling; re-initialise with "
+                         "TE_Block.init_weights() or build a new module")

@@ -1,0 +1,121 @@
+"""CUDA graphs of TE modules, and weight gradients written straight into fp32 buffers.
+
+:func:`make_graphed_callables` is TE's capture (FP8 scaling read from device memory inside the
+graphs, updated outside them); :func:`wgrad_into_main_grad` makes TE's weight-gradient GEMMs write
+into ``weight.main_grad`` (the graphed blocks hand those buffers to autograd themselves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, List
+
+import torch
+from torch import nn
+
+from .loader import load_te
+
+__all__ = ["make_graphed_callables", "wgrad_into_main_grad", "release_main_grad"]
+
+
+def make_graphed_callables(modules, sample_args, *, fp8: bool, recipe: Any, num_warmup_iters: int,
+                           amax_reduction_group=None, sample_kwargs=None) -> bool:
+    """``te.make_graphed_callables``: forward and backward of each module captured as CUDA graphs.
+
+    FP8 scaling factors are read from device memory inside the graphs and updated outside them
+    (TE's amax reduction at the end of each autocast/backward), so delayed scaling keeps working.
+
+    Args:
+        modules: one module, or a tuple of modules called one after the other (captured in that
+            order: all forwards, then the backwards in reverse, sharing one memory pool).
+        sample_args: ``(tensor, ...)`` for one module, or one such tuple per module.
+        sample_kwargs: None, or one dict of tensor keyword inputs per module.
+
+    TE installs each graphed forward on its module (``module.forward``).
+
+    Returns:
+        True where TE can return parameter gradients as views of the backward graph's static
+        buffers instead of copies (``clone_param_grads_on_return=False``), which it is then told
+        to do: the caller must copy a ``.grad`` that still points into them before the next replay
+        (forward or backward), which may rewrite them. False: TE copies them (older TE).
+    """
+    te = load_te()
+    kwargs = {}
+    grads_alias = "clone_param_grads_on_return" in inspect.signature(te.make_graphed_callables).parameters
+    if grads_alias:
+        kwargs["clone_param_grads_on_return"] = False
+    if sample_kwargs is not None:
+        kwargs["sample_kwargs"] = sample_kwargs
+    if isinstance(modules, tuple) and len(modules) == 1 and sample_kwargs is None:
+        modules, sample_args = modules[0], sample_args[0]
+    te.make_graphed_callables(
+        modules, sample_args, num_warmup_iters=num_warmup_iters, enabled=fp8,
+        recipe=recipe if fp8 else None, amax_reduction_group=amax_reduction_group,
+        cache_quantized_params=False, **kwargs)
+    return grads_alias
+
+
+def _gemm_weights(module: nn.Module) -> List[nn.Parameter]:
+    """The weights whose gradient a TE GEMM module's wgrad GEMM computes, where TE passes each one
+    to its GEMM as is ([] for other modules).
+
+    A ``Linear``/``LayerNormLinear`` with split parameters (``parameters_split``, e.g. the QKV of
+    ``te.TransformerLayer``) concatenates them into a new tensor first, which has no ``main_grad``:
+    left alone.
+    """
+    if not hasattr(module, "fuse_wgrad_accumulation"):
+        return []
+    names = getattr(module, "weight_names", None)
+    if names is None:  # LayerNormMLP: fc1 and fc2, each passed to its GEMM as is
+        names = [n for n in ("fc1_weight", "fc2_weight") if isinstance(getattr(module, n, None), nn.Parameter)]
+    elif len(names) != 1:
+        return []
+    return [getattr(module, n) for n in names]
+
+
+@contextlib.contextmanager
+def wgrad_into_main_grad(roots):
+    """Within: TE's wgrad GEMMs under ``roots`` write each weight's gradient straight into
+    ``weight.main_grad``, a buffer of the weight's dtype (fp32 for fp32 weights), overwriting it.
+
+    TE's ``fuse_wgrad_accumulation`` with ``weight.overwrite_main_grad = True`` (read by TE in
+    forward). By default TE's wgrad GEMM writes the gradient in the activation dtype (bf16), and
+    autograd then casts it to the parameter's dtype: one more kernel per weight, 6 bytes moved per
+    parameter. With this, TE returns *no* weight gradient to autograd: the caller hands
+    ``main_grad`` to autograd itself. The buffers are allocated here, stay on the weights after
+    exit (a CUDA graph captured within writes into them), and ``release_main_grad`` removes them.
+    Modules with a frozen weight are left alone.
+
+    Args:
+        roots: modules whose submodules are switched (e.g. fp8vit's ``TE_Block`` instances).
+
+    Yields:
+        the weights that now get their gradient in ``main_grad``.
+    """
+    fused, weights = [], []
+    for mod in (m for root in roots for m in root.modules()):
+        ws = _gemm_weights(mod)
+        if not ws or not all(w.requires_grad for w in ws) or mod.fuse_wgrad_accumulation:
+            continue
+        for w in ws:
+            w.main_grad = torch.empty_like(w, memory_format=torch.contiguous_format)
+            w.overwrite_main_grad = True  # TE: the GEMM writes (beta = 0), it does not accumulate
+        mod.fuse_wgrad_accumulation = True
+        fused.append(mod)
+        weights.extend(ws)
+    try:
+        yield weights
+    finally:
+        # TE reads the switch in each eager forward: off again, an eager call computes and returns
+        # its weight gradients as usual.
+        for mod in fused:
+            mod.fuse_wgrad_accumulation = False
+
+
+def release_main_grad(weights) -> None:
+    """Drop the ``main_grad`` buffers :func:`wgrad_into_main_grad` put on ``weights``."""
+    for w in weights:
+        for attr in ("main_grad", "overwrite_main_grad"):
+            if attr in vars(w):
+                delattr(w, attr)

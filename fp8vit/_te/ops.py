@@ -1,0 +1,115 @@
+"""TE kernels the blocks call one by one: attention on a packed QKV buffer, fused RoPE, gated
+activations, and the switch between TE's and cuDNN's LayerNorm kernels."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from ..errors import TEUnavailableError
+from .loader import te_module, te_version
+
+__all__ = ["packed_attention", "fused_rope", "gated_activation", "cudnn_norm_enabled", "set_cudnn_norm", "cudnn_norm"]
+
+
+def packed_attention(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``DotProductAttention`` on q, k, v that are views of one packed buffer (layout ``bs3hd``).
+
+    TE finds the packed layout from the views' pointers and strides and warns that this is
+    deprecated in favour of ``qkv_layer=``. But ``qkv_layer=`` slices the buffer inside TE with
+    ``select``, whose autograd backward zero-fills and copies the whole packed gradient once per
+    view (docs/performance.md); fp8vit splits the buffer itself so that the gradient comes back
+    packed. Should a later TE drop the detection, q, k, v are still valid separate inputs.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Relying on pointer-based detection", category=DeprecationWarning)
+        return attn(query_layer=q, key_layer=k, value_layer=v, **kwargs)
+
+
+
+def fused_rope(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """TE's fused RoPE kernel on ``t`` ``[B, N, H, D]`` (``bshd``, any strides: a view of a packed
+    QKV buffer is read in place), ``angles`` ``[N, 1, 1, D]`` fp32, one angle per channel.
+
+    ``out = t * cos(angles) + rot(t) * sin(angles)`` with ``rot`` pairing channels ``(2i, 2i+1)``
+    (``interleaved``) or ``(i, i + D/2)``; forward and backward are one kernel each.
+    """
+    rope = te_module("transformer_engine.pytorch.attention.rope")
+    return rope.apply_rotary_pos_emb(t, angles, tensor_format="bshd", interleaved=interleaved, fused=True)
+
+
+class _GatedActivation(torch.autograd.Function):
+    """TE's gated activation kernel and its backward, for the unfused MLP (:func:`gated_activation`)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, name: str) -> torch.Tensor:
+        tex = te_module("transformer_engine_torch")
+        ctx.name = name
+        ctx.save_for_backward(h)  # [..., 2H]: less than torch keeps (gate, act(gate), value)
+        return getattr(tex, name)(h, None)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (h,) = ctx.saved_tensors
+        return getattr(te_module("transformer_engine_torch"), "d" + ctx.name)(dy.contiguous(), h, None), None
+
+
+def gated_activation(name: str):
+    """``h [..., 2H] -> act(h[..., :H]) * h[..., H:]`` in one TE kernel (``swiglu``, ``geglu``,
+    ``reglu``, ``qgeglu``, ``glu``), the backward in one more.
+
+    Torch runs ``act(gate) * value`` on the two halves, views with a row stride of 2H that its
+    vectorized kernels do not take: three strided kernels forward and backward, a third of EVA02-B's
+    step time outside the GEMMs (docs/performance.md, lever 18).
+    """
+    # A partial of a module-level function, not a closure: the unfused MLP keeps it as an attribute
+    # (``UnfusedMlp.gated_act``), and a closure made ``torch.save(model)`` / pickling fail.
+    return functools.partial(_apply_gated_activation, name=name)
+
+
+def _apply_gated_activation(h: torch.Tensor, name: str) -> torch.Tensor:
+    return _GatedActivation.apply(h.contiguous(), name)
+
+
+# TE's core library reads NVTE_NORM_{FWD,BWD}_USE_CUDNN once and nvte_enable_cudnn_norm_* changes
+# it afterwards; TE's torch extension reads the variable on every call to pick the current-scaling
+# path (TE's fused norm + amax kernel, which cuDNN cannot replace). Both must agree, and TE has no
+# getter, so the setting is kept here.
+_CUDNN_NORM_VARS = ("NVTE_NORM_FWD_USE_CUDNN", "NVTE_NORM_BWD_USE_CUDNN")
+_cudnn_norm = {"on": all(os.environ.get(v, "0") == "1" for v in _CUDNN_NORM_VARS)}
+
+
+def cudnn_norm_enabled() -> bool:
+    """Whether TE's LayerNorm runs on cuDNN's kernels (see :func:`set_cudnn_norm`)."""
+    return _cudnn_norm["on"]
+
+
+def set_cudnn_norm(enabled: bool) -> bool:
+    """Run TE's LayerNorm forward and backward on cuDNN's kernels (process-wide). Returns the old setting."""
+    lib = getattr(te_module("transformer_engine.common"), "_TE_LIB_CTYPES", None)
+    try:
+        switches = (lib.nvte_enable_cudnn_norm_fwd, lib.nvte_enable_cudnn_norm_bwd)
+    except AttributeError:
+        raise TEUnavailableError(
+            f"Transformer Engine {te_version()} does not expose nvte_enable_cudnn_norm_fwd/bwd in its "
+            "core library; upgrade TE, or leave fp8vit.set_cudnn_layernorm off") from None
+    for switch, var in zip(switches, _CUDNN_NORM_VARS):
+        switch(bool(enabled))
+        os.environ[var] = "1" if enabled else "0"
+    old, _cudnn_norm["on"] = _cudnn_norm["on"], bool(enabled)
+    return old
+
+
+@contextlib.contextmanager
+def cudnn_norm(enabled: bool):
+    """:func:`set_cudnn_norm` for the duration of the block, then the previous setting again."""
+    old = set_cudnn_norm(enabled)
+    try:
+        yield
+    finally:
+        set_cudnn_norm(old)

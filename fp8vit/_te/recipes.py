@@ -1,0 +1,96 @@
+"""FP8 recipes: their names, what each needs, name <-> TE recipe object, the default per GPU.
+
+=========  ==============================  ===============================================
+name       TE recipe                       needs
+=========  ==============================  ===============================================
+delayed    DelayedScaling (HYBRID)         sm_89 (Ada) or sm_90+; per-tensor scales from
+                                           an amax history; stateful (checkpointed)
+current    Float8CurrentScaling (HYBRID)   sm_89+; per-tensor scales from this step's amax
+block      Float8BlockScaling              sm_90+ (Hopper); 1x128 / 128x128 block scales
+mxfp8      MXFP8BlockScaling               sm_100+ (Blackwell); 1x32 E8M0 block scales
+=========  ==============================  ===============================================
+
+Names are validated here before TE is loaded, so a typo is a ``ValueError`` on every machine.
+Which recipes run on this GPU is :mod:`fp8vit.training.detect`'s question.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional, Tuple
+
+from .loader import te_module
+
+__all__ = ["RecipeName", "RECIPE_NAMES", "check_recipe_name", "make_recipe", "recipe_name", "row_multiple"]
+
+
+class RecipeName(str, enum.Enum):
+    """The FP8 recipes fp8vit knows by name (a ``str``: ``RecipeName.DELAYED == "delayed"``)."""
+
+    DELAYED = "delayed"
+    CURRENT = "current"
+    BLOCK = "block"
+    MXFP8 = "mxfp8"
+
+
+RECIPE_NAMES: Tuple[str, ...] = tuple(r.value for r in RecipeName)
+
+# recipe_name() probes TE recipe objects with these predicates.
+_PREDICATE = {"delayed": "delayed", "current": "float8_current_scaling", "block": "float8_block_scaling",
+              "mxfp8": "mxfp8"}
+
+
+def check_recipe_name(name: str) -> str:
+    """Return ``name`` as a plain string if it is a known recipe name, else raise.
+
+    Raises:
+        ValueError: an unknown name, listing the known ones. TE is not needed for this check.
+    """
+    try:
+        return RecipeName(name).value
+    except ValueError:
+        raise ValueError(f"unknown FP8 recipe {name!r}; choose one of {list(RECIPE_NAMES)} "
+                         "or pass a transformer_engine.common.recipe object") from None
+
+
+def make_recipe(name: str) -> Any:
+    """Build the TE recipe object for ``name`` (TE's defaults, HYBRID format: E4M3 fwd, E5M2 bwd).
+
+    Args:
+        name: one of :data:`RECIPE_NAMES`.
+
+    Raises:
+        ValueError: an unknown name (checked before TE is loaded).
+        TEUnavailableError: TE cannot be imported; the message says why.
+    """
+    name = check_recipe_name(name)
+    rec = te_module("transformer_engine.common.recipe")
+    if name == "delayed":
+        return rec.DelayedScaling(fp8_format=rec.Format.HYBRID)
+    if name == "current":
+        return rec.Float8CurrentScaling(fp8_format=rec.Format.HYBRID)
+    if name == "block":
+        return rec.Float8BlockScaling()
+    return rec.MXFP8BlockScaling()
+
+
+def recipe_name(recipe: Any) -> str:
+    """Inverse of :func:`make_recipe` for any TE recipe object (``"custom"`` when unknown)."""
+    for name, pred in _PREDICATE.items():
+        fn = getattr(recipe, pred, None)
+        if fn is not None and fn():
+            return name
+    return "custom"
+
+
+def row_multiple(name: Optional[str]) -> int:
+    """How many token rows (batch x tokens) an FP8 GEMM of the recipe named ``name`` (as
+    :func:`recipe_name` gives it; None: FP8 off) needs as a multiple.
+
+    TE's own check asks for a multiple of 8, but the weight-gradient GEMM reduces over the token
+    rows and cuBLASLt then asserts ``lda % 16 == 0`` (measured on H200: 8 x 65 = 520 rows passes
+    TE's check and fails in backward). MXFP8 scales blocks of 32 along both dims.
+    """
+    if name is None:
+        return 1
+    return 32 if name == "mxfp8" else 16

@@ -1,0 +1,19 @@
+"""The block families and what they share (the layer above the TE seam, below training).
+
+=================  ===================================================================================
+``vit``            ``TE_Block``: timm's classic ``vision_transformer.Block``
+``eva``            ``TE_EvaBlock``: timm's ``EvaBlock`` / ``EvaBlockPostNorm`` (EVA02, RoPE ViTs, PE, ...)
+``families``       the registry timm block class -> fp8vit block class that ``convert_to_te`` consults
+``base``           ``FP8Block``, the base of every family: switches, the FP8 plumbing of ``forward``,
+                   one attention path (with a RoPE hook), token-row padding, LayerScale
+``config``         ``BlockConfig``: timm ``Block`` keywords, validated
+``mlp``            the MLPs (GELU, SwiGLU, GLU; fused or not; hidden widths padded for FP8)
+``timm_layers``    timm's norms and activations -> TE's kernels
+``weights``        parameter layouts timm <-> TE, bit for bit
+``linear``         the FP8 ``Linear`` swapped into blocks fp8vit does not fuse
+``backend``        TE's modules on the GPU, or ``reference``'s pure-torch stand-ins (CPU, tests)
+=================  ===================================================================================
+
+A family is one module plus one line in ``families.FAMILIES``; families never import each other
+(``lint-imports``). Import the public names from ``fp8vit``.
+"""
