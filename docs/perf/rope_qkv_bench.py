@@ -33,7 +33,7 @@ def today(qkv, angles, H, D):
 def fused(qkv, wide, H, D):
     B, N, W = qkv.shape
     A = H * D
-    rope = _te._rope_module()
+    rope = _te.te_module("transformer_engine.pytorch.attention.rope")
     q, k, v = rope.apply_fused_qkv_rotary_pos_emb(qkv.view(B, N, 1, W), wide, wide, [A, A, A],
                                                   tensor_format="bshd", interleaved=True)
     return q.view(B, N, H, D), k.view(B, N, H, D), v.view(B, N, H, D)

@@ -249,5 +249,5 @@ def test_gelu_in_fc1_gemm_epilogue(recipe):
 def _forward_amaxes(model):
     """``{"module[i]": amax}`` over the whole history, for each forward FP8 tensor ``i`` of every
     TE module under ``model`` (delayed scaling; LayerNormMLP's fc2 input is one of them)."""
-    return {f"{name}[{i}]": float(v) for name, key, st in fp8vit._te._delayed_states(model)
+    return {f"{name}[{i}]": float(v) for name, key, st in fp8vit._te.fp8._delayed_states(model)
             if key == "scaling_fwd" for i, v in enumerate(st.amax_history.amax(0))}
