@@ -106,7 +106,7 @@ def make_step(variant, model):
     fp8 = not variant.startswith("timm")
     recipe = fp8vit.make_recipe("delayed") if fp8 else None
     if "fp8dpa" in variant:
-        rm = _te.recipe_module()
+        rm = _te.te_module("transformer_engine.common.recipe")
         recipe = rm.DelayedScaling(fp8_format=rm.Format.HYBRID, fp8_dpa=True)
 
     def step(x, y):
