@@ -35,7 +35,7 @@ from ._warn import warn_once
 from .errors import Check, TEUnavailableError
 
 __all__ = [
-    "te_status", "te_version", "installed", "load_te", "preload", "clear_cache", "te_check",
+    "te_status", "te_version", "installed", "load_te", "preload", "release_import_warnings", "clear_cache", "te_check",
     "recipe_module", "autocast", "quantized_model_init", "is_quantized", "fused_adam", "set_cudnn_norm", "cudnn_norm", "cudnn_norm_enabled", "checkpoint", "active_fp8_recipe", "packed_attention", "fused_rope", "modules", "MODULE_NAMES",
     "SwappedLinear", "fp8_linear_class",
     "scaling_state", "repair_amax_histories", "make_graphed_callables", "wgrad_into_main_grad", "release_main_grad",
@@ -101,12 +101,27 @@ def _import() -> Tuple[Optional[types.ModuleType], str]:
     return te, ""
 
 
+# Warnings TE raised while ``import fp8vit`` imported it (preload), not yet issued: TE's notes about
+# other frameworks (a Jax installation without TE's Jax extension) would otherwise print before a
+# tool's first line. They are issued, with TE's file and line, at the first te_status() or load_te().
+_held_import_warnings: List[warnings.WarningMessage] = []
+
+
+def release_import_warnings() -> None:
+    """Issue the warnings held from TE's import at ``import fp8vit`` (once; nothing if none)."""
+    held = list(_held_import_warnings)
+    _held_import_warnings.clear()
+    for w in held:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
 def te_status() -> Check:
     """Whether Transformer Engine imports here. Cached (see :func:`clear_cache`).
 
     Returns:
         ``Check(ok, reason)``: ``reason`` is empty when ``ok``, else says why and how to fix it.
     """
+    release_import_warnings()
     te, reason = _import()
     return Check(te is not None, reason)
 
@@ -134,6 +149,7 @@ def clear_cache() -> None:
 
 def load_te() -> types.ModuleType:
     """Return ``transformer_engine.pytorch`` or raise :class:`TEUnavailableError` with the reason."""
+    release_import_warnings()
     te, reason = _import()
     if te is None:
         raise TEUnavailableError(reason)
@@ -144,13 +160,17 @@ def preload() -> None:
     """Import TE now if it is installed and a GPU is visible.
 
     TE must be imported before torch runs its first cuDNN kernel (see ``_explain_import_error``),
-    so ``import fp8vit`` does it eagerly. Set ``FP8VIT_LAZY_TE=1`` to skip it.
+    so ``import fp8vit`` does it eagerly. Set ``FP8VIT_LAZY_TE=1`` to skip it. The warnings TE
+    raises while it is imported (under the filters in force) are held and issued at the first
+    :func:`te_status` or :func:`load_te`, where a tool can collect them (:func:`release_import_warnings`).
     """
     if os.environ.get("FP8VIT_LAZY_TE") == "1":
         return
     if not installed() or not torch.cuda.is_available():
         return
-    _import()
+    with warnings.catch_warnings(record=True) as caught:  # the filters in force still apply
+        _import()
+    _held_import_warnings.extend(caught)
 
 
 def autocast(enabled: bool, recipe: Any, amax_reduction_group=None):
