@@ -1,7 +1,8 @@
 """Train a timm ViT in FP8 with fp8vit: the plain training loop, ready to copy.
 
-    python examples/train_vit.py                                        # ViT-B/16, FP8, synthetic data
-    python examples/train_vit.py --model vit_huge_patch14_224 --cuda-graphs
+    python examples/train_vit.py                                        # ViT-B/16, FP8, CUDA-graphed, synthetic data
+    python examples/train_vit.py --eager                                # the same without CUDA graphs
+    python examples/train_vit.py --model vit_huge_patch14_224
     python examples/train_vit.py --data /path/to/imagenet/train --epochs 1 --checkpoint ckpt.pt
     python examples/train_vit.py --checkpoint ckpt.pt --resume          # continue where it stopped
     torchrun --nproc-per-node 2 examples/train_vit.py                   # DDP, one process per GPU
@@ -11,9 +12,16 @@
 The fp8vit lines are marked ``# fp8vit``; everything else is an ordinary PyTorch loop. On a machine
 without an FP8 GPU it trains a tiny ViT in bf16 autocast and says why FP8 is off. The printed
 ms/step and img/s are GPU time, read once the GPU has finished the steps (``train_epoch``).
+
+On an FP8 GPU the blocks run as CUDA graphs (``fp8vit.make_graphed_blocks``): every batch has the
+same shape (synthetic data; an image folder's loader drops the last, smaller batch), and eager FP8
+is slower than timm bf16 at ViT-B (the README's table); ``--eager`` turns the graphs off. The run
+prints which path it takes and why. A checkpoint is written so that a process killed while saving
+leaves the previous one loadable (``save_atomically``; ``fp8vit.save_checkpoint`` with ``--fsdp``).
 """
 
 import argparse
+import glob
 import os
 
 import torch
@@ -31,10 +39,15 @@ def parse_args(argv=None):
                    "vit_tiny_patch16_224 at 32 px on CPU)")
     p.add_argument("--recipe", default=None, choices=fp8vit.RECIPE_NAMES, help="FP8 recipe (default: the GPU's best)")
     p.add_argument("--no-fp8", action="store_true", help="the timm bf16 baseline: no conversion, no FP8")
-    p.add_argument("--cuda-graphs", action="store_true", help="capture the blocks as CUDA graphs (fp8vit."
-                   "make_graphed_blocks): much faster below ViT-H, where an eager step is launch-bound")
+    graphs = p.add_mutually_exclusive_group()
+    graphs.add_argument("--cuda-graphs", action="store_true", help="capture the blocks as CUDA graphs (fp8vit."
+                        "make_graphed_blocks) whatever the other options, or stop saying why not. The default "
+                        "where FP8 runs, without --fsdp, --no-fp8 or --fp8-weights: much faster below ViT-H, "
+                        "where an eager step is launch-bound")
+    graphs.add_argument("--eager", action="store_true", help="run the blocks eagerly, not as CUDA graphs "
+                        "(e.g. to compare, or for a batch whose shape changes)")
     p.add_argument("--cudnn-layernorm", action="store_true", help="run TE's LayerNorm on cuDNN's kernels "
-                   "(with --cuda-graphs: in the graphs only): -4%% step time at ViT-H, none at ViT-B/L")
+                   "(when the blocks are CUDA-graphed: in the graphs only): -4%% step time at ViT-H, none at ViT-B/L")
     p.add_argument("--mlp-recompute", type=int, nargs="?", const=1, default=0, metavar="K",
                    help="recompute the MLP activations in backward in every K-th block (fp8vit."
                    "set_mlp_recompute; K defaults to 1, all blocks). ViT-H on an H200, CUDA-graphed: "
@@ -57,8 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--data", default=None, help="an image folder (class subfolders); default synthetic")
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--checkpoint", default=None, help="save model, optimizer and step here after each epoch")
-    p.add_argument("--resume", action="store_true", help="load --checkpoint first")
+    p.add_argument("--checkpoint", default=None, help="save model, optimizer and step here after each epoch: "
+                   "a file, or with --fsdp a folder; a save killed halfway leaves the previous one")
+    p.add_argument("--resume", action="store_true", help="load --checkpoint first (with --fsdp: the newest "
+                   "complete save in the folder)")
     p.add_argument("--log-every", type=int, default=None, help="print a step line every this many steps, "
                    "and after the last (default 10, or fewer so that a short run prints about five)")
     args = p.parse_args(argv)
@@ -68,7 +83,64 @@ def parse_args(argv=None):
         p.error("--fp8-weights with --no-fp8: FP8 weights are fp8vit's blocks' weights; drop one of the two")
     if args.fsdp and args.cuda_graphs:
         p.error(f"--fsdp with --cuda-graphs: {fp8vit.training.distributed.WHY_NOT_WITH_FSDP2}")
+    if args.resume and not args.checkpoint:
+        p.error("--resume needs --checkpoint, the checkpoint to resume from")
     return args
+
+
+def graphs_or_why_not(args, device, fp8_runs):
+    """Whether to capture the blocks as CUDA graphs, and the line that says so.
+
+    The default, where FP8 runs on a GPU: graphed (every batch has the captured shape: synthetic
+    data, or a loader that drops the last batch), since an eager FP8 step below ViT-H is
+    host-bound. Eager: ``--eager``; FSDP2 (it cannot shard graphed blocks); ``--no-fp8``, timm's
+    bf16 baseline as the README's speedups measure it; ``--fp8-weights``, not yet run graphed; and
+    no FP8 here. ``--cuda-graphs`` graphs whatever the rest, or stops with the reason.
+    """
+    if args.eager:
+        return False, "eager (--eager)"
+    if args.cuda_graphs:
+        return True, "CUDA-graphed blocks (--cuda-graphs)"
+    if device.type != "cuda":
+        return False, "eager: CUDA graphs need a GPU"
+    why = ("FSDP2 (--fsdp) cannot shard CUDA-graphed blocks" if args.fsdp else
+           "--no-fp8 is timm's bf16 baseline, run as it comes (--cuda-graphs graphs it)" if args.no_fp8 else
+           "FP8 primary weights (--fp8-weights) have not been run with CUDA graphs (--cuda-graphs tries)"
+           if args.fp8_weights else
+           "FP8 is off here (--cuda-graphs graphs the blocks in bf16)" if not fp8_runs else None)
+    if why:
+        return False, f"eager: {why}"
+    return True, "CUDA-graphed blocks (the default on an FP8 GPU; --eager runs them eagerly)"
+
+
+def save_atomically(obj, path):
+    """``torch.save(obj, path)`` such that ``path`` holds a complete checkpoint at every instant: a
+    process killed while saving (a preemption, an OOM kill, a node failure) leaves the previous
+    file, not a truncated one.
+
+    Written beside it (``<path>.tmp-<pid>``), fsynced, then renamed over it (``os.replace`` is
+    atomic) and the folder fsynced, so that the rename survives a power loss too. Files that killed
+    saves left beside it are removed.
+    """
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    if hasattr(os, "O_DIRECTORY"):  # Windows cannot open a folder to fsync it
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for stale in glob.glob(glob.escape(path) + ".tmp-*"):
+        os.remove(stale)
 
 
 def default_log_every(steps):
@@ -96,7 +168,8 @@ def make_loader(args, device, world):
         return [(x, y)] * (args.steps or 100)
     from timm.data import create_dataset, create_loader
     ds = create_dataset("", root=args.data, split="train", is_training=True)
-    # is_training drops the last, smaller batch: every batch has the captured CUDA-graph shape.
+    # is_training drops the last, smaller batch (timm: drop_last=is_training): every batch has the
+    # shape the CUDA graphs were captured for, so none runs eagerly.
     return create_loader(ds, input_size=(3, args.img_size, args.img_size), batch_size=args.batch_size,
                          is_training=True, num_workers=args.workers, distributed=world > 1,
                          use_prefetcher=False)
@@ -215,7 +288,9 @@ def main(argv=None):
             print(f"MLP recompute: {n} of {len(model.blocks)} blocks (every {k})")
     if args.cudnn_layernorm and not use_fp8:
         raise SystemExit("--cudnn-layernorm needs fp8vit's blocks: drop --no-fp8")
-    if args.cudnn_layernorm and not args.cuda_graphs:
+    fp8_runs = use_fp8 and fp8vit.fp8_support()[0]
+    graphed, how = graphs_or_why_not(args, device, fp8_runs)
+    if args.cudnn_layernorm and not graphed:
         fp8vit.set_cudnn_layernorm(True)  # process-wide
     if args.fsdp:
         fp8vit.shard_model(model)  # fp8vit: FSDP2 per block, before the optimizer (it must see the shards)
@@ -227,19 +302,29 @@ def main(argv=None):
     step = epoch0 = 0
     if args.resume:
         if args.fsdp:  # every rank reads its shards; FP8 scaling state included
-            extra = fp8vit.load_checkpoint(args.checkpoint, model, opt)
+            source = fp8vit.latest_checkpoint(args.checkpoint)  # fp8vit: the newest complete save in the folder
+            extra = fp8vit.load_checkpoint(source, model, opt)
             step, epoch0 = extra["step"], extra["epoch"] + 1
         else:
-            ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)  # no pickles inside
+            source = args.checkpoint  # always complete: save_atomically
+            ckpt = torch.load(source, map_location=device, weights_only=True)  # no pickles inside
             model.load_state_dict(ckpt["model"])  # FP8 scaling state included
             opt.load_state_dict(ckpt["optimizer"])
             step, epoch0 = ckpt["step"], ckpt["epoch"] + 1
         if rank == 0:
-            print(f"resumed from {args.checkpoint} at step {step}, epoch {epoch0}")
-    if args.cuda_graphs:
-        # fp8vit: capture the blocks once (after conversion and resume, before DDP)
-        fp8vit.make_graphed_blocks(model, args.batch_size, recipe=args.recipe, fp8=use_fp8,
-                                   cudnn_layernorm=args.cudnn_layernorm)
+            print(f"resumed from {source} at step {step}, epoch {epoch0}")
+    if graphed:
+        try:  # fp8vit: capture the blocks once (after conversion and resume, before DDP)
+            fp8vit.make_graphed_blocks(model, args.batch_size, recipe=args.recipe, fp8=fp8_runs,
+                                       cudnn_layernorm=args.cudnn_layernorm)
+        except (ValueError, fp8vit.FP8UnavailableError) as err:
+            if args.cuda_graphs:
+                raise SystemExit(f"--cuda-graphs: {err}") from err
+            graphed, how = False, f"eager: {err}"  # e.g. MLP recompute of an unfused MLP
+            if args.cudnn_layernorm:
+                fp8vit.set_cudnn_layernorm(True)
+    if rank == 0:
+        print(f"blocks: {how}")
     ddp = world > 1 and not args.fsdp
     net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
                                                     else None) if ddp else model
@@ -253,13 +338,14 @@ def main(argv=None):
                                         epoch=epoch, step=step, max_steps=args.steps, log_every=log_every,
                                         images_per_step=args.batch_size * world, log=print if rank == 0 else None)
         readouts += lines
-        if args.checkpoint and args.fsdp:  # every rank writes its shards
-            fp8vit.save_checkpoint(args.checkpoint, model, opt, extra={"step": step, "epoch": epoch})
+        if args.checkpoint and args.fsdp:  # every rank writes its shards into a new folder, then it is published
+            saved = fp8vit.save_checkpoint(args.checkpoint, model, opt, extra={"step": step, "epoch": epoch})
         elif args.checkpoint and rank == 0:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                        "epoch": epoch}, args.checkpoint)
+            saved = args.checkpoint
+            save_atomically({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                             "epoch": epoch}, saved)
         if args.checkpoint and rank == 0:
-            print(f"saved {args.checkpoint} (step {step})")
+            print(f"saved {saved} (step {step})")
         if args.steps and step >= args.steps:
             break
     if rank == 0:

@@ -226,7 +226,7 @@ def test_every_other_vit_block_class_is_named(cls_name):
 @pytest.mark.parametrize("fix_init", [False, True])
 def test_block_fn_follows_timm_init_modes(mode, fix_init):
     # The same seed through timm's Block and through TE_Block must give the same statistics per
-    # tensor (the draws differ: the modules are created in another order).
+    # tensor (and the same draws: tests/test_init_rng.py checks them bit for bit).
     kw = dict(img_size=32, patch_size=16, embed_dim=96, depth=3, num_heads=4, num_classes=5, qkv_bias=True,
               init_values=1e-3, weight_init=mode, fix_init=fix_init)
     torch.manual_seed(0)

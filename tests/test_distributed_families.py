@@ -386,7 +386,7 @@ def test_train_example_fsdp_on_two_ranks_trains_saves_and_resumes_an_eva_model(t
     assert out.count("MLP recompute: 6 of 12 blocks (every 2)") == 1  # rank 0 only
     assert "(2 processes, FSDP2)" in out
     out = torchrun("--steps", "2", "--checkpoint", str(tmp_path / "part"), "--resume")
-    assert f"resumed from {tmp_path / 'part'} at step 1, epoch 1" in out
+    assert f"resumed from {tmp_path / 'part' / 'save-000001'} at step 1, epoch 1" in out
     torchrun("--steps", "2", "--checkpoint", str(tmp_path / "whole"))
 
     for k, v in dict(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

@@ -20,8 +20,9 @@ def test_models_are_timms(label, timm_name):
 
 
 def test_formulas_reproduce_the_measured_vit_h16_peak():
-    # docs/results/bench_huge_128_h200_final.json: 33.76 GiB; performance.md: about 212 MB of
-    # activations per image, 110 MB with every MLP recomputed (lever 7)
+    # docs/results/bench/vit_huge_patch16_224_b128_all10_h200.json: 33.76 GiB; about 212 MB of
+    # activations per image, 110 MB with every MLP recomputed (the largest batches of lever 7,
+    # docs/performance.md)
     chk = scaleplan.anchor_check()
     assert chk["computed_gib"] == pytest.approx(chk["measured_gib"], rel=0.05)
     assert chk["activations_mb_per_image"] == pytest.approx(212, rel=0.05)
@@ -48,10 +49,10 @@ def test_main_prints_the_tables(capsys):
 
 
 def test_docs_tables_are_the_tools_output(capsys):
-    # docs/scaling.md quotes fp8vit-scaleplan's default output: a formula changed here must be
-    # regenerated there (python -m fp8vit.tools.scaleplan)
+    # docs/scaling.md quotes fp8vit-scaleplan's output for these arguments: a formula changed here
+    # must be regenerated there (python -m fp8vit.tools.scaleplan with the same arguments)
     import os
     doc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "scaling.md")
-    scaleplan.main([])
+    scaleplan.main(["--gpus", "8", "64", "--models", "ViT-H/14", "ViT-G/14", "ViT-22B"])
     tables = capsys.readouterr().out.split("\n", 2)[2]  # after the anchor line and a blank one
     assert tables.strip() in open(doc).read()

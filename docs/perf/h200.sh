@@ -1,36 +1,31 @@
 #!/usr/bin/env bash
-# The H200 runs behind docs/results/: install TE from the kit (.kit, see ../shared/te-kit/README.md),
-# then run the stages named on the command line, each writing its log to $OUT (default docs/results).
+# fp8vit's GPU runs (tests, fp8vit-bench, fp8vit-profile), each stage named on the command line writing
+# its log under $OUT (default docs/results) by the names docs/results/INDEX.md lists:
 #
-#   bash docs/perf/h200.sh tests:tests/gpu/test_eva_gpu.py     # one GPU test file (or several, comma-separated)
-#   bash docs/perf/h200.sh tests                               # the whole GPU suite
-#   bash docs/perf/h200.sh bench:eva02_base_patch14_224:128    # fp8vit-bench, default variants
-#   bash docs/perf/h200.sh bench:eva02_base_patch14_224:128:timm-bf16,fp8vit-fp8-delayed-graphed
-#   bash docs/perf/h200.sh profile:eva02_large_patch14_224:64:fp8vit-fp8-delayed-graphed   # fp8vit-profile
+#   bash docs/perf/h200.sh tests                                   # the GPU suite: tests/gpu_suite_h200.log
+#   bash docs/perf/h200.sh tests:tests/gpu/test_eva_gpu.py         # some files (comma-separated): tests/gpu_test_eva_gpu_h200.log
+#   bash docs/perf/h200.sh bench:eva02_base_patch14_224:128        # default variants: bench/eva02_base_patch14_224_b128_default4_h200.{log,json}
+#   bash docs/perf/h200.sh bench:MODEL:BATCH:V1,V2,...:TAG         # chosen variants: bench/MODEL_bBATCH_TAG_h200.{log,json}
+#   bash docs/perf/h200.sh profile:MODEL:BATCH:VARIANT             # fp8vit-profile: profile/MODEL_bBATCH_VARIANT_h200.{log,kernels.txt}
 set -o pipefail
-cd "$(dirname "$0")/../.."
-out=${OUT:-docs/results}
-mkdir -p "$out"
-if [ ! -f /tmp/te_env.sh ]; then
-  bash .kit/setup.sh > "$out/te_setup.log" 2>&1 || { tail -30 "$out/te_setup.log"; exit 1; }
-fi
-. /tmp/te_env.sh
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+. "$(dirname "$0")/te_env.sh"
+mkdir -p "$out/tests" "$out/bench" "$out/profile"
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 rc=0
 for stage in "$@"; do
-  IFS=: read -r kind a b c <<< "$stage"
+  IFS=: read -r kind a b c d <<< "$stage"
   case $kind in
     tests)
-      files=${a:-tests}
-      name=$(basename "${files%%,*}" .py)
-      python3 -m pytest -m gpu -q -s -p no:cacheprovider ${files//,/ } 2>&1 | tee "$out/gpu_${name}.log" | tail -40 || rc=1 ;;
+      files=${a:-tests/gpu}
+      case $files in tests|tests/gpu|tests/gpu/) name=gpu_suite ;; *) name=gpu_$(basename "${files%%,*}" .py) ;; esac
+      python3 -m pytest -m gpu -q -s -p no:cacheprovider ${files//,/ } 2>&1 | tee "$out/tests/${name}_h200.log" | tail -40 || rc=1 ;;
     bench)
       variants=${c:+--variants ${c//,/ }}
+      name="bench/${a}_b${b:-128}_${d:-${c:+custom}}"; name=${name%_}; [ -z "$c" ] && name="${name}_default4"
       python3 -m fp8vit.tools.bench --model "$a" --batch-size "${b:-128}" $variants \
-        --json "$out/bench_${a}_${b:-128}.json" 2>&1 | tee "$out/bench_${a}_${b:-128}.log" || rc=1 ;;
+        --json "$out/${name}_h200.json" 2>&1 | tee "$out/${name}_h200.log" || rc=1 ;;
     profile)
-      name="profile_${a}_${b:-128}_${c:-fp8vit-fp8-delayed-graphed}"
+      name="profile/${a}_b${b:-128}_${c:-fp8vit-fp8-delayed-graphed}_h200"
       python3 -m fp8vit.tools.profiling --model "$a" --batch-size "${b:-128}" --variant "${c:-fp8vit-fp8-delayed-graphed}" \
         --kernels "$out/$name.kernels.txt" > "$out/$name.log" 2>&1 || rc=1
       grep -A12 "wall" "$out/$name.log" ;;

@@ -1,6 +1,5 @@
 """LayerScale's cost in a bf16 residual block, timm's way against the multiply in the stream's dtype
-(docs/performance.md, "The unmet targets": RoPE ViT-B's +12.9 ms; prediction 4-5 ms per step of it
-is LayerScale's fp32 elementwise work).
+(docs/performance.md, lever 22: the cost it measured per step is the basis of that lever).
 
     python3 docs/perf/layerscale_bench.py          # on the GPU machine
 
@@ -11,7 +10,7 @@ trainable, the stream ``x`` bf16):
                                           that FP8Block._residual adds)
   bf16    x + gamma.to(bf16) * a          the product in bf16 (one rounding of gamma, 2^-9 relative)
   fp8vit  LayerScaleAdd.apply(x, a, gamma) lever 22 as shipped: one addcmul forward; backward dy = g * gamma,
-                                          dgamma = fp32 sum of g * a (session 12)
+                                          dgamma = fp32 sum of g * a (lever 22)
   none    x + a                           no LayerScale: the floor
 Times: CUDA events, median of 50 after 10 warm-up; per step = 2 branches x depth blocks.
 """

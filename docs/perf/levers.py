@@ -1,4 +1,5 @@
-"""Performance levers for fp8vit's FP8 step, measured in one process (issue 10).
+"""Performance levers for fp8vit's FP8 step, measured in one process (docs/performance.md,
+levers 1-15).
 
     python3 docs/perf/levers.py --model huge --batch 128 --variants all --profile te-layer,fp8vit \
         --out $OUT

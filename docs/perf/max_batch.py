@@ -1,4 +1,4 @@
-"""Largest batch per variant, each probe in a fresh process (issue 10, lever 14).
+"""Largest batch per variant, each probe in a fresh process (docs/performance.md, lever 14).
 
     python3 docs/perf/max_batch.py --model huge --budget-s 480 \
         fp8vit-mlp-recompute-every2-cudnn-norm-blockgraphs:768:960 timm-bf16:448:544
@@ -8,7 +8,7 @@ midpoints (multiples of ``--granularity``) and prints the interval it proved: th
 to fit and the smallest seen to fail (an end that was assumed, not run, is marked so). Every probe
 is ``levers.py --steps 1 --warmup 1`` in a new process, because probes in one process are not
 independent: after a graphed run, the same batch no longer fits in the same process although torch
-reports its memory as released (``levers14_maxbatch_*.log``). ``--budget-s`` stops starting probes
+reports its memory as released (docs/performance.md, lever 14). ``--budget-s`` stops starting probes
 after that many seconds, so a long list ends with what it proved so far.
 """
 

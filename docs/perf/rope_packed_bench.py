@@ -1,7 +1,7 @@
 """Lever 25 (docs/performance.md), rejected: RoPE on the packed QKV buffer in one Triton pass against
 TE's RoPE kernel on q and k, the path fp8vit keeps. The kernel and its autograd function live here
-only: they were in the library for the session-13 run (commit 4ccd229, `docs/results/s13/
-rope_packed_bench.log`) and were taken out after it, as slower. This script is that code, moved.
+only: they were in the library when it was measured (commit 4ccd229,
+`docs/results/levers/rope_packed_qkv_triton_microbench_h200.log`) and were taken out after it, as slower. This script is that code, moved.
 
     python3 docs/perf/rope_packed_bench.py          # on the GPU machine, TE installed
 

@@ -27,14 +27,14 @@ from .extra_state import EXTRA_STATE_FORMAT
 from .fp8 import (active_fp8_recipe, autocast, checkpoint, fused_adam, is_quantized, quantized_model_init,
                   repair_amax_histories, scaling_state)
 from .graphs import make_graphed_callables, release_main_grad, wgrad_into_main_grad
-from .loader import (INSTALL_HINT, MIN_TE_VERSION, clear_cache, installed, load_te, preload, te_check, te_module,
-                     te_status, te_version)
+from .loader import (INSTALL_HINT, MIN_TE_VERSION, clear_cache, installed, load_te, preload, release_import_warnings,
+                     te_check, te_module, te_status, te_version)
 from .module_types import MODULE_NAMES, SwappedLinear, fp8_linear_class, modules, transformer_layer_class
 from .ops import cudnn_norm, cudnn_norm_enabled, fused_rope, gated_activation, packed_attention, set_cudnn_norm
 
 __all__ = [
     # importing TE
-    "te_status", "te_version", "installed", "load_te", "preload", "clear_cache", "te_check", "te_module",
+    "te_status", "te_version", "installed", "load_te", "preload", "release_import_warnings", "clear_cache", "te_check", "te_module",
     "MIN_TE_VERSION", "INSTALL_HINT",
     # FP8 execution state
     "autocast", "active_fp8_recipe", "quantized_model_init", "is_quantized", "fused_adam", "checkpoint",

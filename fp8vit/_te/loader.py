@@ -14,7 +14,8 @@ import importlib.metadata
 import importlib.util
 import os
 import types
-from typing import Optional, Tuple
+import warnings
+from typing import List, Optional, Tuple
 
 import torch
 from packaging.version import Version
@@ -22,7 +23,7 @@ from packaging.version import Version
 from ..errors import Check, TEUnavailableError
 
 __all__ = ["MIN_TE_VERSION", "INSTALL_HINT", "te_status", "te_version", "installed", "load_te", "preload",
-           "clear_cache", "te_check", "te_module"]
+           "release_import_warnings", "clear_cache", "te_check", "te_module"]
 
 # The oldest TE fp8vit runs on: the version it is measured with, and the first that refuses to
 # unpickle a checkpoint's FP8 state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 is set.
@@ -79,12 +80,27 @@ def _import() -> Tuple[Optional[types.ModuleType], str]:
     return te, ""
 
 
+# Warnings TE raised while ``import fp8vit`` imported it (preload), not yet issued: TE's notes about
+# other frameworks (a Jax installation without TE's Jax extension) would otherwise print before a
+# tool's first line. They are issued, with TE's file and line, at the first te_status() or load_te().
+_held_import_warnings: List[warnings.WarningMessage] = []
+
+
+def release_import_warnings() -> None:
+    """Issue the warnings held from TE's import at ``import fp8vit`` (once; nothing if none)."""
+    held = list(_held_import_warnings)
+    _held_import_warnings.clear()
+    for w in held:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
 def te_status() -> Check:
     """Whether Transformer Engine imports here. Cached (see :func:`clear_cache`).
 
     Returns:
         ``Check(ok, reason)``: ``reason`` is empty when ``ok``, else says why and how to fix it.
     """
+    release_import_warnings()
     te, reason = _import()
     return Check(te is not None, reason)
 
@@ -113,6 +129,7 @@ def clear_cache() -> None:
 
 def load_te() -> types.ModuleType:
     """Return ``transformer_engine.pytorch`` or raise :class:`TEUnavailableError` with the reason."""
+    release_import_warnings()
     te, reason = _import()
     if te is None:
         raise TEUnavailableError(reason)
@@ -123,13 +140,17 @@ def preload() -> None:
     """Import TE now if it is installed and a GPU is visible.
 
     TE must be imported before torch runs its first cuDNN kernel (see ``_explain_import_error``),
-    so ``import fp8vit`` does it eagerly. Set ``FP8VIT_LAZY_TE=1`` to skip it.
+    so ``import fp8vit`` does it eagerly. Set ``FP8VIT_LAZY_TE=1`` to skip it. The warnings TE
+    raises while it is imported (under the filters in force) are held and issued at the first
+    :func:`te_status` or :func:`load_te`, where a tool can collect them (:func:`release_import_warnings`).
     """
     if os.environ.get("FP8VIT_LAZY_TE") == "1":
         return
     if not installed() or not torch.cuda.is_available():
         return
-    _import()
+    with warnings.catch_warnings(record=True) as caught:  # the filters in force still apply
+        _import()
+    _held_import_warnings.extend(caught)
 
 
 @functools.lru_cache(maxsize=None)

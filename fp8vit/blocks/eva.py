@@ -282,41 +282,65 @@ def rope_angles(rope: torch.Tensor, num_tokens: int, num_prefix_tokens: int) -> 
 
 # timm's Eva hands one RoPE table to every block of a forward (often the same tensor every forward:
 # RotaryEmbeddingCat's precomputed buffer), so its angles (atan2 + cat, [N, 1, 1, D]) are computed
-# once and reused. One entry: (a weak reference to the table, the table's version, the key, the
-# angles). The weak reference's callback drops the entry when the table is freed, so at most one
-# angles tensor is held, and none past its table.
-_LAST_ANGLES: list = [None, -1, None, None]
+# once and reused. One entry: (a weak reference to the table, the key, the angles). The weak
+# reference's callback drops the entry when the table is freed, so at most one angles tensor is
+# held, and none past its table.
+_LAST_ANGLES: list = [None, None, None]
 
 
 def _forget_angles(ref: weakref.ref) -> None:
     if _LAST_ANGLES[0] is ref:
-        _LAST_ANGLES[:] = [None, -1, None, None]
+        _LAST_ANGLES[:] = [None, None, None]
+
+
+def _angles_key(rope: torch.Tensor, num_tokens: int, num_prefix_tokens: int) -> tuple:
+    """Everything besides the table's identity that the cached angles depend on.
+
+    * ``_version``: the table's content; every in-place change (an optimizer step, ``copy_`` by
+      ``load_state_dict``, ``mul_`` under ``no_grad``) increments it.
+    * device, dtype, shape, stride, ``data_ptr``: the same tensor object can be given other data
+      without a new version: ``t.data = other`` (what ``module.to()``/``.cuda()``/``.double()``
+      do to a parameter) keeps the object and its version.
+    * the token counts: the prefix's zero angles and the length check (:func:`rope_angles`).
+    * inference mode: angles computed under it are inference tensors, which autograd cannot save
+      for backward; angles computed outside it serve it, but stay apart for simplicity.
+
+    Not seen, as by autograd's own saved-tensor check: a change through ``t.data`` (``t.data.mul_``:
+    ``.data`` is a view with its own version counter).
+    """
+    return (rope._version, rope.device, rope.dtype, tuple(rope.shape), rope.stride(), rope.data_ptr(),
+            num_tokens, num_prefix_tokens, torch.is_inference_mode_enabled())
 
 
 def forward_rope_angles(rope: torch.Tensor, num_tokens: int, num_prefix_tokens: int) -> Optional[torch.Tensor]:
     """:func:`rope_angles`, computed once per RoPE table: the blocks of one forward share its result.
 
-    A table is the same while it is the same tensor object at the same ``_version`` (an in-place
-    change recomputes). Computed afresh every call, uncached:
+    A table hits the cache while it is the same tensor object with the same :func:`_angles_key`
+    (content version, device, dtype, shape, strides, storage, token counts, inference mode).
+    Computed afresh every call, uncached:
 
-    * while a CUDA graph is being captured: the graph must compute the angles from its own input
-      (``make_graphed_blocks`` replays with each step's table copied into that input), not read
-      a tensor of an eager forward whose memory the graph does not own;
-    * for a table that requires grad: cached angles would carry a graph that the first backward
-      frees, and a second forward with the same table (gradient accumulation) would backpropagate
-      through it again.
-
-    Angles computed under ``torch.inference_mode`` are inference tensors, which autograd cannot
-    save: they serve inference-mode calls only.
+    * an inference tensor (a table made under ``torch.inference_mode``: mixed RoPE's table every
+      inference forward, a buffer built there): it has no version counter (reading ``_version``
+      raises), so an in-place change inside inference mode could not be seen;
+    * a table that requires grad (mixed RoPE's learnable frequencies in training): cached angles
+      would carry a graph that the first backward frees, and a second forward with the same table
+      (gradient accumulation) would backpropagate through it again; uncached, the angles carry
+      the gradient to the table every call;
+    * a tensor subclass (``Parameter``, ``DTensor``, fake tensors): it may have no storage to key on;
+    * while a CUDA graph is being captured, or ``torch.compile``/``torch.export`` traces: the graph
+      must compute the angles from its own input (``make_graphed_blocks`` replays with each step's
+      table copied into that input), not read a tensor of an eager forward whose memory the graph
+      does not own, and capture must not leave a tensor of the graph's pool in the cache.
     """
-    if rope.requires_grad or (rope.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if (type(rope) is not torch.Tensor or rope.requires_grad or rope.is_inference()
+            or torch.compiler.is_compiling() or (rope.is_cuda and torch.cuda.is_current_stream_capturing())):
         return rope_angles(rope, num_tokens, num_prefix_tokens)
-    key = (num_tokens, num_prefix_tokens, torch.is_inference_mode_enabled())
-    ref, version, last_key, angles = _LAST_ANGLES
-    if ref is not None and ref() is rope and version == rope._version and last_key == key:
+    key = _angles_key(rope, num_tokens, num_prefix_tokens)
+    ref, last_key, angles = _LAST_ANGLES
+    if ref is not None and ref() is rope and last_key == key:
         return angles
     angles = rope_angles(rope, num_tokens, num_prefix_tokens)
-    _LAST_ANGLES[:] = [weakref.ref(rope, _forget_angles), rope._version, key, angles]
+    _LAST_ANGLES[:] = [weakref.ref(rope, _forget_angles), key, angles]
     return angles
 
 

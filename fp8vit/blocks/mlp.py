@@ -71,7 +71,7 @@ from .timm_layers import resolve_activation, resolve_norm_module
 from .weights import Part, Tie, rename
 
 __all__ = ["HIDDEN_MULTIPLE", "MLP_KINDS", "MlpConfig", "mlp_config_from_timm", "mlp_config_from_kwargs",
-           "BuiltMlp", "build_mlp", "UnfusedMlp", "torch_norm", "norm_in_dtype", "mlp_ties", "init_gates_like_timm_"]
+           "BuiltMlp", "build_mlp", "UnfusedMlp", "torch_norm", "norm_in_dtype", "mlp_ties"]
 
 HIDDEN_MULTIPLE = 16  # what every FP8 recipe on Hopper needs of a GEMM's inner dims (TE 2.20)
 
@@ -503,28 +503,3 @@ def mlp_ties(cfg: MlpConfig, norm: Optional[str], *, timm_mlp: str = "mlp.", te_
     if cfg.norm is not None:
         ties += norm_ties(timm_mlp + "norm.", te_mlp + ("norm." if pad else "fc2.layer_norm_"), cfg.norm[0])
     return ties
-
-
-def init_gates_like_timm_(tensors: dict, cfg: MlpConfig, prefix: str = "mlp.") -> None:
-    """timm's ``GluMlp.init_weights`` / ``SwiGLU.init_weights`` on timm-named tensors, in place:
-    the gate's weights normal with std 1e-6 and its biases 1 (so the gate starts near
-    ``act(1)``). timm's ViT init (``init_weights_vit_*``, every mode) calls them after
-    initialising the Linears; for ``GluMlp`` timm sets the SECOND half of fc1 whether or not it
-    is the gate (``gate_last=False``), and so does this. Other kinds: nothing.
-
-    Args:
-        tensors: timm name -> tensor (timm's shapes).
-        cfg: the MLP.
-        prefix: the MLP's timm prefix.
-    """
-    with torch.no_grad():
-        if cfg.kind == "SwiGLU":
-            weight, bias = tensors[prefix + "fc1_g.weight"], tensors.get(prefix + "fc1_g.bias")
-        elif cfg.kind == "GluMlp":
-            weight, bias = tensors[prefix + "fc1.weight"][cfg.hidden:], tensors.get(prefix + "fc1.bias")
-            bias = None if bias is None else bias[cfg.hidden:]
-        else:
-            return
-        nn.init.normal_(weight, std=1e-6)
-        if bias is not None:
-            nn.init.ones_(bias)

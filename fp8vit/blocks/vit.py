@@ -14,15 +14,16 @@ and keeps every timm option and timm's weight layout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
-import math
 import sys
 from typing import Optional
 
 import torch
-from timm.layers import DropPath, LayerScale, Mlp, trunc_normal_
-from timm.models.vision_transformer import Block
+from timm.layers import DropPath, LayerScale, Mlp
+from timm.models._manipulate import named_apply
+from timm.models.vision_transformer import Block, get_init_weights_vit
 from torch import nn
 
 try:
@@ -33,9 +34,8 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
 from .._warn import warn_once
 from .config import BlockConfig, config_from_timm_block
 from .base import FP8Block
-from .mlp import build_mlp, init_gates_like_timm_
-from .weights import (copy_requires_grad, name_pairs, te_requires_grad, te_to_timm, timm_requires_grad, timm_shapes,
-                      timm_to_te)
+from .mlp import build_mlp
+from .weights import copy_requires_grad, te_requires_grad, te_to_timm, timm_requires_grad, timm_to_te
 
 __all__ = ["TE_Block"]
 
@@ -63,6 +63,13 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
             does: TE casts its inputs to that dtype anyway, and the fp32 stream costs 10% of a
             ViT-H FP8 step in casts and wider adds (docs/performance.md).
         config: a ready :class:`BlockConfig` instead of the timm keywords (see :meth:`from_config`).
+
+    Random numbers: a ``TE_Block`` draws its initial weights exactly as timm's ``Block`` does, on
+    the device and with the dtype timm's would have (``device=None``: torch's default device, also
+    for the TE backend, which then copies them to the GPU), and nothing else: after the same
+    ``torch.manual_seed``, ``VisionTransformer(block_fn=TE_Block, ...)`` and timm's
+    ``VisionTransformer(...)`` hold the same weights, bit for bit, in every ``weight_init`` mode and
+    with ``fix_init``, and leave the RNG in the same state (tests/test_init_rng.py).
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         backend: Optional[str] = None,
         fp32_residual: bool = False,
         config: Optional[BlockConfig] = None,
+        _timm_init: bool = True,
         **kwargs,
     ) -> None:
         if config is None:
@@ -90,6 +98,8 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         self.cfg = cfg = config
         self._init_switches(backend, fp32_residual)
         m = self._impl.modules
+        # Where timm's Block would hold (and draw) its parameters: see _draw_like_timm.
+        self._timm_device = torch.get_default_device() if device is None else torch.device(device)
         device = self._impl.default_device if device is None else device
         if self._impl.fp8 and torch.device(device).type not in ("cuda", "cpu", "meta"):
             raise ValueError(f"TE_Block on device {device!r}: Transformer Engine modules are built on "
@@ -97,27 +107,32 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         dd = {"device": device, "params_dtype": dtype}  # TE's keyword names
         tdd = {"device": device, "dtype": dtype}  # torch's
 
-        self.qkv = m.LayerNormLinear(cfg.dim, 3 * cfg.dim, eps=cfg.norm_eps, bias=cfg.qkv_bias,
-                                     normalization=cfg.norm, **dd)
-        self.q_norm = cfg.norm_layer(cfg.head_dim, **tdd) if cfg.qk_norm else nn.Identity()
-        self.k_norm = cfg.norm_layer(cfg.head_dim, **tdd) if cfg.qk_norm else nn.Identity()
-        self.attn = m.DotProductAttention(cfg.num_heads, cfg.head_dim, attention_dropout=cfg.attn_drop,
-                                          qkv_format="bshd", attn_mask_type="no_mask")
-        if cfg.scale_attn_norm:  # BEiT3's norm over the attention output: fused into proj, exact
-            self.proj = m.LayerNormLinear(cfg.dim, cfg.dim, eps=cfg.norm_eps, bias=cfg.proj_bias,
-                                          normalization=cfg.norm, **dd)
-        else:
-            self.proj = m.Linear(cfg.dim, cfg.dim, bias=cfg.proj_bias, **dd)
-        self.proj_drop = nn.Dropout(cfg.proj_drop)
-        self.ls1 = LayerScale(cfg.dim, init_values=cfg.init_values, **tdd) if cfg.init_values else nn.Identity()
-        self.drop_path1 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
+        # TE's modules (and the reference stand-ins) initialise their weights their own way, drawing
+        # other numbers than timm's Block in other shapes: undone here, overwritten below.
+        with _rng_untouched(device):
+            self.qkv = m.LayerNormLinear(cfg.dim, 3 * cfg.dim, eps=cfg.norm_eps, bias=cfg.qkv_bias,
+                                         normalization=cfg.norm, **dd)
+            self.q_norm = cfg.norm_layer(cfg.head_dim, **tdd) if cfg.qk_norm else nn.Identity()
+            self.k_norm = cfg.norm_layer(cfg.head_dim, **tdd) if cfg.qk_norm else nn.Identity()
+            self.attn = m.DotProductAttention(cfg.num_heads, cfg.head_dim, attention_dropout=cfg.attn_drop,
+                                              qkv_format="bshd", attn_mask_type="no_mask")
+            if cfg.scale_attn_norm:  # BEiT3's norm over the attention output: fused into proj, exact
+                self.proj = m.LayerNormLinear(cfg.dim, cfg.dim, eps=cfg.norm_eps, bias=cfg.proj_bias,
+                                              normalization=cfg.norm, **dd)
+            else:
+                self.proj = m.Linear(cfg.dim, cfg.dim, bias=cfg.proj_bias, **dd)
+            self.proj_drop = nn.Dropout(cfg.proj_drop)
+            self.ls1 = LayerScale(cfg.dim, init_values=cfg.init_values, **tdd) if cfg.init_values else nn.Identity()
+            self.drop_path1 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
 
-        built = build_mlp(cfg.mlp, cfg.norm, cfg.norm_eps, m, dd, tdd)
-        self.norm2 = built.norm  # None unless the MLP fuses a norm of its own (GeGluMlp)
-        self.mlp = built.mlp
-        self.ls2 = LayerScale(cfg.dim, init_values=cfg.init_values, **tdd) if cfg.init_values else nn.Identity()
-        self.drop_path2 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
+            built = build_mlp(cfg.mlp, cfg.norm, cfg.norm_eps, m, dd, tdd)
+            self.norm2 = built.norm  # None unless the MLP fuses a norm of its own (GeGluMlp)
+            self.mlp = built.mlp
+            self.ls2 = LayerScale(cfg.dim, init_values=cfg.init_values, **tdd) if cfg.init_values else nn.Identity()
+            self.drop_path2 = DropPath(cfg.drop_path) if cfg.drop_path > 0 else nn.Identity()
         self._timm_aliases()
+        if _timm_init:  # from_timm loads weights instead: no draws there
+            self._draw_like_timm()
 
     # ------------------------------------------------------------------ construction, timm interop
     @classmethod
@@ -136,7 +151,7 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         """
         ref = block.norm1.weight
         new = cls.from_config(config_from_timm_block(block, exact_gelu=exact_gelu), device=ref.device,
-                              dtype=ref.dtype, backend=backend, fp32_residual=fp32_residual)
+                              dtype=ref.dtype, backend=backend, fp32_residual=fp32_residual, _timm_init=False)
         new.load_timm_state_dict(block.state_dict())
         copy_requires_grad(block, new, te_requires_grad, new.cfg)
         return new.train(block.training)
@@ -172,23 +187,47 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
                 this (timm calls ``init_weights()`` without arguments from
                 ``init_weights_vit_{timm,jax,moco}``), else the default. Norms get ones and zeros,
                 LayerScale ``init_values``, in every mode.
+
+        timm's own init function runs, over a timm ``Block`` of this config on the device timm's
+        would be on (:meth:`_draw_like_timm`), and its tensors are loaded: the same draws in the
+        same order and shapes as timm's ``init_weights`` makes for its ``Block`` (``GluMlp`` and
+        ``SwiGLU``'s ``init_weights`` included), padded units zero.
         """
         if mode is None:
             mode = _TIMM_INIT_MODES.get(sys._getframe(1).f_code.co_name, "")
-        # Initialise timm-shaped tensors as timm does, then lay them out as TE's: concatenated
-        # GLU halves get each half's own fan-in/fan-out, padded units come out zero.
-        ties = self.cfg.ties()
-        params = dict(self.named_parameters())
-        holder = dict(name_pairs(ties))
-        with torch.no_grad():
-            timm_sd = {}
-            for name, shape in timm_shapes(ties, {k: p.shape for k, p in params.items()}).items():
-                ref = params[holder[name]]
-                timm_sd[name] = torch.empty(shape, device=ref.device, dtype=ref.dtype)
-                _init_like_timm(timm_sd[name], name, mode, self.cfg.init_values)
-            init_gates_like_timm_(timm_sd, self.cfg.mlp)  # GluMlp/SwiGLU.init_weights, as timm calls it
-            for name, t in timm_to_te(timm_sd, ties).items():
-                params[name].copy_(t)
+        ref = self.qkv.layer_norm_weight
+        device = getattr(self, "_timm_device", None) or ref.device
+        if device.type == "meta" or ref.is_meta:  # timm draws nothing there either
+            return
+        # timm initialises a Block whose constructor has drawn already (as this block's did): the
+        # twin's constructor draws are undone.
+        with _rng_untouched(device):
+            block = _timm_block(self.cfg, device, ref.dtype)
+        named_apply(get_init_weights_vit(mode), block)
+        self.load_timm_state_dict(block.state_dict())
+
+    def _draw_like_timm(self) -> None:
+        """Set the parameters as timm's ``Block`` constructor draws them: a timm ``Block`` of this
+        config is built where timm's would be (its ``nn.Linear``\\ s draw from that device's RNG, in
+        timm's order and shapes) and loaded, laid out by :func:`fp8vit.blocks.weights.timm_to_te` (padded
+        units zero). That device is the one the block was built for (``device=None``: torch's
+        default device, also when the TE backend puts the parameters on the GPU), following the
+        block when it is moved (:meth:`_apply`)."""
+        ref = self.qkv.layer_norm_weight
+        if self._timm_device.type == "meta" or ref.is_meta:  # nothing drawn on the meta device
+            return
+        self.load_timm_state_dict(_timm_block(self.cfg, self._timm_device, ref.dtype).state_dict())
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .cuda(), .half(), to_empty(): timm's Block would go where this one goes; an empty
+        # tensor through the same function says where (the parameters' own device if it cannot).
+        dev = getattr(self, "_timm_device", None)
+        if dev is not None:
+            try:
+                self._timm_device = fn(torch.empty(0, device=dev)).device
+            except Exception:  # noqa: BLE001 - e.g. a copy out of the meta device
+                self._timm_device = None
+        return super()._apply(fn, *args, **kwargs)
 
     def _timm_aliases(self) -> None:
         """timm's ``fix_init_weight`` rescales ``attn.proj.weight`` and ``mlp.fc2.weight``: give it
@@ -258,28 +297,25 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
 _TIMM_INIT_MODES = {"init_weights_vit_timm": "", "init_weights_vit_jax": "jax", "init_weights_vit_moco": "moco"}
 
 
-def _init_like_timm(p: torch.Tensor, timm_name: str, mode: str, init_values: Optional[float]) -> None:
-    """Initialise one timm-shaped tensor of a ``Block`` as timm's init ``mode`` does."""
-    module, leaf = timm_name.rsplit(".", 1)
-    last = module.rsplit(".", 1)[-1]
-    if leaf == "gamma":
-        nn.init.constant_(p, init_values)
-    elif last.startswith("norm") or last.endswith("_norm"):  # norm1/2, attn.norm, q/k_norm, mlp.norm
-        (nn.init.ones_ if leaf == "weight" else nn.init.zeros_)(p)
-    elif leaf == "weight":  # a GEMM, [out, in]
-        if mode.startswith("jax"):
-            nn.init.xavier_uniform_(p)
-        elif mode == "moco" and module == "attn.qkv":  # q, k and v each as its own [C, C] matrix
-            bound = math.sqrt(6.0 / float(p.shape[0] // 3 + p.shape[1]))
-            nn.init.uniform_(p, -bound, bound)
-        elif mode == "moco":
-            nn.init.xavier_uniform_(p)
-        else:
-            trunc_normal_(p, std=0.02)
-    elif mode.startswith("jax") and module.startswith("mlp"):
-        nn.init.normal_(p, std=1e-6)
-    else:
-        nn.init.zeros_(p)
+@contextlib.contextmanager
+def _rng_untouched(device):
+    """Random draws inside leave torch's RNG as it was: the CPU generator and, for a CUDA
+    ``device``, that GPU's are restored on exit."""
+    dev = torch.device(device)
+    gpus = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus):
+        yield
+
+
+def _timm_block(cfg: BlockConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """timm's ``Block`` for ``cfg``, built as ``VisionTransformer`` builds it on ``device`` with
+    ``dtype``: its constructor draws what timm's draws (``nn.Linear``'s init, in timm's order)."""
+    kwargs = _installed_block_kwargs(cfg.timm_kwargs())
+    if "device" in inspect.signature(Block.__init__).parameters:
+        return Block(**kwargs, device=device, dtype=dtype)
+    with device:  # a timm whose Block takes no device (nor does its VisionTransformer pass one)
+        block = Block(**kwargs)
+    return block.to(dtype=dtype)
 
 
 class _WeightAlias:

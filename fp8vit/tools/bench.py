@@ -1,18 +1,23 @@
 """``fp8vit-bench``: fp8vit against what a user would pick instead, in one process and one run.
 
+    fp8vit-bench                      # ViT-B/16, batch 128: about 2-3 minutes on an H200
+    fp8vit-bench --full               # ViT-H/16 (huge), batch 128: about 5-7 minutes
     fp8vit-bench --model huge --batch-size 128 --steps 30 --plot bench.png --json bench.json
 
 Variants (``fp8vit.tools.workload``): timm bf16 eager and compiled, torchao float8 compiled, a
 plain ``te.TransformerLayer`` (the raw-TE reference), fp8vit in bf16 and in FP8 per recipe, eager
 and with the blocks CUDA-graphed. By default it runs what a user would choose between
-(:func:`default_variants`: timm eager, timm compiled, torchao, and fp8vit at its fastest here), a
-few minutes at ViT-H; ``--variants all`` runs every one, ``--variants NAME ...`` those named. For
+(:func:`default_variants`: timm eager, timm compiled, torchao, and fp8vit at its fastest here) on
+ViT-B (:data:`DEFAULTS`), where the two compiles take most of the time; ``--full`` runs them on
+ViT-H; ``--variants all`` runs every variant, ``--variants NAME ...`` those named. For
 each: median step time with its spread (p10-p90) over the timed steps after warm-up, images/s,
 model TFLOP/s (n/a for a model the count does not describe) and the fraction of the GPU's dense
 bf16 peak, peak memory, speedup against timm bf16 eager measured in the same run, and optionally
 cost per million images. Ratios are only meaningful within one run (H200 step times drift ~5%
-between runs). A progress line follows each variant, with an estimate of the time left; warnings
-raised while the variants run are listed once each, at the end.
+between runs). An estimate of the run's time comes first (on a GPU) and a progress line follows each
+variant with the time left (:class:`RunEstimate`: each variant's compile or graph capture and its
+steps, H200 timings corrected from what has run). Warnings raised while the variants run, and those
+TE raised when ``import fp8vit`` imported it, are listed once each, at the end.
 
 Two step times: synchronized (the host waits for each step, so host work the GPU waits for counts)
 and pipelined (steps issued back to back, as a training loop without ``.item()`` runs them).
@@ -47,15 +52,23 @@ from .. import _te
 from ..training.detect import gpu_info
 from .console import WarningLog
 from .timing import Stopwatch, format_duration
-from .workload import (SIZES, VARIANTS, Variant, build_workload, make_optimizer, synthetic_batch, train_flops,
-                       train_step_fn)
+from .workload import (SIZES, VARIANTS, ModelShape, Variant, build_workload, make_optimizer, model_shape,
+                       synthetic_batch, train_flops, train_step_fn)
 
 __all__ = ["main", "run_variant", "unavailable", "default_variants", "largest_fitting",
-           "probe_in_fresh_process", "DENSE_BF16_PEAK"]
+           "probe_in_fresh_process", "DENSE_BF16_PEAK", "RunEstimate", "variant_kind", "DEFAULTS"]
 
 # Dense (no sparsity) bf16 tensor-core peak from the vendors' datasheets, FLOP/s, by name prefix.
 DENSE_BF16_PEAK = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "GH200": 989e12, "B200": 2250e12,
                    "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12}
+
+
+# (model, batch, timed steps, warm-up) when not given, by device, without and with --full. The
+# default fits about 3 minutes on an H200: ViT-B/16 at batch 128 took 6 s (timm eager), 31 s
+# (compiled), 65-78 s (torchao) and 7 s (fp8vit graphed) there, plus the process's start; ViT-H,
+# --full, about 5-7 minutes (torchao's compile alone 2-3.5 min).
+DEFAULTS = {("cuda", False): ("base", 128, 30, 10), ("cuda", True): ("huge", 128, 30, 10),
+            ("cpu", False): ("micro", 4, 3, 1), ("cpu", True): ("base", 4, 3, 1)}
 
 
 def _peak(name: str) -> Optional[float]:
@@ -99,6 +112,95 @@ def unavailable(variant: str, device: str) -> str:
         except ImportError as err:
             return f"torchao is not installed ({err})"
     return ""
+
+
+# What a variant's run takes on an H200 (torch 2.11, TE 2.20), by part, as functions of the model's
+# shape: the priors of :class:`RunEstimate`. From the runs' JSON (warmup_s: compile included) and
+# logs (each variant's whole time): docs/results/bench/vit_{base,large,huge}_patch16_224_b128_all10_h200.json
+# and docs/results/bench/*_default4_h200.{json,log}.
+# Building the model on the host: 0.6 s + 19 ms per million parameters (ViT-B 2.2 s, ViT-L 6.4 s,
+# ViT-H 12.6 s; the default4 runs' eager variants less their steps: 1.9-3.4 s at 86 M, 6.0-6.5 s at 300 M).
+_BUILD_S = (0.6, 0.019e-6)
+# A kind's own setup, a + b * depth seconds: torch.compile 6 + 1.4 s per block (ViT-B 24 s, ViT-L 35,
+# ViT-H 54); torchao float8, compiled, 18 + 3.2 s per block (59, 89, 125); CUDA-graph capture about
+# 2 s (default4 runs: 0-4 s); eager none. EVA-style blocks compile slower (EVA02-B: 45 and 91 s): the
+# measured compile of the run corrects it.
+_SETUP_S = {"eager": (0.0, 0.0), "graphed": (2.0, 0.0), "compile": (6.0, 1.4), "torchao": (18.0, 3.2)}
+# timm bf16 eager reaches about a third of the dense bf16 peak (ViT-B 28%, ViT-L 34%, ViT-H 37%) ...
+_EAGER_PEAK_FRACTION = 0.33
+# ... and the other kinds' steps take this fraction of its step (ViT-B, L, H at batch 128:
+# compile 0.80-0.86, torchao 0.88-0.97, FP8 graphed 0.59-0.60, bf16 graphed 0.74-0.83).
+_STEP_RATIO = {("eager", False): 1.0, ("eager", True): 0.9, ("graphed", False): 0.8, ("graphed", True): 0.6,
+               ("compile", False): 0.82, ("torchao", False): 0.9}
+# Which measured setups correct which priors: the compiles correct each other; eager and graphed
+# runs (the model's build, and a capture of a few seconds) correct each other.
+_SETUP_CLASS = {"eager": "build", "graphed": "build", "compile": "compile", "torchao": "compile"}
+
+
+def variant_kind(variant: str) -> str:
+    """``"eager"``, ``"graphed"``, ``"compile"`` (torch.compile) or ``"torchao"`` (its compile)."""
+    v = Variant.parse(variant)
+    return "torchao" if v.fp8 == "torchao" else "compile" if v.compile else "graphed" if v.graphed else "eager"
+
+
+class RunEstimate:
+    """How long the bench's variants take: each run is a setup fixed by the variant's kind plus its
+    steps, first from H200 timings (the priors above, for the model's shape), then corrected from
+    what has run.
+
+    A run's time = setup (building the model, plus torch.compile's or torchao's compile, or the
+    CUDA-graph capture) + ``steps_per_run`` x its step time. When a run finishes, its setup is what
+    its time leaves beyond its steps at its median step time. Corrections, as ratios of sums over the
+    runs so far (measured / prior): the step times, one ratio for every kind (the GPU's speed); the
+    setups, one ratio per class (a compile corrects compiles, an eager or graphed run corrects eager
+    and graphed runs); a class with no run yet keeps its prior. Failed runs correct nothing.
+
+    Args:
+        shape: the model's (:func:`~fp8vit.tools.workload.model_shape`); None: a ViT-B's.
+        steps_per_run: warm-up, timed and pipelined steps of each run.
+        peak: the GPU's dense bf16 FLOP/s (None: an H200's).
+    """
+
+    def __init__(self, shape: Optional[ModelShape], steps_per_run: int, peak: Optional[float] = None):
+        self.shape = shape or ModelShape(12, 86_567_656, 105.4e9)
+        self.steps_per_run = steps_per_run
+        self.peak = peak or DENSE_BF16_PEAK["H200"]
+        self._step = [0.0, 0.0]  # measured, prior (ms)
+        self._setup = {c: [0.0, 0.0] for c in set(_SETUP_CLASS.values())}  # measured, prior (s)
+
+    def prior(self, variant: str, batch: int) -> Tuple[float, float]:
+        """``(setup seconds, step milliseconds)`` of ``variant`` at ``batch`` before any correction."""
+        kind, sh = variant_kind(variant), self.shape
+        a, b = _SETUP_S[kind]
+        setup = _BUILD_S[0] + _BUILD_S[1] * sh.params + a + b * sh.depth
+        # model FLOPs; without a count (not a ViT), a ViT's: 6 per parameter and token at 197 tokens
+        flops = (sh.flops_per_image or 6 * sh.params * 197) * batch
+        eager_ms = flops / (_EAGER_PEAK_FRACTION * self.peak) * 1e3
+        return setup, eager_ms * _STEP_RATIO.get((kind, Variant.parse(variant).te_fp8), 1.0)
+
+    def _factor(self, pair: List[float]) -> float:
+        return pair[0] / pair[1] if pair[1] > 0 else 1.0
+
+    def seconds(self, variant: str, batch: int) -> float:
+        """The run's predicted time, corrected from the runs recorded so far."""
+        setup, step_ms = self.prior(variant, batch)
+        setup *= self._factor(self._setup[_SETUP_CLASS[variant_kind(variant)]])
+        return setup + self.steps_per_run * step_ms * self._factor(self._step) / 1e3
+
+    def left(self, runs) -> float:
+        """Predicted seconds for ``runs``, ``(variant, batch)`` pairs still to run."""
+        return sum(self.seconds(v, b) for v, b in runs)
+
+    def record(self, variant: str, batch: int, took_s: float, median_ms: Optional[float]) -> None:
+        """A finished run: its whole time and its median step (None: it failed; nothing learnt)."""
+        if median_ms is None:
+            return
+        setup, step_ms = self.prior(variant, batch)
+        self._step[0] += median_ms
+        self._step[1] += step_ms
+        pair = self._setup[_SETUP_CLASS[variant_kind(variant)]]
+        pair[0] += max(took_s - self.steps_per_run * median_ms / 1e3, 0.0)
+        pair[1] += setup
 
 
 def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int, device: str,
@@ -372,6 +474,8 @@ def _inner_args(a: argparse.Namespace) -> List[str]:
     """The command line of one process count's run under ``--nproc``: what was given, less
     ``--nproc``, ``--json`` and ``--plot`` (the outer run writes those)."""
     args = []
+    if a.full:
+        args.append("--full")
     for flag, value in (("--model", a.model), ("--img-size", a.img_size), ("--steps", a.steps),
                         ("--warmup", a.warmup), ("--optimizer", a.optimizer),
                         ("--price-per-hour", a.price_per_hour), ("--mlp-recompute", a.mlp_recompute)):
@@ -462,8 +566,11 @@ def _environment(device: str) -> Dict:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="fp8vit-bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--full", action="store_true",
+                   help="the full-size run: ViT-H (huge) at batch 128 on a GPU, about 5-7 minutes on an H200 "
+                   "(default: ViT-B, about 2-3 minutes); --model and --batch-size still override")
     p.add_argument("--model", default=None, help=f"{sorted(SIZES)} or a timm model name "
-                   "(default: huge on a GPU, micro on CPU)")
+                   "(default: base on a GPU, huge with --full; micro on CPU, base with --full)")
     p.add_argument("--batch-size", type=int, nargs="+", default=None,
                    help="one or more batch sizes (default: 128 on a GPU, 4 on CPU)")
     p.add_argument("--img-size", type=int, default=224)
@@ -472,7 +579,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--variants", nargs="+", default=None, choices=(*VARIANTS, "all"), metavar="VARIANT",
                    help="'all', or variant names (%(choices)s); default: timm-bf16, timm-bf16-compile, "
                    "torchao-fp8-compile and fp8vit's fastest here (fp8vit-fp8-<the GPU's default "
-                   "recipe>-graphed), a few minutes at ViT-H")
+                   "recipe>-graphed)")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
     p.add_argument("--price-per-hour", type=float, default=None, help="the price of one GPU per hour, for $ per 1M images")
     p.add_argument("--mlp-recompute", type=int, default=0, metavar="K",
@@ -533,16 +640,24 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
     """The bench in this process (one of ``world`` under torchrun)."""
     if a.max_batch and world > 1:
         p.error("--max-batch under torchrun: find the largest batch on one GPU (one process) first")
-    model = a.model or ("huge" if device == "cuda" else "micro")
-    batches = a.batch_size or ([128] if device == "cuda" else [4])
-    steps = a.steps or (30 if device == "cuda" else 3)
-    warmup = a.warmup if a.warmup is not None else (10 if device == "cuda" else 1)
-    info = gpu_info()
-    env = _environment(device)
+    model, batch0, steps, warmup = DEFAULTS[device, a.full]
+    defaults = a.model is None and a.batch_size is None and not a.full
+    model = a.model or model
+    batches = a.batch_size or [batch0]
+    steps = a.steps or steps
+    warmup = a.warmup if a.warmup is not None else warmup
+    # third-party warnings, printed once at the end instead of between the lines
+    noise = WarningLog()
+    with noise.collect("startup"):
+        _te.release_import_warnings()  # TE's from `import fp8vit` (a Jax note): held until now
+        info = gpu_info()
+        env = _environment(device)
+        shape = model_shape(model, a.img_size)
     recompute = f", MLP recompute in every {a.mlp_recompute} block(s) of fp8vit's variants" if a.mlp_recompute else ""
     ddp = f", {world} processes in DDP" if world > 1 else ""
+    full = DEFAULTS[device, True]
     print(f"fp8vit-bench: {model}, batch {batches}{' per process' if world > 1 else ''}, {steps} timed steps after {warmup} warm-up, "
-          f"optimizer {a.optimizer}{recompute}{ddp}")
+          f"optimizer {a.optimizer}{recompute}{ddp}" + (f" (--full: {full[0]}, batch {full[1]})" if defaults else ""))
     print(" ".join(f"{k}={v}" for k, v in env.items()))
     named = list(VARIANTS) if a.variants == ["all"] else a.variants
     variants = named or default_variants(info, device)
@@ -552,14 +667,18 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
         # Before any timing: this process then holds no GPU memory that the probes would lose.
         extra = _max_batches(_max_batch_variants(named, info), model=model, start=batches[0],
                              optimizer=a.optimizer, img_size=a.img_size, mlp_recompute=a.mlp_recompute)
-    noise = WarningLog()  # third-party warnings, printed once at the end instead of between the lines
     why = {}
     for v in variants:
         with noise.collect(v):  # unavailable() imports torchao, which may warn
             why[v] = unavailable(v, device)
     total = len(batches) * len(variants)
-    to_run = len(batches) * sum(not w for w in why.values())
-    done = ran = 0
+    pending = [(v, b) for b in batches for v in variants if not why[v]]
+    estimate = RunEstimate(shape, warmup + steps * (2 if a.pipelined and device == "cuda" else 1),
+                           _peak(env["device"]) if device == "cuda" else None)
+    if device == "cuda" and pending:
+        print(f"estimate: about {format_duration(estimate.left(pending))} (H200 timings by variant kind: the "
+              "model's build, torch.compile or graph capture, the steps; corrected as variants finish)", flush=True)
+    done = 0
     spent_s = 0.0
     results = []
     for batch in batches:
@@ -586,8 +705,10 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
                     torch.cuda.empty_cache()
             rows.append(r)
             took_s = watch.elapsed_ms() / 1e3  # build, warm-up and timing: the GPU has finished them
-            spent_s, ran = spent_s + took_s, ran + 1
-            left = (f"about {format_duration(spent_s / ran * (to_run - ran))} left" if ran < to_run
+            spent_s += took_s
+            pending.remove((v, batch))
+            estimate.record(v, batch, took_s, r.get("median_ms"))
+            left = (f"about {format_duration(estimate.left(pending))} left" if pending
                     else f"{format_duration(spent_s)} in all")
             print(f"{tag}: {what} ({format_duration(took_s)}; {left})", flush=True)
         print(f"\n{model}, batch {batch}{' per process' if world > 1 else ''}, {env['device']}{recompute}{ddp}:")

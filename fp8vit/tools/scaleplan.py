@@ -41,7 +41,7 @@ MODELS = {
 }
 # The measured point: ViT-H/16 (patch 16, 1280, 32 blocks), batch 128, SGD, fp8vit-fp8-delayed
 # (eager: FSDP2 runs eagerly), H200: 172.4 ms/step, 567.1 TFLOP/s by workload.train_flops, peak
-# 33.76 GiB, 139.3 GiB free at start (docs/results/bench_huge_128_h200_final.json).
+# 33.76 GiB, 139.3 GiB free at start (docs/results/bench/vit_huge_patch16_224_b128_all10_h200.json).
 ANCHOR = dict(patch_size=16, embed_dim=1280, depth=32, num_heads=16)
 ANCHOR_BATCH, ANCHOR_PEAK_GIB = 128, 33.76
 MEASURED_FLOPS = 567.1e12

@@ -42,7 +42,7 @@ from ..blocks.linear import is_block
 from .._te.recipes import RECIPE_NAMES
 
 __all__ = ["SIZES", "VARIANTS", "Variant", "Workload", "build_workload", "make_optimizer", "train_step_fn",
-           "synthetic_batch", "train_flops", "te_layer_block_fn"]
+           "synthetic_batch", "train_flops", "te_layer_block_fn", "ModelShape", "model_shape"]
 
 # ViT sizes by short name: (embed_dim, depth, num_heads). Patch 16, 224 px.
 SIZES = {
@@ -185,8 +185,6 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         ValueError: an unknown variant, a graphed variant without ``batch_size``, or
             ``mlp_recompute`` for a variant that does not run fp8vit's blocks.
     """
-    import timm
-
     v = Variant.parse(variant)
     if mlp_recompute and v.blocks != "fp8vit":
         raise ValueError(f"mlp_recompute={mlp_recompute} needs fp8vit's blocks; variant {variant!r} runs "
@@ -194,19 +192,7 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     kw = {}
     if v.blocks == "te-layer":
         kw["block_fn"] = te_layer_block_fn()
-    if model in SIZES:
-        dim, depth, heads = SIZES[model]
-        net = VisionTransformer(img_size=img_size, patch_size=16, embed_dim=dim, depth=depth,
-                                num_heads=heads, num_classes=num_classes, **kw)
-    else:
-        try:
-            net = timm.create_model(model, pretrained=False, img_size=img_size, num_classes=num_classes, **kw)
-        except TypeError as err:
-            if "img_size" not in str(err):
-                raise
-            # A model built without an input size (a timm CNN) takes any: it still gets img_size images.
-            net = timm.create_model(model, pretrained=False, num_classes=num_classes, **kw)
-    net = net.to(device)
+    net = _timm_model(model, img_size, num_classes, **kw).to(device)
     eager_cudnn_norm = v.cudnn_norm and not v.graphed  # graphed: only the captured graphs use it
     if eager_cudnn_norm or _te.cudnn_norm_enabled():  # a variant without the switch runs TE's kernels
         set_cudnn_layernorm(eager_cudnn_norm)
@@ -227,6 +213,53 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         ids = [torch.cuda.current_device()] if device == "cuda" else None
         step_net = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids)
     return Workload(net, v, torch.compile(step_net) if v.compile else step_net, img_size, num_classes, graphs)
+
+
+def _timm_model(model: str, img_size: int, num_classes: int, **kw) -> nn.Module:
+    """The bare timm model: a :data:`SIZES` ViT, or any timm name (built on the current device)."""
+    import timm
+
+    if model in SIZES:
+        dim, depth, heads = SIZES[model]
+        return VisionTransformer(img_size=img_size, patch_size=16, embed_dim=dim, depth=depth,
+                                 num_heads=heads, num_classes=num_classes, **kw)
+    try:
+        return timm.create_model(model, pretrained=False, img_size=img_size, num_classes=num_classes, **kw)
+    except TypeError as err:
+        if "img_size" not in str(err):
+            raise
+        # A model built without an input size (a timm CNN) takes any: it still gets img_size images.
+        return timm.create_model(model, pretrained=False, num_classes=num_classes, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What a model's run time scales with, for time estimates.
+
+    Attributes:
+        depth: blocks (what ``torch.compile``'s time grows with: it traces each one).
+        params: parameters (what building the model on the host takes time for).
+        flops_per_image: model FLOPs of a training step per image (:func:`train_flops`), or None.
+    """
+
+    depth: int
+    params: int
+    flops_per_image: Optional[float]
+
+
+def model_shape(model: str, img_size: int = 224) -> Optional[ModelShape]:
+    """:class:`ModelShape` of ``model`` (a :data:`SIZES` key or a timm name), built on the meta
+    device (no memory, no initialisation work); None if it cannot be built there."""
+    try:
+        with torch.device("meta"):
+            net = _timm_model(model, img_size, 1000)
+    except Exception:  # noqa: BLE001 - an estimate's input: without it the estimate uses a ViT-B's
+        return None
+    blocks = getattr(net, "blocks", None)
+    depth = len(blocks) if isinstance(blocks, (nn.Sequential, nn.ModuleList)) else \
+        sum(1 for m in net.modules() if is_block(m))
+    flops = train_flops(net, 1, img_size)
+    return ModelShape(depth, sum(p.numel() for p in net.parameters()), flops)
 
 
 def make_optimizer(params, name: str = "sgd", *, lr: float, device: str = "cuda") -> torch.optim.Optimizer:

@@ -131,7 +131,7 @@ def test_fsdp2_trains_as_the_unsharded_model():
     # The scales follow the amaxes of the two (FP8-noise apart) trainings. Forward scales (inputs and
     # weights: the weights differ by the small updates only) stay within 5%; backward scales follow
     # gradient amaxes, which differ as the gradients do: 7.8% largest difference over both in the
-    # first H200 run (docs/results/s12/gpu_test_distributed_gpu.log), so within 25%.
+    # H200 GPU suite (docs/results/tests/gpu_suite_h200.log), so within 25%.
     sp, ss = _delayed_state(plain), _delayed_state(sharded)
     assert sp.keys() == ss.keys() and len(sp) > 0
     rel = [max(float(((sp[n][i] - ss[n][i]).abs() / sp[n][i].abs()).max()) for n in sp) for i in (0, 2)]

@@ -1,4 +1,5 @@
-"""examples/train_vit.py on the GPU: the ms/step it prints is the GPU's time, not the host's."""
+"""examples/train_vit.py on the GPU: the ms/step it prints is the GPU's time, not the host's; by default
+it runs the blocks as CUDA graphs, every step replayed (an image folder's last, smaller batch dropped)."""
 
 import pytest
 import timm
@@ -67,3 +68,46 @@ def test_train_example_step_lines_report_cuda_event_time():
         assert f"{r['ms_per_step']:7.1f} ms/step" in line and f"{16 / r['ms_per_step'] * 1e3:8.1f} img/s" in line
     reported_ms = sum(r["ms_per_step"] * r["steps"] for r in readouts) / 12
     assert reported_ms == pytest.approx(event_ms, rel=0.05), (reported_ms, event_ms)
+
+
+def _main_recording_graphs(argv, monkeypatch, capsys):
+    """examples/train_vit.py's main(argv); returns (its output, the GraphedBlocks it captured)."""
+    ex = load_example("train_vit")
+    handles = []
+    capture = fp8vit.make_graphed_blocks
+
+    def recording(*args, **kwargs):
+        handles.append(capture(*args, **kwargs))
+        return handles[-1]
+
+    monkeypatch.setattr(fp8vit, "make_graphed_blocks", recording)
+    capsys.readouterr()
+    ex.main(argv)
+    return capsys.readouterr().out, handles
+
+
+def test_train_example_graphs_the_blocks_by_default_and_eager_is_a_flag(monkeypatch, capsys, recwarn):
+    # issue 32: the newcomer's first run (only shorter) takes the fast path: every step replays the
+    # graphs, none falls back to eager
+    argv = ["--batch-size", "32", "--steps", "6", "--num-classes", "10", "--workers", "0"]
+    out, handles = _main_recording_graphs(argv, monkeypatch, capsys)
+    assert "blocks: CUDA-graphed blocks (the default on an FP8 GPU; --eager runs them eagerly)" in out, out
+    assert len(handles) == 1 and handles[0].replays == 6 and handles[0].eager_calls == 0, handles
+    assert not [w for w in recwarn if "run eagerly" in str(w.message)]
+    out, handles = _main_recording_graphs(argv + ["--eager"], monkeypatch, capsys)
+    assert "blocks: eager (--eager)" in out and handles == []
+
+
+def test_train_example_graphed_on_an_image_folder_drops_the_last_smaller_batch(tmp_path, monkeypatch, capsys,
+                                                                              recwarn):
+    from PIL import Image
+    for cls in ("a", "b"):
+        (tmp_path / cls).mkdir()
+        for i in range(5):  # 10 images, batch 4: 2 full batches an epoch, the last 2 images dropped
+            Image.new("RGB", (40, 40), (50 * i, 100 if cls == "a" else 200, 0)).save(tmp_path / cls / f"{i}.png")
+    argv = ["--model", "vit_tiny_patch16_224", "--data", str(tmp_path), "--num-classes", "2", "--batch-size", "4",
+            "--epochs", "2", "--workers", "0", "--log-every", "1"]
+    out, handles = _main_recording_graphs(argv, monkeypatch, capsys)
+    assert "blocks: CUDA-graphed blocks" in out and "done: 4 steps" in out, out
+    assert handles[0].replays == 4 and handles[0].eager_calls == 0, handles
+    assert not [w for w in recwarn if "run eagerly" in str(w.message)]

@@ -120,7 +120,7 @@ def test_fp8_step_snr_vs_bf16(name, recipe, batch):
     # Delayed scaling quantizes a step's gradients with scales from the steps before; after one FP8
     # step they can still be the initial 1, and gradients of ~1e-6 then flush to zero in E5M2
     # (measured on the H200: 0.0 dB for every block-0/1 weight of DINOv3-S and AIMv2-L, 24 dB one
-    # step later; docs/results/gpu_tests_families_run1.log). Two FP8 steps first, as diagnose() does.
+    # step later; git show d51209d:docs/results/gpu_tests_families_run1.log). Two FP8 steps first, as diagnose() does.
     for _ in range(2):
         fp8_step(model, x, recipe)
     test = fp8_step(model, x, recipe)
