@@ -18,7 +18,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from . import _te
-from .backend import resolve_backend
+from ._validate import check_bool, check_callable, check_choice, check_int, check_items, check_type
+from .backend import check_backend, resolve_backend
 from .errors import ConversionError
 from .families import FAMILIES, fp8vit_block_for
 from .layers import FP8Block
@@ -43,6 +44,15 @@ def _parent(model: nn.Module, fqn: str) -> Tuple[nn.Module, str]:
 def _swap(model: nn.Module, fqn: str, new: nn.Module) -> None:
     parent, child = _parent(model, fqn)
     setattr(parent, child, new)
+
+
+def _check_model(fn: str, model) -> nn.Module:
+    return check_type(fn, "model", model, nn.Module, "a torch.nn.Module (a timm model or block)")
+
+
+def _check_filter(fn: str, module_filter_fn) -> Optional[ModuleFilter]:
+    return check_callable(fn, "module_filter_fn", module_filter_fn, "a callable fn(module, fqn) -> bool",
+                          none_ok=True)
 
 
 def convert_to_te(
@@ -93,12 +103,21 @@ def convert_to_te(
         ``model`` (or the fused block replacing it, if ``model`` is a block of a family).
 
     Raises:
-        ValueError: an unknown ``fallback``.
+        TypeError: ``model`` is not a module, ``module_filter_fn`` not callable, ``exact_gelu`` or
+            ``fp32_residual`` not a bool, ``backend`` or ``fallback`` not a str; nothing is changed.
+        ValueError: an unknown ``backend`` or ``fallback``; nothing is changed.
         ConversionError: with ``fallback="error"``: a block (chosen by the filter) cannot be
             fused, named with its path and the reason, or ``model`` holds nothing to convert.
     """
-    if fallback not in FALLBACKS:
-        raise ValueError(f"convert_to_te(fallback={fallback!r}): use one of {list(FALLBACKS)}")
+    fn = "convert_to_te"
+    _check_model(fn, model)
+    _check_filter(fn, module_filter_fn)
+    check_bool(fn, "exact_gelu", exact_gelu)
+    # The blocks' own check, made here: a bad name raised inside each block's construction, where
+    # it read as "this block cannot be fused" and the block was kept (the conversion "succeeded").
+    check_backend(fn, backend)
+    check_bool(fn, "fp32_residual", fp32_residual)
+    check_choice(fn, "fallback", fallback, FALLBACKS)
     kw = dict(exact_gelu=exact_gelu, backend=backend, fp32_residual=fp32_residual)
     plan = _Plan(model, module_filter_fn, fallback, kw)
     plan.walk(model, "", None)
@@ -269,6 +288,7 @@ def convert_from_te(model: nn.Module) -> nn.Module:
         ``model`` (or the timm block replacing it, if ``model`` is an fp8vit block).
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
         ValueError: ``model`` is sharded (FSDP2's ``fully_shard``, :func:`fp8vit.shard_model`:
             its parameters are ``DTensor`` shards); nothing is changed then.
     """
@@ -276,6 +296,7 @@ def convert_from_te(model: nn.Module) -> nn.Module:
     # DTensor shards: loading them into the new block's plain tensors failed deep inside
     # load_state_dict ("aten.copy_.default got mixed torch.Tensor and DTensor"), and a rebuilt
     # block would not be sharded anyway. Refused before anything changes, saying how instead.
+    _check_model("convert_from_te", model)
     sharded = [n for n, p in model.named_parameters() if is_sharded(p)]
     if sharded:
         raise ValueError(f"convert_from_te: this {type(model).__name__} is sharded ({len(sharded)} DTensor "
@@ -320,9 +341,15 @@ def set_block_fp8(model: nn.Module, names: "str | Sequence[str]", enabled: bool)
         the names, as a list.
 
     Raises:
+        TypeError: ``model`` is not a module, ``names`` neither a str nor a sequence of them,
+            ``enabled`` not a bool.
         ValueError: a name that is none of these in ``model``; nothing is changed then.
     """
-    names = [names] if isinstance(names, str) else list(names)  # a str is one name, not its characters
+    fn = "set_block_fp8"
+    _check_model(fn, model)
+    # a str is one name, not its characters
+    names = [names] if isinstance(names, str) else check_items(fn, "names", names, str, "module names (str)")
+    check_bool(fn, "enabled", enabled)
     mods = dict(model.named_modules())
     targets, bad = [], []
     for n in names:
@@ -356,7 +383,19 @@ def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> nn.Module:
     swapped) checkpoint themselves too, each as a whole (the innermost blocks holding Linears),
     with TE's checkpoint where they hold TE Linears and torch's otherwise, since timm's own
     checkpointing must stay off around TE modules.
+
+    Args:
+        model: a converted model.
+        enable: True to checkpoint, False to stop.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``, or ``enable`` not a bool.
     """
+    _check_model("set_grad_checkpointing", model)
+    check_bool("set_grad_checkpointing", "enable", enable)
     for mod in model.modules():
         if isinstance(vars(mod).get("forward"), _CheckpointedForward):
             del mod.forward
@@ -415,12 +454,16 @@ def set_mlp_recompute(model: nn.Module, enable: bool = True, *, every: int = 1,
         ``model``.
 
     Raises:
-        ValueError: ``model`` has no fp8vit block, ``module_filter_fn`` selects none of them, or
-            ``every`` is not a positive integer.
+        TypeError: ``model`` is not a module, ``enable`` not a bool, ``every`` not an integer,
+            ``module_filter_fn`` not callable.
+        ValueError: ``every`` is below 1, ``model`` has no fp8vit block, or ``module_filter_fn``
+            selects none of them.
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"set_mlp_recompute: every={every!r}; it must be an integer >= 1 "
-                         "(1: every chosen block, 2: every second, ...)")
+    fn = "set_mlp_recompute"
+    _check_model(fn, model)
+    check_bool(fn, "enable", enable)
+    check_int(fn, "every", every, min=1, hint="(1: every chosen block, 2: every second, ...)")
+    _check_filter(fn, module_filter_fn)
     blocks = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, FP8Block)]
     if not blocks:
         raise ValueError(f"set_mlp_recompute: {type(model).__name__} has no fp8vit block (TE_Block, ...); "
@@ -430,7 +473,7 @@ def set_mlp_recompute(model: nn.Module, enable: bool = True, *, every: int = 1,
         raise ValueError(f"set_mlp_recompute: module_filter_fn selected none of the {len(blocks)} fp8vit blocks "
                          f"({blocks[0][0]} ... {blocks[-1][0]}); it must return True for the blocks to change")
     for blk in chosen[::every]:
-        blk.recompute_mlp = bool(enable)
+        blk.recompute_mlp = enable
     return model
 
 
@@ -462,6 +505,7 @@ class _SetGradCheckpointing:
         self.model = model
 
     def __call__(self, enable: bool = True) -> None:
+        check_bool("set_grad_checkpointing", "enable", enable)  # before the class's method changes anything
         type(self.model).set_grad_checkpointing(self.model, enable)
         blocks = {id(m) for m in self.model.modules() if isinstance(m, FP8Block)}
         blocks |= {id(m) for m in _checkpoint_units(self.model)}
