@@ -17,7 +17,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .blocks.backend import resolve_backend
+from ._validate import check_bool, check_choice, check_model, check_module_filter
+from .blocks.backend import check_backend, resolve_backend
 from .blocks.base import FP8Block
 from .blocks.families import FAMILIES, fp8vit_block_for
 from .blocks.linear import (holds_linear, is_block, is_swapped, restore_owner, swap_refusal, switch_owner, to_fp8_linear,
@@ -92,12 +93,21 @@ def convert_to_te(
         ``model`` (or the fused block replacing it, if ``model`` is a block of a family).
 
     Raises:
-        ValueError: an unknown ``fallback``.
+        TypeError: ``model`` is not a module, ``module_filter_fn`` not callable, ``exact_gelu`` or
+            ``fp32_residual`` not a bool, ``backend`` or ``fallback`` not a str; nothing is changed.
+        ValueError: an unknown ``backend`` or ``fallback``; nothing is changed.
         ConversionError: with ``fallback="error"``: a block (chosen by the filter) cannot be
             fused, named with its path and the reason, or ``model`` holds nothing to convert.
     """
-    if fallback not in FALLBACKS:
-        raise ValueError(f"convert_to_te(fallback={fallback!r}): use one of {list(FALLBACKS)}")
+    fn = "convert_to_te"
+    check_model(fn, model)
+    check_module_filter(fn, module_filter_fn)
+    check_bool(fn, "exact_gelu", exact_gelu)
+    # The blocks' own check, made here: a bad name raised inside each block's construction, where
+    # it read as "this block cannot be fused" and the block was kept (the conversion "succeeded").
+    check_backend(fn, backend)
+    check_bool(fn, "fp32_residual", fp32_residual)
+    check_choice(fn, "fallback", fallback, FALLBACKS)
     kw = dict(exact_gelu=exact_gelu, backend=backend, fp32_residual=fp32_residual)
     plan = _Plan(model, module_filter_fn, fallback, kw)
     plan.walk(model, "", None)
@@ -264,6 +274,7 @@ def convert_from_te(model: nn.Module) -> nn.Module:
         ``model`` (or the timm block replacing it, if ``model`` is an fp8vit block).
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
         ValueError: ``model`` is sharded (FSDP2's ``fully_shard``, :func:`fp8vit.shard_model`:
             its parameters are ``DTensor`` shards); nothing is changed then.
     """
@@ -271,6 +282,7 @@ def convert_from_te(model: nn.Module) -> nn.Module:
     # DTensor shards: loading them into the new block's plain tensors failed deep inside
     # load_state_dict ("aten.copy_.default got mixed torch.Tensor and DTensor"), and a rebuilt
     # block would not be sharded anyway. Refused before anything changes, saying how instead.
+    check_model("convert_from_te", model)
     sharded = [n for n, p in model.named_parameters() if is_sharded(p)]
     if sharded:
         raise ValueError(f"convert_from_te: this {type(model).__name__} is sharded ({len(sharded)} DTensor "

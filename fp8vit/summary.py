@@ -12,6 +12,8 @@ from typing import Iterable, Tuple
 
 from torch import nn
 
+from ._validate import check_type
+
 __all__ = ["ConversionSummary", "conversion_summary", "record_summary", "forget_summary", "EXCLUDED"]
 
 # The reason of the modules kept because module_filter_fn said so (no warning for those).
@@ -131,8 +133,10 @@ def conversion_summary(model: nn.Module) -> ConversionSummary:
     """The :class:`ConversionSummary` of the last :func:`fp8vit.convert_to_te` call on ``model``.
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
         ValueError: ``convert_to_te`` was not run on ``model`` (or ``convert_from_te`` undid it).
     """
+    check_type("conversion_summary", "model", model, nn.Module, "a torch.nn.Module")
     summary = vars(model).get(_ATTR)
     if summary is None:
         raise ValueError(f"conversion_summary: this {type(model).__name__} was not converted; run "

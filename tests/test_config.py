@@ -46,7 +46,7 @@ def test_unknown_keyword_is_named():
     (dict(norm_layer=LayerNorm2d), "LayerNorm2d"),
     (dict(norm_layer=functools.partial(nn.LayerNorm, elementwise_affine=False)), "elementwise_affine"),
     (dict(num_heads=5), "dim=64 is not divisible by num_heads=5"),
-    (dict(drop_path=1.0), r"drop_path=1.0 must be in \[0, 1\)"),
+    (dict(drop_path=1.0), r"drop_path=1.0\): must be in \[0, 1\)"),
 ])
 def test_unsupported_settings_raise_naming_them(kw, match):
     args = dict(dim=64, num_heads=4)

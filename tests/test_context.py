@@ -96,7 +96,8 @@ def test_fp8_path_enters_te_autocast(monkeypatch):
         assert "args" in seen
     assert state.fp8 and state.recipe_name == "delayed" and seen["args"][0] is True
     assert seen["args"][2] is None  # TE's default: the world group, where torch.distributed is up
-    group = object()  # stands in for a torch.distributed ProcessGroup: passed on as is
+    # a ProcessGroup that needs no init_process_group (one rank, in-memory store): passed on as is
+    group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1)
     with fp8vit.fp8_context(amax_reduction_group=group):
         pass
     assert seen["args"][2] is group
@@ -139,5 +140,6 @@ def _recording_autocast(seen):
 def test_recipe_object_raises_where_fp8_cannot_run(monkeypatch):
     monkeypatch.setattr(context, "gpu_info", lambda: _info(False))
     with pytest.raises(fp8vit.FP8UnavailableError, match="FP8 cannot run here: no FP8 here"):
-        with fp8vit.fp8_context(object()):
+        # stands in for a TE recipe object: it answers recipe_name's predicates (a bare object() is refused)
+        with fp8vit.fp8_context(type("FakeRecipe", (), {"delayed": lambda self: True})()):
             pass

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # docs/scaling.md at world size 1: examples/train_vit.py under torchrun with one process, FP8 delayed
 # scaling, AdamW, synthetic data, one run per mode and batch, logs
-# scaling/MODEL_bBATCH_MODE_ws1_h200.log under $OUT (default docs/results). Modes: ddp (eager blocks),
+# scaling/MODEL_bBATCH_MODE_ws1_h200.log under $OUT (default docs/results). Modes: ddp (eager blocks, --eager),
 # ddp-graphs (--cuda-graphs), fsdp (FSDP2, bf16 compute), fsdp-fp8w (FSDP2 + FP8 primary weights).
 #   bash docs/perf/scaling_ws1.sh MODEL MODE:BATCH [MODE:BATCH ...]
 #   bash docs/perf/scaling_ws1.sh vit_huge_patch14_224 ddp:448 ddp-graphs:384 fsdp:448 fsdp-fp8w:448 ddp:528

@@ -19,9 +19,11 @@ from __future__ import annotations
 import enum
 from typing import Any, Optional, Tuple
 
+from .._validate import check_choice, show
 from .loader import te_module
 
-__all__ = ["RecipeName", "RECIPE_NAMES", "check_recipe_name", "make_recipe", "recipe_name", "row_multiple"]
+__all__ = ["RecipeName", "RECIPE_NAMES", "check_recipe_name", "check_recipe", "make_recipe", "recipe_name",
+           "row_multiple"]
 
 
 class RecipeName(str, enum.Enum):
@@ -40,17 +42,41 @@ _PREDICATE = {"delayed": "delayed", "current": "float8_current_scaling", "block"
               "mxfp8": "mxfp8"}
 
 
-def check_recipe_name(name: str) -> str:
+_OR_OBJECT = ", None (the default) or a transformer_engine.common.recipe object"
+
+
+def check_recipe_name(name: str, fn: str = "check_recipe_name", arg: str = "name") -> str:
     """Return ``name`` as a plain string if it is a known recipe name, else raise.
 
+    Args:
+        name: the name to check.
+        fn, arg: the public entry and its argument, to name in the error; for an argument named
+            ``recipe`` the error also lists what else such an argument takes (:func:`check_recipe`).
+
     Raises:
+        TypeError: ``name`` is not a str.
         ValueError: an unknown name, listing the known ones. TE is not needed for this check.
     """
-    try:
-        return RecipeName(name).value
-    except ValueError:
-        raise ValueError(f"unknown FP8 recipe {name!r}; choose one of {list(RECIPE_NAMES)} "
-                         "or pass a transformer_engine.common.recipe object") from None
+    check_choice(fn, arg, name, RECIPE_NAMES, also=_OR_OBJECT if arg == "recipe" else "")
+    return RecipeName(name).value
+
+
+def check_recipe(fn: str, recipe: Any, arg: str = "recipe") -> Any:
+    """``recipe`` if it is what a ``recipe`` argument takes: None, a name in :data:`RECIPE_NAMES`, or a
+    TE recipe object (recognised, without TE, by the predicates :func:`recipe_name` asks).
+
+    Raises:
+        TypeError: anything else (``recipe=3``, ``recipe=True``).
+        ValueError: an unknown name.
+    """
+    if recipe is None:
+        return recipe
+    if isinstance(recipe, str):
+        check_recipe_name(recipe, fn, arg)
+    elif not any(callable(getattr(recipe, pred, None)) for pred in _PREDICATE.values()):
+        raise TypeError(f"{fn}({arg}={show(recipe)}): expected one of {list(RECIPE_NAMES)}, None or "
+                        f"a transformer_engine.common.recipe object, got {type(recipe).__name__}")
+    return recipe
 
 
 def make_recipe(name: str) -> Any:
@@ -60,10 +86,11 @@ def make_recipe(name: str) -> Any:
         name: one of :data:`RECIPE_NAMES`.
 
     Raises:
+        TypeError: ``name`` is not a str.
         ValueError: an unknown name (checked before TE is loaded).
         TEUnavailableError: TE cannot be imported; the message says why.
     """
-    name = check_recipe_name(name)
+    name = check_recipe_name(name, "make_recipe")
     rec = te_module("transformer_engine.common.recipe")
     if name == "delayed":
         return rec.DelayedScaling(fp8_format=rec.Format.HYBRID)

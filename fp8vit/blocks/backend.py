@@ -24,10 +24,11 @@ import torch.utils.checkpoint
 
 from .. import _te
 from . import reference
+from .._validate import check_bool, check_choice
 from .._warn import warn_once
 from ..errors import TEUnavailableError
 
-__all__ = ["BACKENDS", "Backend", "get_backend", "resolve_backend", "set_cudnn_layernorm"]
+__all__ = ["BACKENDS", "Backend", "check_backend", "get_backend", "resolve_backend", "set_cudnn_layernorm"]
 
 BACKENDS = ("te", "reference")
 
@@ -81,29 +82,39 @@ class Backend:
 @functools.lru_cache(maxsize=None)
 def get_backend(name: str) -> Backend:
     """The :class:`Backend` called ``name`` (``"te"`` loads TE and raises if it cannot)."""
+    check_choice("get_backend", "name", name, BACKENDS)
     if name == "te":
         return Backend("te", _te.modules(), "cuda")
-    if name == "reference":
-        return Backend("reference", reference.modules(), "cpu")
-    raise ValueError(f"backend={name!r}; use one of {list(BACKENDS)} or None (automatic)")
+    return Backend("reference", reference.modules(), "cpu")
 
 
-def resolve_backend(backend: Optional[str]) -> str:
+def check_backend(fn: str, backend: Optional[str]) -> Optional[str]:
+    """``backend`` if it is a name in :data:`BACKENDS` or None: the check :func:`resolve_backend`
+    makes, for an entry (``fn``) to make at its call, before any work.
+
+    Raises:
+        TypeError: not a str (or None).
+        ValueError: an unknown name.
+    """
+    return check_choice(fn, "backend", backend, BACKENDS, none_ok=True, also=" (automatic)")
+
+
+def resolve_backend(backend: Optional[str], fn: str = "resolve_backend") -> str:
     """The backend name a block should use.
 
     Args:
         backend: ``"te"``, ``"reference"``, or None: TE where it is installed and a GPU is visible,
             else the reference modules with one warning saying why.
+        fn: the public entry to name in the error for a bad ``backend`` (:func:`check_backend`).
 
     Raises:
+        TypeError: ``backend`` is not a str or None.
         ValueError: an unknown name.
         TEUnavailableError: ``"te"`` was asked for, or TE is installed on a GPU machine, and
             TE does not import; the message has TE's import error and the fix. Pass
             ``backend="reference"`` to run without TE deliberately.
     """
-    if backend is not None:
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r}; use one of {list(BACKENDS)} or None (automatic)")
+    if check_backend(fn, backend) is not None:
         if backend == "te":
             _te.load_te()
         return backend
@@ -145,6 +156,5 @@ def set_cudnn_layernorm(enabled: bool = True) -> bool:
         TypeError: ``enabled`` is not a bool.
         TEUnavailableError: TE does not import, or its core library lacks the switch.
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_cudnn_layernorm(enabled={enabled!r}): pass True or False")
+    check_bool("set_cudnn_layernorm", "enabled", enabled)
     return _te.set_cudnn_norm(enabled)

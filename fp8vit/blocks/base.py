@@ -16,11 +16,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backend import Backend, get_backend, resolve_backend
+from .._validate import check_bool, check_device, check_dtype
+from .backend import Backend, check_backend, get_backend, resolve_backend
 from .._te.kernels import layerscale_backward, triton_support
 from .._te.recipes import recipe_name, row_multiple
 
-__all__ = ["FP8Block", "aligned_rows", "SplitQKV", "LayerScaleAdd", "additive_to_bool", "te_mask_kwargs"]
+__all__ = ["FP8Block", "check_block_args", "aligned_rows", "SplitQKV", "LayerScaleAdd", "additive_to_bool",
+           "te_mask_kwargs"]
+
+
+def check_block_args(fn: str, *, backend: Optional[str], fp32_residual: bool, device, dtype) -> None:
+    """The constructor arguments every fp8vit block family takes, checked at its call, before anything
+    is built (``fn``: the block class, for the message).
+
+    Raises:
+        TypeError: ``backend`` is not a str, ``fp32_residual`` not a bool, ``device`` not a device,
+            ``dtype`` not a ``torch.dtype``.
+        ValueError: an unknown ``backend``, a device string that names no device, a ``dtype`` that
+            is not floating point.
+    """
+    check_backend(fn, backend)
+    check_bool(fn, "fp32_residual", fp32_residual)
+    check_device(fn, "device", device, none_ok=True)
+    check_dtype(fn, "dtype", dtype, none_ok=True)
 
 
 class FP8Block(nn.Module):
@@ -47,7 +65,7 @@ class FP8Block(nn.Module):
     """
 
     def _init_switches(self, backend: Optional[str], fp32_residual: bool) -> None:
-        self.backend = resolve_backend(backend)
+        self.backend = resolve_backend(backend, fn=type(self).__name__)
         self.grad_checkpointing = False
         self.recompute_mlp = False
         self.fp8_enabled = True

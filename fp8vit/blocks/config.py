@@ -17,6 +17,7 @@ from torch import nn
 from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, get_act_layer
 from timm.models.vision_transformer import Attention
 
+from .._validate import check_bool, check_callable, check_choice, check_int, check_number, check_type
 from .mlp import MlpConfig, mlp_config_from_kwargs, mlp_config_from_timm, mlp_ties
 from .timm_layers import resolve_norm, resolve_norm_module
 from .weights import Tie, rename
@@ -31,6 +32,20 @@ def _mlp_ratio(hidden: int, dim: int) -> float:
 
 def _is_timm_attention(attn_layer) -> bool:
     return attn_layer in (None, "", "attn") or attn_layer is Attention
+
+
+def _check_settings(fn: str, dim, num_heads, flags: dict, rates: dict, init_values) -> None:
+    """The settings :class:`BlockConfig` and :meth:`BlockConfig.from_timm_kwargs` share, checked
+    before anything is derived from them: widths, bool flags, dropout rates, LayerScale init."""
+    check_int(fn, "dim", dim, min=1)
+    check_int(fn, "num_heads", num_heads, min=1)
+    if dim % num_heads:
+        raise ValueError(f"{fn}: dim={dim} is not divisible by num_heads={num_heads}; pick num_heads that divides dim")
+    for name, value in flags.items():
+        check_bool(fn, name, value)
+    for name, p in rates.items():
+        check_number(fn, name, p, min=0, max=1, max_open=True)
+    check_number(fn, "init_values", init_values, none_ok=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +68,11 @@ class BlockConfig:
         drop_path: stochastic-depth rate, per sample.
         norm, norm_eps: TE normalization (``"LayerNorm"``/``"RMSNorm"``) and its eps.
         norm_layer: the timm constructor (kept to rebuild a timm ``Block``).
+
+    Raises:
+        TypeError: a field of the wrong type (``mlp`` not an ``MlpConfig``, a flag not a bool, ...).
+        ValueError: a width, rate, eps or norm name out of range, or ``dim`` not divisible by
+            ``num_heads``.
     """
 
     dim: int
@@ -70,6 +90,20 @@ class BlockConfig:
     norm: str = "LayerNorm"
     norm_eps: float = 1e-6
     norm_layer: Callable = LayerNorm
+
+    def __post_init__(self) -> None:
+        from .mlp import MlpConfig
+
+        fn = "BlockConfig"
+        _check_settings(fn, self.dim, self.num_heads,
+                        dict(qkv_bias=self.qkv_bias, proj_bias=self.proj_bias, qk_norm=self.qk_norm,
+                             scale_attn_norm=self.scale_attn_norm, scale_mlp_norm=self.scale_mlp_norm),
+                        dict(proj_drop=self.proj_drop, attn_drop=self.attn_drop, drop_path=self.drop_path),
+                        self.init_values)
+        check_type(fn, "mlp", self.mlp, MlpConfig, "a fp8vit.mlp.MlpConfig")
+        check_choice(fn, "norm", self.norm, ("LayerNorm", "RMSNorm"))
+        check_number(fn, "norm_eps", self.norm_eps, min=0, min_open=True)
+        check_callable(fn, "norm_layer", self.norm_layer, "a norm constructor (nn.LayerNorm, ...)")
 
     @property
     def head_dim(self) -> int:
@@ -126,17 +160,25 @@ class BlockConfig:
         as in timm's ``Block`` with standard attention.
 
         Raises:
+            TypeError: a keyword of the wrong type (a flag that is not a bool, a width that is not
+                an integer, a layer that is not callable), named.
             ValueError: a setting TE_Block cannot honour, naming it and what to do instead.
         """
 
-        if dim % num_heads:
-            raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
+        fn = "BlockConfig.from_timm_kwargs"
+        _check_settings(fn, dim, num_heads,
+                        dict(qkv_bias=qkv_bias, qk_norm=qk_norm, scale_attn_norm=scale_attn_norm,
+                             scale_mlp_norm=scale_mlp_norm, proj_bias=proj_bias, exact_gelu=exact_gelu),
+                        dict(proj_drop=proj_drop, attn_drop=attn_drop, drop_path=drop_path), init_values)
+        check_number(fn, "mlp_ratio", mlp_ratio, min=0, min_open=True)
+        if not isinstance(act_layer, str):
+            check_callable(fn, "act_layer", act_layer, "an activation constructor or timm's name for one")
+        check_callable(fn, "norm_layer", norm_layer, "a norm constructor (nn.LayerNorm, ...)")
+        check_callable(fn, "mlp_layer", mlp_layer, "an MLP constructor (timm's Mlp, SwiGLU, ...)", none_ok=True)
+        check_int(fn, "depth", depth, min=0)
         if not _is_timm_attention(attn_layer):
             raise ValueError(f"attn_layer={attn_layer!r} is not supported: TE_Block implements timm's "
                              "standard Attention only")
-        for name, p in (("proj_drop", proj_drop), ("attn_drop", attn_drop), ("drop_path", drop_path)):
-            if not 0.0 <= p < 1.0:
-                raise ValueError(f"{name}={p} must be in [0, 1)")
         norm, eps = resolve_norm(norm_layer, dim)
         if isinstance(act_layer, str):  # timm's Block takes constructors; VisionTransformer names
             act_layer = get_act_layer(act_layer)
@@ -144,7 +186,7 @@ class BlockConfig:
                                      act_layer=act_layer, norm_layer=norm_layer if scale_mlp_norm else None,
                                      bias=proj_bias, drop=proj_drop, exact_gelu=exact_gelu)
         return cls(dim=dim, num_heads=num_heads, mlp=mlp, qkv_bias=qkv_bias, proj_bias=proj_bias,
-                   qk_norm=qk_norm, scale_attn_norm=bool(scale_attn_norm), scale_mlp_norm=bool(scale_mlp_norm),
+                   qk_norm=qk_norm, scale_attn_norm=scale_attn_norm, scale_mlp_norm=scale_mlp_norm,
                    proj_drop=float(proj_drop), attn_drop=float(attn_drop), init_values=init_values or None,
                    drop_path=float(drop_path), norm=norm, norm_eps=eps, norm_layer=norm_layer)
 

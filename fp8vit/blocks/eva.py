@@ -48,7 +48,8 @@ try:
 except ImportError:  # timm < 1.0 keeps it with the FX helpers
     from timm.models._features_fx import register_notrace_module
 
-from .base import FP8Block
+from .._validate import check_type
+from .base import FP8Block, check_block_args
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties, norm_in_dtype, torch_norm
 from .timm_layers import resolve_norm
 from .weights import (Part, Tie, copy_requires_grad, rename, te_requires_grad, te_to_timm, timm_requires_grad,
@@ -371,12 +372,25 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         backend: ``"te"``, ``"reference"`` or None (automatic).
         fp32_residual: keep the residual stream in fp32 under autocast (timm's behaviour).
         q_norm, k_norm: timm's per-head q/k norm modules (moved in, not copied), if ``cfg.qk_norm``.
+
+    Raises:
+        TypeError: ``cfg`` is not an :class:`EvaBlockConfig`, ``timm_skeleton`` (or, with
+            ``cfg.qk_norm``, ``q_norm``/``k_norm``) not a module, ``backend`` not a str,
+            ``fp32_residual`` not a bool, ``device``/``dtype`` not a device/dtype; checked before
+            anything is built.
+        ValueError: an unknown ``backend``, a device string naming no device, a non-float ``dtype``.
     """
 
     def __init__(self, cfg: EvaBlockConfig, *, timm_skeleton: nn.Module, device=None,
                  dtype: Optional[torch.dtype] = None, backend: Optional[str] = None,
                  fp32_residual: bool = False, q_norm: Optional[nn.Module] = None,
                  k_norm: Optional[nn.Module] = None) -> None:
+        fn = type(self).__name__
+        check_type(fn, "cfg", cfg, EvaBlockConfig, "a fp8vit.eva.EvaBlockConfig (eva_config_from_timm)")
+        check_type(fn, "timm_skeleton", timm_skeleton, nn.Module, "the timm block (on the meta device)")
+        check_block_args(fn, backend=backend, fp32_residual=fp32_residual, device=device, dtype=dtype)
+        for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+            check_type(fn, name, norm, nn.Module, "the timm block's norm module", none_ok=not cfg.qk_norm)
         super().__init__()
         self.cfg = cfg
         self._init_switches(backend, fp32_residual)

@@ -31,9 +31,10 @@ try:
 except ImportError:  # timm < 1.0 keeps it with the FX helpers
     from timm.models._features_fx import register_notrace_module
 
+from .._validate import check_bool, check_type
 from .._warn import warn_once
 from .config import BlockConfig, config_from_timm_block
-from .base import FP8Block
+from .base import FP8Block, check_block_args
 from .mlp import build_mlp
 from .weights import copy_requires_grad, te_requires_grad, te_to_timm, timm_requires_grad, timm_to_te
 
@@ -70,6 +71,12 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
     ``torch.manual_seed``, ``VisionTransformer(block_fn=TE_Block, ...)`` and timm's
     ``VisionTransformer(...)`` hold the same weights, bit for bit, in every ``weight_init`` mode and
     with ``fix_init``, and leave the RNG in the same state (tests/test_init_rng.py).
+
+    Raises:
+        TypeError: a keyword timm's ``Block`` does not take, or one of the wrong type (``backend``
+            not a str, ``exact_gelu`` or ``fp32_residual`` not a bool, ``config`` not a
+            :class:`BlockConfig`, ...); checked before anything is built.
+        ValueError: a setting TE cannot honour, or an unknown ``backend``, named.
     """
 
     def __init__(
@@ -86,6 +93,9 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         _timm_init: bool = True,
         **kwargs,
     ) -> None:
+        check_block_args("TE_Block", backend=backend, fp32_residual=fp32_residual, device=device, dtype=dtype)
+        check_bool("TE_Block", "exact_gelu", exact_gelu)
+        check_type("TE_Block", "config", config, BlockConfig, "a fp8vit.BlockConfig", none_ok=True)
         if config is None:
             # timm's keywords (and their positional order) are BlockConfig.from_timm_kwargs's: one
             # list, validated there. Unknown keywords raise TypeError naming them.

@@ -4,20 +4,32 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator, Optional, Union
+from typing import Any, ContextManager, Iterator, Optional, Union
 
 import torch
 
 from .. import _te
+from .._validate import check_bool, check_choice, check_process_group
 from .._warn import warn_once
 from .detect import gpu_info
-from .._te.recipes import check_recipe_name, recipe_name
+from .._te.recipes import check_recipe, recipe_name
 from .detect import resolve_recipe
 
-__all__ = ["fp8_context", "FP8State", "AUTOCAST_DTYPES"]
+__all__ = ["fp8_context", "FP8State", "AUTOCAST_DTYPES", "check_autocast_dtype"]
 
 # What torch autocast can run FP8's surrounding ops in (TE's GEMM outputs are in this dtype too).
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_autocast_dtype(fn: str, dtype: Optional[torch.dtype], *, none_ok: bool = False) -> Optional[torch.dtype]:
+    """``dtype`` if it is one of :data:`AUTOCAST_DTYPES` (or None, "no torch autocast", with ``none_ok``).
+
+    Raises:
+        TypeError: not a ``torch.dtype``.
+        ValueError: a dtype autocast cannot run in.
+    """
+    return check_choice(fn, "dtype", dtype, AUTOCAST_DTYPES, none_ok=none_ok,
+                        also=" (no torch autocast)" if none_ok else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +51,6 @@ class FP8State:
     reason: str = ""
 
 
-@contextlib.contextmanager
 def fp8_context(
     recipe: Union[None, str, Any] = None,
     *,
@@ -47,7 +58,7 @@ def fp8_context(
     dtype: Optional[torch.dtype] = torch.bfloat16,
     strict: bool = False,
     amax_reduction_group: Any = None,
-) -> Iterator[FP8State]:
+) -> ContextManager[FP8State]:
     """Run the enclosed forward pass in ``dtype`` autocast and, where possible, TE FP8.
 
     Wrap the forward pass (and the loss) only; call ``backward()`` outside, as with
@@ -72,19 +83,31 @@ def fp8_context(
             split the model (tensor or pipeline parallelism), whose other ranks run other
             modules. Ignored where FP8 is off; stateless recipes reduce nothing.
 
-    Yields:
-        :class:`FP8State` saying what is actually on.
+    Returns:
+        a context manager; entering it gives the :class:`FP8State` saying what is actually on.
 
     Raises:
-        ValueError: ``recipe`` is an unknown name, or ``dtype`` is not one autocast can use.
-        FP8UnavailableError: a recipe was named (or ``strict``) and cannot run here; the message
-            says why and which recipes can.
+        TypeError: at the call: ``recipe`` is neither a name nor a TE recipe object, ``enabled`` or
+            ``strict`` is not a bool, ``dtype`` not a ``torch.dtype``, ``amax_reduction_group`` not
+            a process group.
+        ValueError: at the call: ``recipe`` is an unknown name (on every machine, not only on FP8
+            GPUs), or ``dtype`` is not one autocast can use.
+        FP8UnavailableError: on entering: a recipe was named (or ``strict``) and cannot run here;
+            the message says why and which recipes can.
     """
-    if dtype is not None and dtype not in AUTOCAST_DTYPES:
-        raise ValueError(f"fp8_context(dtype={dtype}): use torch.bfloat16 (recommended), torch.float16, "
-                         "or None for no torch autocast")
-    if isinstance(recipe, str):
-        check_recipe_name(recipe)  # a typo is an error everywhere, not only on FP8 GPUs
+    fn = "fp8_context"
+    check_recipe(fn, recipe)
+    check_bool(fn, "enabled", enabled)
+    check_autocast_dtype(fn, dtype, none_ok=True)
+    check_bool(fn, "strict", strict)
+    check_process_group(fn, "amax_reduction_group", amax_reduction_group)
+    return _fp8_context(recipe, enabled, dtype, strict, amax_reduction_group)
+
+
+@contextlib.contextmanager
+def _fp8_context(recipe, enabled: bool, dtype: Optional[torch.dtype], strict: bool,
+                 amax_reduction_group: Any) -> Iterator[FP8State]:
+    """:func:`fp8_context` once its arguments are checked."""
     info = gpu_info()
     use_fp8, te_recipe, reason = False, None, ""
     if enabled:

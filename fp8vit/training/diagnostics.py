@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _te
+from .._validate import check_callable, check_int, check_number, check_type
 from .context import fp8_context
 from .switches import set_block_fp8
 from ..blocks.base import FP8Block
 from .numerics import E4M3_MAX, E4M3_TINY, E5M2_MAX, E5M2_TINY, snr_db, underflow_fraction
-from .._te.recipes import recipe_name
+from .._te.recipes import check_recipe, recipe_name
 
 __all__ = ["diagnose", "DiagnosisReport", "BlockStats", "SCHEMA_VERSION"]
 
@@ -250,9 +251,22 @@ def diagnose(
         warmup: FP8 passes before the measured one.
 
     Raises:
-        ValueError: the model has no fp8vit block.
+        TypeError: ``model`` is not a module, ``batch`` (or ``target``) not a tensor, ``loss_fn``
+            not callable, ``recipe`` neither a name nor a TE recipe object, a threshold not a
+            number, ``warmup`` not an integer.
+        ValueError: an unknown ``recipe`` name, a NaN threshold, ``warmup`` below 0, or the model
+            has no fp8vit block.
         FP8UnavailableError: FP8 cannot run here (the reason is in the message).
     """
+    fn = "diagnose"
+    check_type(fn, "model", model, nn.Module, "a torch.nn.Module")
+    check_type(fn, "batch", batch, torch.Tensor, "a torch.Tensor (the model's input)")
+    check_type(fn, "target", target, torch.Tensor, "a torch.Tensor (labels)", none_ok=True)
+    check_callable(fn, "loss_fn", loss_fn, "a callable loss_fn(output, target)", none_ok=True)
+    check_recipe(fn, recipe)
+    check_number(fn, "threshold_db", threshold_db)
+    check_number(fn, "grad_threshold_db", grad_threshold_db)
+    check_int(fn, "warmup", warmup, min=0)
     blocks = {n: m for n, m in model.named_modules() if isinstance(m, FP8Block)}
     if not blocks:
         raise ValueError("diagnose: the model has no fp8vit block (TE_Block, ...); run fp8vit.convert_to_te(model) "

@@ -48,9 +48,10 @@ import torch
 from torch import nn
 
 from .. import _te
+from .._validate import check_bool, check_items, check_number, check_path, check_type
 from .detect import gpu_info
 from .graphs import WHY_NOT_WITH_FSDP2, graphed_modules
-from .._te.recipes import check_recipe_name, recipe_name
+from .._te.recipes import check_recipe, check_recipe_name, recipe_name
 from .detect import resolve_recipe
 
 __all__ = ["shard_model", "default_mp_policy", "fp8_weight_init", "fp8_weight_optimizer", "save_checkpoint",
@@ -123,11 +124,24 @@ def shard_model(
         ``model``, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
 
     Raises:
+        TypeError: ``model`` is not a module, ``mesh`` not a ``DeviceMesh``,
+            ``reshard_after_forward`` not a bool, ``mp_policy`` not a ``MixedPrecisionPolicy``,
+            ``units`` not a list of modules.
         ValueError: ``model`` has CUDA-graphed blocks (:func:`make_graphed_blocks`; the message
             says why they cannot be sharded), is sharded already, or has no ``blocks`` and no
             ``units`` were given.
         RuntimeError: ``torch.distributed`` is not initialized, or this torch has no FSDP2.
     """
+    fn = "shard_model"
+    check_type(fn, "model", model, nn.Module, "a torch.nn.Module")
+    if mesh is not None or mp_policy is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        check_type(fn, "mesh", mesh, DeviceMesh, "a torch.distributed DeviceMesh (init_device_mesh)", none_ok=True)
+        check_type(fn, "mp_policy", mp_policy, _fsdp().MixedPrecisionPolicy,
+                   "a torch.distributed.fsdp.MixedPrecisionPolicy", none_ok=True)
+    check_bool(fn, "reshard_after_forward", reshard_after_forward)
+    units = None if units is None else check_items(fn, "units", units, nn.Module, "torch.nn.Module")
     graphed = graphed_modules(model)
     if graphed:
         raise ValueError(f"shard_model: {[n or type(model).__name__ for n in graphed][:4]} of this "
@@ -180,8 +194,7 @@ def _restore_param_attrs(model: nn.Module, attrs: Dict[str, dict]) -> None:
 
 
 # --------------------------------------------------------------------------- FP8 primary weights
-@contextlib.contextmanager
-def fp8_weight_init(recipe: Any = None) -> Iterator[Any]:
+def fp8_weight_init(recipe: Any = None) -> contextlib.AbstractContextManager:
     """Within: the TE modules that :func:`convert_to_te` (or ``TE_Block``) builds hold their GEMM
     weights in FP8 only, as TE ``QuantizedTensor`` parameters (TE's ``quantized_model_init``).
 
@@ -206,16 +219,25 @@ def fp8_weight_init(recipe: Any = None) -> Iterator[Any]:
     Args:
         recipe: the FP8 recipe (name or TE object) of the training loop's ``fp8_context``.
 
-    Yields:
-        the TE recipe object in use.
+    Returns:
+        a context manager; entering it gives the TE recipe object in use.
 
     Raises:
-        ValueError: a block-scaled recipe (``"block"``, ``"mxfp8"``; also the default on Blackwell):
-            TE's FSDP2 all-gather of their FP8 weights needs weights built on ``meta``.
-        FP8UnavailableError: FP8 cannot run here (FP8 weights need TE and an FP8 GPU).
+        TypeError: at the call: ``recipe`` is neither a name nor a TE recipe object.
+        ValueError: an unknown recipe name, or a block-scaled recipe (``"block"``, ``"mxfp8"``;
+            also the default on Blackwell): TE's FSDP2 all-gather of their FP8 weights needs
+            weights built on ``meta``. At the call for a name, on entering for the default.
+        FP8UnavailableError: on entering: FP8 cannot run here (FP8 weights need TE and an FP8 GPU).
     """
+    check_recipe("fp8_weight_init", recipe)
     if isinstance(recipe, str) and check_recipe_name(recipe) not in _PER_TENSOR:
         raise ValueError(_block_scaled_weights(recipe))
+    return _fp8_weight_init(recipe)
+
+
+@contextlib.contextmanager
+def _fp8_weight_init(recipe: Any) -> Iterator[Any]:
+    """:func:`fp8_weight_init` once its argument is checked."""
     te_recipe = resolve_recipe(recipe, gpu_info().recipes)
     name = recipe_name(te_recipe)
     if name not in _PER_TENSOR:
@@ -246,8 +268,15 @@ def fp8_weight_optimizer(params, lr: float = 1e-3, **kwargs) -> torch.optim.Opti
         **kwargs: ``FusedAdam``'s (``betas``, ``eps``, ``weight_decay``, ...).
 
     Raises:
+        TypeError: ``params`` is not an iterable of tensors or dicts (a single tensor included),
+            or ``lr`` not a number.
+        ValueError: ``lr`` is negative or NaN.
         TEUnavailableError: TE cannot be imported here.
     """
+    fn = "fp8_weight_optimizer"
+    params = check_items(fn, "params", params, (torch.Tensor, dict),
+                         "parameters or parameter groups (model.parameters())")
+    check_number(fn, "lr", lr, min=0)
     kwargs.setdefault("adam_w_mode", True)
     return _te.fused_adam(params, lr=lr, master_weights=True, master_weight_dtype=torch.float32, **kwargs)
 
@@ -297,6 +326,14 @@ _SAVE_DIR = re.compile(r"save-(\d+)\Z")
 _DCP_METADATA = ".metadata"
 
 
+def _check_checkpoint_args(fn: str, checkpoint_id, model, optimizer, extra=None) -> None:
+    """The arguments of :func:`save_checkpoint` and :func:`load_checkpoint`, checked at the call."""
+    check_path(fn, "checkpoint_id", checkpoint_id)
+    check_type(fn, "model", model, nn.Module, "a torch.nn.Module")
+    check_type(fn, "optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer", none_ok=True)
+    check_type(fn, "extra", extra, dict, "a dict of small values", none_ok=True)
+
+
 def save_checkpoint(checkpoint_id, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
                     extra: Optional[Dict[str, Any]] = None, keep: int = 2) -> str:
     """Save ``model`` (and ``optimizer``) with ``torch.distributed.checkpoint`` into a new folder
@@ -336,11 +373,14 @@ def save_checkpoint(checkpoint_id, model: nn.Module, optimizer: Optional[torch.o
         the folder this save wrote, ``checkpoint_id/save-<n>``, now :func:`latest_checkpoint`'s.
 
     Raises:
+        TypeError: ``checkpoint_id`` is not a path, ``model`` not a module, ``optimizer`` not an
+            optimizer, ``extra`` not a dict.
         ValueError: ``keep`` is not a whole number of 1 or more, or ``checkpoint_id`` is a file.
         OSError: the file system refused a write; raised on every rank (on ranks other than 0,
             for rank 0's error, as the same type when it is a built-in one), and the previous
             checkpoint stays the current one.
     """
+    _check_checkpoint_args("save_checkpoint", checkpoint_id, model, optimizer, extra)
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"save_checkpoint(keep={keep!r}): keep is how many complete saves to keep, 1 or more")
     dcp, _ = _dcp()
@@ -375,10 +415,12 @@ def latest_checkpoint(checkpoint_id) -> str:
         the folder's path.
 
     Raises:
+        TypeError: ``checkpoint_id`` is not a path.
         FileNotFoundError: no complete checkpoint there; the message says what is there (nothing,
             a file, save folders that a killed save left without ``.metadata``), or that the
             pointer names a folder that is gone or incomplete.
     """
+    check_path("latest_checkpoint", "checkpoint_id", checkpoint_id)
     root = os.fspath(checkpoint_id)
     pointer = os.path.join(root, _LATEST)
     if os.path.isfile(pointer):
@@ -560,12 +602,15 @@ def load_checkpoint(checkpoint_id, model: nn.Module,
         the ``extra`` values saved with it (``{}`` if none).
 
     Raises:
+        TypeError: ``checkpoint_id`` is not a path, ``model`` not a module, ``optimizer`` not an
+            optimizer.
         FileNotFoundError: no complete checkpoint in ``checkpoint_id``; the message says what is
             there (:func:`latest_checkpoint`).
         RuntimeError: a parameter or buffer of ``model`` is not in the checkpoint, or the
             checkpoint holds ones ``model`` lacks; both are named (FP8 scaling state may be absent
             on either side: a module without it in the checkpoint keeps its own).
     """
+    _check_checkpoint_args("load_checkpoint", checkpoint_id, model, optimizer)
     dcp, dsd = _dcp()
     folder = _on_rank0(lambda: latest_checkpoint(checkpoint_id))  # one answer for all ranks
     saved = _saved(dcp.FileSystemReader(folder).read_metadata())

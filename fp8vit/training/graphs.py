@@ -45,12 +45,13 @@ import torch
 from torch import nn
 
 from .. import _te
+from .._validate import check_bool, check_int, check_process_group, check_type
 from .._warn import warn_once
-from .context import AUTOCAST_DTYPES
+from .context import check_autocast_dtype
 from .detect import gpu_info
 from ..errors import FP8UnavailableError
 from ..blocks.base import FP8Block
-from .._te.recipes import recipe_name
+from .._te.recipes import check_recipe, recipe_name
 from .detect import resolve_recipe
 from ..blocks.weights import is_sharded
 
@@ -285,12 +286,28 @@ def make_graphed_blocks(
         a :class:`GraphedBlocks` handle (shape, replay counts, ``release()``).
 
     Raises:
-        ValueError: ``model`` has no ``nn.Sequential`` ``blocks``, no ``patch_embed.num_patches``
-            and no ``tokens`` given, is FSDP2-sharded, is not on a GPU, uses
-            activation checkpointing or MLP recompute of an unfused MLP, or ``dtype`` is not an
-            autocast dtype; each names the value.
+        TypeError: an argument of the wrong type (``model`` not a module, ``batch_size``,
+            ``tokens`` or ``num_warmup_iters`` not an integer, a flag not a bool, ``recipe`` neither
+            a name nor a TE recipe object, ``amax_reduction_group`` not a process group); all
+            arguments are checked first, on any machine.
+        ValueError: ``batch_size`` or ``tokens`` below 1, ``num_warmup_iters`` below 0, an unknown
+            ``recipe`` name, ``dtype`` not an autocast dtype; then ``model`` has no
+            ``nn.Sequential`` ``blocks``, no ``patch_embed.num_patches`` and no ``tokens`` given,
+            is FSDP2-sharded, is not on a GPU, uses activation checkpointing or MLP recompute of
+            an unfused MLP; each names the value.
         FP8UnavailableError: ``fp8`` is asked for and cannot run here.
     """
+    fn = "make_graphed_blocks"
+    check_type(fn, "model", model, nn.Module, "a torch.nn.Module (a timm ViT)")
+    check_int(fn, "batch_size", batch_size, min=1)
+    check_int(fn, "tokens", tokens, min=1, none_ok=True)
+    check_recipe(fn, recipe)
+    check_bool(fn, "fp8", fp8)
+    check_autocast_dtype(fn, dtype)
+    check_int(fn, "num_warmup_iters", num_warmup_iters, min=0)
+    check_bool(fn, "cudnn_layernorm", cudnn_layernorm)
+    check_bool(fn, "fused_wgrad", fused_wgrad)
+    check_process_group(fn, "amax_reduction_group", amax_reduction_group)
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or len(blocks) == 0:
         raise ValueError(f"make_graphed_blocks needs a timm ViT with its blocks in model.blocks; "
@@ -301,8 +318,6 @@ def make_graphed_blocks(
             getattr(getattr(model, "patch_embed", None), "num_patches", None), int):
         raise ValueError(f"make_graphed_blocks: a {type(model).__name__} has no patch_embed.num_patches to "
                          "tell the tokens per image from; pass tokens=, the sequence length its blocks see")
-    if dtype not in AUTOCAST_DTYPES:
-        raise ValueError(f"make_graphed_blocks(dtype={dtype}): use one of {AUTOCAST_DTYPES}")
     param = next(blocks.parameters())
     if is_sharded(param):
         raise ValueError(f"make_graphed_blocks: the blocks' parameters are {type(param).__name__}s, sharded by "

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Mapping
 from typing import Dict, List, Optional
 
 import torch
 from torch import nn
 
 from .. import _te
+from .._validate import check_bool, check_int, check_type
 from ..blocks.base import FP8Block
 
 __all__ = ["NonFiniteGuard", "NonFiniteEvent"]
@@ -82,11 +84,25 @@ class NonFiniteGuard:
         max_consecutive: raise ``RuntimeError`` after this many skipped steps in a row (None: never).
         repair_fp8_state: on a skip, replace non-finite values in TE delayed-scaling amax histories by
             zero, so one bad step does not freeze the FP8 scales for the whole history length.
+
+    Raises:
+        TypeError: ``model`` is not a module, ``optimizer`` not a ``torch.optim.Optimizer``,
+            ``blocks`` not a dict of modules, ``max_consecutive`` not an integer,
+            ``repair_fp8_state`` not a bool.
+        ValueError: ``max_consecutive`` below 0.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  blocks: Optional[Dict[str, nn.Module]] = None, max_consecutive: Optional[int] = None,
                  repair_fp8_state: bool = True) -> None:
+        fn = "NonFiniteGuard"
+        check_type(fn, "model", model, nn.Module, "a torch.nn.Module")
+        check_type(fn, "optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
+        check_type(fn, "blocks", blocks, Mapping, "a dict {name: module}", none_ok=True)
+        for name, block in (blocks or {}).items():
+            check_type(fn, f"blocks[{name!r}]", block, nn.Module, "a torch.nn.Module")
+        check_int(fn, "max_consecutive", max_consecutive, min=0, none_ok=True)
+        check_bool(fn, "repair_fp8_state", repair_fp8_state)
         self.model, self.optimizer = model, optimizer
         self.blocks = blocks if blocks is not None else _default_blocks(model)
         self.max_consecutive, self.repair_fp8_state = max_consecutive, repair_fp8_state

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from .._validate import check_type
+
 __all__ = ["snr_db", "underflow_fraction", "E4M3_MAX", "E5M2_MAX", "E4M3_TINY", "E5M2_TINY"]
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -21,10 +23,23 @@ E4M3_TINY, E5M2_TINY = 2.0 ** -10, 2.0 ** -17
 def snr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
     """Signal-to-noise ratio of ``test`` against ``ref``: ``10 log10(sum ref^2 / sum (ref - test)^2)``.
 
+    Args:
+        ref: the reference tensor.
+        test: the tensor compared with it, of the same shape (no broadcasting: a mismatch is a
+            mistake, not a comparison).
+
     Returns:
         dB; ``inf`` when identical, ``nan`` when either holds non-finite values, ``-inf`` when
         ``ref`` is all zeros but ``test`` is not.
+
+    Raises:
+        TypeError: ``ref`` or ``test`` is not a tensor.
+        ValueError: their shapes differ.
     """
+    check_type("snr_db", "ref", ref, torch.Tensor, "a torch.Tensor")
+    check_type("snr_db", "test", test, torch.Tensor, "a torch.Tensor")
+    if ref.shape != test.shape:
+        raise ValueError(f"snr_db: ref is {list(ref.shape)} and test {list(test.shape)}; pass tensors of one shape")
     ref, test = ref.detach().double(), test.detach().double()
     if not (torch.isfinite(ref).all() and torch.isfinite(test).all()):
         return math.nan

@@ -15,6 +15,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .. import _te
+from .._validate import check_bool, check_int, check_items, check_model, check_module_filter
 from ..blocks.base import FP8Block
 from ..blocks.families import fp8vit_block_for
 from ..blocks.linear import holds_linear, is_block, is_swapped
@@ -42,9 +43,15 @@ def set_block_fp8(model: nn.Module, names: "str | Sequence[str]", enabled: bool)
         the names, as a list.
 
     Raises:
+        TypeError: ``model`` is not a module, ``names`` neither a str nor a sequence of them,
+            ``enabled`` not a bool.
         ValueError: a name that is none of these in ``model``; nothing is changed then.
     """
-    names = [names] if isinstance(names, str) else list(names)  # a str is one name, not its characters
+    fn = "set_block_fp8"
+    check_model(fn, model)
+    # a str is one name, not its characters
+    names = [names] if isinstance(names, str) else check_items(fn, "names", names, str, "module names (str)")
+    check_bool(fn, "enabled", enabled)
     mods = dict(model.named_modules())
     targets, bad = [], []
     for n in names:
@@ -78,7 +85,19 @@ def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> nn.Module:
     swapped) checkpoint themselves too, each as a whole (the innermost blocks holding Linears),
     with TE's checkpoint where they hold TE Linears and torch's otherwise, since timm's own
     checkpointing must stay off around TE modules.
+
+    Args:
+        model: a converted model.
+        enable: True to checkpoint, False to stop.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``, or ``enable`` not a bool.
     """
+    check_model("set_grad_checkpointing", model)
+    check_bool("set_grad_checkpointing", "enable", enable)
     for mod in model.modules():
         if isinstance(vars(mod).get("forward"), _CheckpointedForward):
             del mod.forward
@@ -92,7 +111,7 @@ def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> nn.Module:
 
 def _checkpoint_units(model: nn.Module) -> List[nn.Module]:
     """The blocks other than fp8vit's that checkpoint themselves (:func:`set_grad_checkpointing`):
-    blocks (``fp8vit.blocks.linear.is_block``, or of a family) that hold Linears and no other block."""
+    blocks (``fp8vit.linear.is_block``, or of a family) that hold Linears and no other block."""
     units: List[nn.Module] = []
 
     def visit(mod: nn.Module, root: bool) -> bool:  # True: mod is or holds a block
@@ -137,12 +156,16 @@ def set_mlp_recompute(model: nn.Module, enable: bool = True, *, every: int = 1,
         ``model``.
 
     Raises:
-        ValueError: ``model`` has no fp8vit block, ``module_filter_fn`` selects none of them, or
-            ``every`` is not a positive integer.
+        TypeError: ``model`` is not a module, ``enable`` not a bool, ``every`` not an integer,
+            ``module_filter_fn`` not callable.
+        ValueError: ``every`` is below 1, ``model`` has no fp8vit block, or ``module_filter_fn``
+            selects none of them.
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"set_mlp_recompute: every={every!r}; it must be an integer >= 1 "
-                         "(1: every chosen block, 2: every second, ...)")
+    fn = "set_mlp_recompute"
+    check_model(fn, model)
+    check_bool(fn, "enable", enable)
+    check_int(fn, "every", every, min=1, hint="(1: every chosen block, 2: every second, ...)")
+    check_module_filter(fn, module_filter_fn)
     blocks = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, FP8Block)]
     if not blocks:
         raise ValueError(f"set_mlp_recompute: {type(model).__name__} has no fp8vit block (TE_Block, ...); "
@@ -152,7 +175,7 @@ def set_mlp_recompute(model: nn.Module, enable: bool = True, *, every: int = 1,
         raise ValueError(f"set_mlp_recompute: module_filter_fn selected none of the {len(blocks)} fp8vit blocks "
                          f"({blocks[0][0]} ... {blocks[-1][0]}); it must return True for the blocks to change")
     for blk in chosen[::every]:
-        blk.recompute_mlp = bool(enable)
+        blk.recompute_mlp = enable
     return model
 
 
@@ -184,6 +207,7 @@ class _SetGradCheckpointing:
         self.model = model
 
     def __call__(self, enable: bool = True) -> None:
+        check_bool("set_grad_checkpointing", "enable", enable)  # before the class's method changes anything
         type(self.model).set_grad_checkpointing(self.model, enable)
         blocks = {id(m) for m in self.model.modules() if isinstance(m, FP8Block)}
         blocks |= {id(m) for m in _checkpoint_units(self.model)}

@@ -3,9 +3,9 @@
 Every model that ``timm.create_model`` builds inside this folder's tests goes through
 ``fp8vit.convert_to_te(model, backend="reference")`` (fp8vit's PyTorch modules with TE's parameter
 names: timm's tests build models on the CPU and the meta device, where TE does not run) if it
-contains a timm ``vision_transformer.Block``; a
-model without one is returned unchanged. A block that fp8vit refuses (``ConversionError``) fails
-the test that built it: nothing is skipped silently.
+contains a block of one of fp8vit's families (``fp8vit.families``: ``vision_transformer.Block``,
+``eva.EvaBlock``, ``eva.EvaBlockPostNorm``); a model without one is returned unchanged. A block
+that fp8vit refuses (``ConversionError``) fails the test that built it: nothing is skipped silently.
 
 Environment:
     FP8VIT_TIMM_NO_CONVERT=1  do not convert (baseline: timm's tests on timm's own models).
@@ -20,8 +20,9 @@ CI subset (the default, part of ``python -m pytest tests``): the tests parametri
 name in ``CI_MODELS`` (small models, each converted family at least once, plus models without
 timm Blocks that must pass through unchanged), except timm's slow pruning test, which runs on
 ``CI_SLOW_MODELS`` only, and the model-specific tests in ``CI_EXTRA_TESTS``. Everything else is
-deselected (reported as deselected, never as passed or skipped). About 70-85 s on 2 idle CPU
-cores (181 tests).
+deselected (reported as deselected, never as passed or skipped). 225 tests; the EVA, RoPE ViT,
+PE and ViTamin models (EVA models converted since issue 32) take about 30 s of it on 2 idle CPU
+cores.
 
 Known failures of converted models are ``xfail(strict=True)``, all listed in ``XFAIL`` below.
 
@@ -48,8 +49,10 @@ MODEL_GLOBS = [g.strip() for g in os.environ.get("FP8VIT_TIMM_MODELS", "").split
 # Small models, each family whose models contain timm vision_transformer.Block at least once
 # (found by building every timm 1.0.31 model on the meta device: 234 models, in
 # vision_transformer (incl. hybrid, CLIP, DINOv2, register/GAP, DeiT-III), deit, pit, crossvit,
-# byobnet's MobileViT and naflexvit; naflexvit is covered by CI_EXTRA_TESTS, its registered
-# models being 86M parameters and up).
+# byobnet's MobileViT, vitamin and naflexvit; naflexvit is covered by CI_EXTRA_TESTS, its registered
+# models being 86M parameters and up), and the smallest of each kind of eva.Eva model (EvaBlock:
+# EVA02, fixed and mixed RoPE ViT, Perception Encoder; the RoPE angle cache of fp8vit/eva.py once
+# crashed test_model_forward_fx's inference mode on mixed RoPE only).
 CONVERTED_MODELS = [
     "test_vit",                          # VisionTransformer, class token       (0.4M params)
     "test_vit2",                         # no class token, 1 register, avg pool, LayerScale
@@ -64,7 +67,12 @@ CONVERTED_MODELS = [
     "pit_ti_224",                        # pit.PoolingVisionTransformer         (4.9M)
     "crossvit_tiny_240",                 # crossvit.CrossVit                    (7M)
     "mobilevit_xxs",                     # byobnet MobileViT (Block inside MobileVitBlock) (1.3M)
+    "vitamin_small_224",                 # ViTamin: MbConv stem + Blocks with GeGLU MLP (22M)
     "eva02_tiny_patch14_224",            # eva.Eva: EvaBlock -> TE_EvaBlock, RoPE, SwiGLU (5.5M)
+    "vit_small_patch16_rope_224",        # eva.Eva RoPE ViT: fixed RoPE, AttentionRope, LayerScale (22M)
+    "vit_small_patch16_rope_mixed_224",  # mixed RoPE: learnable per-head table, timm's RoPE path (22M)
+    "vit_pe_core_tiny_patch16_384",      # Perception Encoder, attention pooling (6.1M; fixed 384 px:
+                                         # timm skips its FX/backward tests above 256 px, forward runs)
 ]
 # Models without a timm Block: convert_to_te must leave them alone.
 PASSTHROUGH_MODELS = [
@@ -199,9 +207,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _has_timm_block(model) -> bool:
-    from timm.models.vision_transformer import Block
+    """Whether ``model`` holds a block of one of fp8vit's families (``fp8vit.families``: timm's
+    ``vision_transformer.Block``, ``eva.EvaBlock``, ...), i.e. whether convert_to_te fuses anything.
+    Asked of fp8vit's own table, so that a family added there is converted here too."""
+    from fp8vit.families import fp8vit_block_for
 
-    return any(isinstance(m, Block) for m in model.modules())
+    return any(fp8vit_block_for(m) is not None for m in model.modules())
 
 
 def _xfail_reason(test_name: str, model_name: str):
