@@ -296,7 +296,7 @@ def test_rope_angles_cache_keys(monkeypatch):
     assert len(calls) == 10
     monkeypatch.undo()
     del calls[:], table  # the cache's entry goes with its table
-    assert fp8vit.blocks.eva._LAST_ANGLES[0] is None
+    assert fp8vit.blocks.eva._ANGLES._entry[0] is None
 
 
 def test_rope_angles_refuses_other_tables():

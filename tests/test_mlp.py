@@ -366,3 +366,34 @@ def test_norm_in_dtype_keeps_bf16_under_autocast(kind):
         assert float((got[n] - p.grad).abs().max()) <= 2 ** -6 * float(p.grad.abs().max()), n
     with torch.no_grad():  # FP32 in, or no autocast: the module itself, bit for bit
         assert torch.equal(norm_in_dtype(norm, h.float()), norm(h.float()))
+
+
+def test_naflexvit_float_mask_under_inference_mode():
+    # NaFlexViT builds its additive padding mask inside the forward: under torch.inference_mode it is
+    # an inference tensor, which has no version counter to key a cache on (reading it raised).
+    model, kw, patches = _naflex()
+    with torch.no_grad():
+        truth = model(patches, **kw)
+    fp8vit.convert_to_te(model, backend="reference")
+    with torch.inference_mode():
+        torch.testing.assert_close(model(patches, **kw), truth, rtol=1e-5, atol=1e-5)
+
+
+def test_float_mask_check_is_cached_per_mask_and_redone_after_a_change():
+    from fp8vit.blocks import base
+
+    block, te = _pair("swiglu")
+    x = torch.randn(2, 6, 64)
+    keep = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    keep[0, ..., 4:] = False
+    additive = torch.zeros(2, 1, 6, 6).masked_fill(~keep, float("-inf"))
+    te(x, attn_mask=additive)
+    assert base._MASKS._entry[0]() is additive  # checked once, shared by the next blocks
+    with torch.no_grad():
+        additive[1, ..., 0] = float("-inf")  # in place: the cached boolean mask is stale now
+        keep[1, ..., 0] = False
+    torch.testing.assert_close(te(x, attn_mask=additive), te(x, attn_mask=keep))
+    torch.testing.assert_close(te(x, attn_mask=additive), block(x, attn_mask=additive), rtol=1e-5, atol=1e-5)
+    additive += 0.5  # no longer a padding mask: refused, not served from the cache
+    with pytest.raises(ValueError, match="padding mask"):
+        te(x, attn_mask=additive)

@@ -193,7 +193,7 @@ def _counted(monkeypatch) -> list:
 
 
 def _in_cache(table) -> bool:
-    ref = fp8vit.blocks.eva._LAST_ANGLES[0]
+    ref = fp8vit.blocks.eva._ANGLES._entry[0]
     return ref is not None and ref() is table
 
 

@@ -296,9 +296,54 @@ def te_mask_kwargs(attn_mask: Optional[torch.Tensor], is_causal: bool) -> dict:
     return {}
 
 
-# NaFlexViT passes the same mask to every block: check its values once, not once per block (the
-# check reads the mask on the host, a device sync). One entry: (the mask, its version, the result).
-_LAST_MASK: list = [None, -1, None]
+class LastResult:
+    """The last result of a pure function of one tensor, kept while that tensor is unchanged: the
+    blocks of one forward share it (timm hands every block the same RoPE table and mask).
+
+    A call hits while the tensor is the same object with the same key:
+
+    * ``_version``: its content; every in-place change (an optimizer step, ``copy_`` by
+      ``load_state_dict``, ``mul_`` under ``no_grad``) increments it;
+    * device, dtype, shape, stride, ``data_ptr``: ``t.data = other`` (what ``module.to()`` does to a
+      parameter) gives the same object other data without a new version;
+    * the caller's ``extra`` values, and whether inference mode is on (results made under it are
+      inference tensors, which autograd cannot save).
+
+    Computed afresh, never cached: an inference tensor (no version counter: reading ``_version``
+    raises, so an in-place change could not be seen), a tensor that requires grad (a cached result
+    would carry a graph that the first backward frees), a tensor subclass (``Parameter``,
+    ``DTensor``, fake tensors), and anything while a CUDA graph is captured or ``torch.compile``
+    traces (the graph must compute from its own input, and no tensor of its pool may stay here).
+    Not seen, as by autograd's own saved-tensor check: a change through ``t.data.mul_()``.
+
+    One entry, held through a weak reference to the tensor: dropped when the tensor is freed.
+    """
+
+    def __init__(self) -> None:
+        self._entry: tuple = (None, None, None)  # (weakref to the tensor, key, result)
+
+    def get(self, t: torch.Tensor, compute, *extra):
+        """``compute()``, or its result for ``t`` and ``extra`` from the last call."""
+        if (type(t) is not torch.Tensor or t.requires_grad or t.is_inference() or torch.compiler.is_compiling()
+                or (t.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return compute()
+        key = (t._version, t.device, t.dtype, tuple(t.shape), t.stride(), t.data_ptr(), extra,
+               torch.is_inference_mode_enabled())
+        ref, last_key, result = self._entry
+        if ref is not None and ref() is t and last_key == key:
+            return result
+        result = compute()
+        self._entry = (weakref.ref(t, self._forget), key, result)
+        return result
+
+    def _forget(self, ref: weakref.ref) -> None:
+        if self._entry[0] is ref:
+            self._entry = (None, None, None)
+
+
+# NaFlexViT passes the same mask to every block: its values are checked once per mask, not once per
+# block (the check reads the mask on the host, a device sync).
+_MASKS = LastResult()
 
 
 def additive_to_bool(mask: torch.Tensor) -> torch.Tensor:
@@ -308,9 +353,10 @@ def additive_to_bool(mask: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: a non-float mask, or values neither 0 nor masked, naming one.
     """
-    ref, version, result = _LAST_MASK
-    if ref is not None and ref() is mask and version == mask._version:
-        return result
+    return _MASKS.get(mask, lambda: _additive_to_bool(mask))
+
+
+def _additive_to_bool(mask: torch.Tensor) -> torch.Tensor:
     if not mask.is_floating_point():
         raise ValueError(f"fp8vit's blocks take a boolean attn_mask (True = attend) or an additive float "
                          f"padding mask; got {mask.dtype}")
@@ -323,5 +369,4 @@ def additive_to_bool(mask: torch.Tensor) -> torch.Tensor:
                          f"0 (attend) or <= {threshold:.3g} / -inf (masked); this {mask.dtype} mask holds "
                          f"{value!r}: TE has no additive-bias attention kernel. Pass a boolean mask "
                          "(True = attend), or keep timm's block for this model")
-    _LAST_MASK[:] = [weakref.ref(mask), mask._version, keep]
     return keep

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -49,7 +48,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
     from timm.models._features_fx import register_notrace_module
 
 from .._validate import check_type
-from .base import FP8Block, check_block_args
+from .base import FP8Block, LastResult, check_block_args
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties, norm_in_dtype, torch_norm
 from .timm_layers import resolve_norm
 from .weights import (Part, Tie, copy_requires_grad, rename, te_requires_grad, te_to_timm, timm_requires_grad,
@@ -283,41 +282,15 @@ def rope_angles(rope: torch.Tensor, num_tokens: int, num_prefix_tokens: int) -> 
 
 # timm's Eva hands one RoPE table to every block of a forward (often the same tensor every forward:
 # RotaryEmbeddingCat's precomputed buffer), so its angles (atan2 + cat, [N, 1, 1, D]) are computed
-# once and reused. One entry: (a weak reference to the table, the key, the angles). The weak
-# reference's callback drops the entry when the table is freed, so at most one angles tensor is
-# held, and none past its table.
-_LAST_ANGLES: list = [None, None, None]
-
-
-def _forget_angles(ref: weakref.ref) -> None:
-    if _LAST_ANGLES[0] is ref:
-        _LAST_ANGLES[:] = [None, None, None]
-
-
-def _angles_key(rope: torch.Tensor, num_tokens: int, num_prefix_tokens: int) -> tuple:
-    """Everything besides the table's identity that the cached angles depend on.
-
-    * ``_version``: the table's content; every in-place change (an optimizer step, ``copy_`` by
-      ``load_state_dict``, ``mul_`` under ``no_grad``) increments it.
-    * device, dtype, shape, stride, ``data_ptr``: the same tensor object can be given other data
-      without a new version: ``t.data = other`` (what ``module.to()``/``.cuda()``/``.double()``
-      do to a parameter) keeps the object and its version.
-    * the token counts: the prefix's zero angles and the length check (:func:`rope_angles`).
-    * inference mode: angles computed under it are inference tensors, which autograd cannot save
-      for backward; angles computed outside it serve it, but stay apart for simplicity.
-
-    Not seen, as by autograd's own saved-tensor check: a change through ``t.data`` (``t.data.mul_``:
-    ``.data`` is a view with its own version counter).
-    """
-    return (rope._version, rope.device, rope.dtype, tuple(rope.shape), rope.stride(), rope.data_ptr(),
-            num_tokens, num_prefix_tokens, torch.is_inference_mode_enabled())
+# once and reused; at most one angles tensor is held, and none past its table.
+_ANGLES = LastResult()
 
 
 def forward_rope_angles(rope: torch.Tensor, num_tokens: int, num_prefix_tokens: int) -> Optional[torch.Tensor]:
     """:func:`rope_angles`, computed once per RoPE table: the blocks of one forward share its result.
 
-    A table hits the cache while it is the same tensor object with the same :func:`_angles_key`
-    (content version, device, dtype, shape, strides, storage, token counts, inference mode).
+    A table hits the cache while it is the same tensor object, unchanged (:class:`LastResult`: content
+    version, device, dtype, shape, strides, storage), with the same token counts and inference mode.
     Computed afresh every call, uncached:
 
     * an inference tensor (a table made under ``torch.inference_mode``: mixed RoPE's table every
@@ -333,16 +306,7 @@ def forward_rope_angles(rope: torch.Tensor, num_tokens: int, num_prefix_tokens: 
       table copied into that input), not read a tensor of an eager forward whose memory the graph
       does not own, and capture must not leave a tensor of the graph's pool in the cache.
     """
-    if (type(rope) is not torch.Tensor or rope.requires_grad or rope.is_inference()
-            or torch.compiler.is_compiling() or (rope.is_cuda and torch.cuda.is_current_stream_capturing())):
-        return rope_angles(rope, num_tokens, num_prefix_tokens)
-    key = _angles_key(rope, num_tokens, num_prefix_tokens)
-    ref, last_key, angles = _LAST_ANGLES
-    if ref is not None and ref() is rope and last_key == key:
-        return angles
-    angles = rope_angles(rope, num_tokens, num_prefix_tokens)
-    _LAST_ANGLES[:] = [weakref.ref(rope, _forget_angles), key, angles]
-    return angles
+    return _ANGLES.get(rope, lambda: rope_angles(rope, num_tokens, num_prefix_tokens), num_tokens, num_prefix_tokens)
 
 
 class _ZeroKBiasGrad:
