@@ -1,6 +1,7 @@
 """Shared test helpers: SNR, timm block/model factories, the examples as modules, tiny models of every
 block family, and data-parallel runs over 2 gloo processes on the CPU."""
 
+import contextlib
 import datetime
 import functools
 import importlib.util
@@ -366,3 +367,32 @@ def rank_results(results, case):
             pytest.fail(f"rank {r}, case {case}:\n{got['traceback']}")
         out.append(got)
     return out
+
+
+@contextlib.contextmanager
+def rope_angles_uncached():
+    """Every EVA block computes its RoPE angles itself (``rope_angles``), as before the cache existed."""
+    import fp8vit.blocks.eva as eva
+
+    saved = eva.forward_rope_angles
+    eva.forward_rope_angles = lambda *args: eva.rope_angles(*args)
+    try:
+        yield
+    finally:
+        eva.forward_rope_angles = saved
+
+
+def count_rope_angle_computations(monkeypatch) -> list:
+    """Each call of ``fp8vit.blocks.eva.rope_angles`` (the atan2 + cat) appends its arguments to the
+    list returned."""
+    import fp8vit.blocks.eva as eva
+
+    calls = []
+    uncounted = eva.rope_angles
+
+    def counted(*args):
+        calls.append(args)
+        return uncounted(*args)
+
+    monkeypatch.setattr(eva, "rope_angles", counted)
+    return calls

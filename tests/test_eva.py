@@ -13,6 +13,7 @@ from timm.models.eva import EvaBlock, EvaBlockPostNorm
 import fp8vit
 from fp8vit.blocks.eva import TE_EvaBlock, rope_angles
 from fp8vit.blocks.reference import rope as reference_rope
+from helpers import count_rope_angle_computations
 
 # Small versions of the EVA-family models the issue names; each covers an option set:
 # q/v biases + separate q/k/v + SwiGLU with the inner norm (EVA02-B/L), packed SwiGLU (EVA02-T),
@@ -231,19 +232,6 @@ def test_rope_angles_reproduce_timm(interleaved):
     assert not torch.allclose(wrong[:, npt:], want_patch, atol=1e-3)
 
 
-def _count_angle_computations(monkeypatch) -> list:
-    """Each call of fp8vit.blocks.eva.rope_angles (the atan2 + cat) appends its arguments to the list returned."""
-    calls = []
-    uncounted = fp8vit.blocks.eva.rope_angles
-
-    def counted(*args):
-        calls.append(args)
-        return uncounted(*args)
-
-    monkeypatch.setattr(fp8vit.blocks.eva, "rope_angles", counted)
-    return calls
-
-
 def test_rope_angles_once_per_forward_bit_identical_to_uncached(monkeypatch):
     model = _convert(_model("vit_base_patch16_rope_224", depth=4))
     x = torch.randn(2, 3, *model.patch_embed.img_size)
@@ -254,7 +242,7 @@ def test_rope_angles_once_per_forward_bit_identical_to_uncached(monkeypatch):
         out.square().sum().backward()
         return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    calls = _count_angle_computations(monkeypatch)
+    calls = count_rope_angle_computations(monkeypatch)
     cached = step()
     assert len(calls) == 1  # one table for 4 blocks
     # the uncached path: every block computes its own angles
@@ -272,7 +260,7 @@ def test_rope_angles_cache_keys(monkeypatch):
     table that requires grad, and during CUDA-graph capture; never past the table's life."""
     from fp8vit.blocks.eva import forward_rope_angles
 
-    calls = _count_angle_computations(monkeypatch)
+    calls = count_rope_angle_computations(monkeypatch)
     table = torch.rand(16, 8)
     first = forward_rope_angles(table, 17, 1)
     assert forward_rope_angles(table, 17, 1) is first and len(calls) == 1

@@ -18,6 +18,7 @@ import torch
 
 import fp8vit.blocks.eva
 from fp8vit.blocks.eva import TE_EvaBlock, forward_rope_angles, rope_angles
+from helpers import count_rope_angle_computations, rope_angles_uncached
 
 # Small versions (2 blocks, 4 x 4 patches, 64 wide) of the smallest timm model of each RoPE kind.
 MODELS = {
@@ -52,17 +53,6 @@ def _pair(name, **overrides):
     return ref, _convert(copy.deepcopy(ref))
 
 
-@contextlib.contextmanager
-def _uncached():
-    """Every block computes its angles itself (rope_angles), as before the cache existed."""
-    saved = fp8vit.blocks.eva.forward_rope_angles
-    fp8vit.blocks.eva.forward_rope_angles = lambda *args: rope_angles(*args)
-    try:
-        yield
-    finally:
-        fp8vit.blocks.eva.forward_rope_angles = saved
-
-
 def _images(model, batch=2, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, *model.patch_embed.img_size, generator=g)
@@ -72,7 +62,7 @@ def _check(te, ref, x, mode=contextlib.nullcontext):
     """te(x) under ``mode``: equal to the uncached computation, close to timm's model."""
     with mode():
         got = te(x)
-        with _uncached():
+        with rope_angles_uncached():
             uncached = te(x)
         want = ref(x)
     assert torch.equal(got, uncached)
@@ -180,18 +170,6 @@ def test_mixed_rope_after_optimizer_step_and_load_state_dict():
     _check(te, ref, x, torch.no_grad)
 
 
-def _counted(monkeypatch) -> list:
-    calls = []
-    uncounted = fp8vit.blocks.eva.rope_angles
-
-    def counted(*args):
-        calls.append(args)
-        return uncounted(*args)
-
-    monkeypatch.setattr(fp8vit.blocks.eva, "rope_angles", counted)
-    return calls
-
-
 def _in_cache(table) -> bool:
     ref = fp8vit.blocks.eva._ANGLES._entry[0]
     return ref is not None and ref() is table
@@ -203,7 +181,7 @@ def _fresh(table, n, npt):
 
 def test_cache_key_each_property(monkeypatch):
     """Each change of what the angles depend on recomputes them, to what a fresh computation gives."""
-    calls = _counted(monkeypatch)
+    calls = count_rope_angle_computations(monkeypatch)
     torch.manual_seed(0)
     table = torch.rand(16, 8) * 2 - 1
     first = forward_rope_angles(table, 17, 1)
@@ -249,7 +227,7 @@ def test_cache_key_each_property(monkeypatch):
 def test_uncached_tables(monkeypatch):
     """Inference tensors, tables that require grad, tensor subclasses, and tables seen during CUDA
     graph capture or compilation are computed every call and never enter the cache."""
-    calls = _counted(monkeypatch)
+    calls = count_rope_angle_computations(monkeypatch)
     torch.manual_seed(0)
     with torch.inference_mode():
         table = torch.rand(16, 8)  # an inference tensor: no version counter

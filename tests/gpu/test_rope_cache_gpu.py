@@ -9,7 +9,6 @@ kernel, other kernels); the same model computed twice (cached and uncached angle
 graphed-but-eval) 1e-5.
 """
 
-import contextlib
 import copy
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 import fp8vit
 import fp8vit.blocks.eva
 from fp8vit.blocks.eva import forward_rope_angles, rope_angles
-from helpers import max_rel_err, snr_db
+from helpers import max_rel_err, rope_angles_uncached, snr_db
 
 pytestmark = pytest.mark.gpu
 
@@ -42,16 +41,6 @@ def _timm_model(name):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     return model
-
-
-@contextlib.contextmanager
-def _uncached():
-    saved = fp8vit.blocks.eva.forward_rope_angles
-    fp8vit.blocks.eva.forward_rope_angles = lambda *args: rope_angles(*args)
-    try:
-        yield
-    finally:
-        fp8vit.blocks.eva.forward_rope_angles = saved
 
 
 def _images(device, batch=B):
@@ -95,7 +84,7 @@ def test_inference_after_move_to_cuda(name):
         with mode():
             want = ref(x)
             got_moved, got_te = moved(x), te(x)
-            with _uncached():
+            with rope_angles_uncached():
                 uncached_moved, uncached_te = moved(x), te(x)
             with fp8vit.fp8_context():
                 fp8 = te(x)
