@@ -355,6 +355,10 @@ def main(argv=None):
         print(f"done: {step} steps, last loss {loss.item():.4f}" + (f"; {summary}" if summary else "") + peak
               + (f" ({world} processes, {'FSDP2' if args.fsdp else 'DDP'})" if world > 1 else ""))
     if dist.is_initialized():
+        # Every rank reaches here before any tears its connections down: a rank whose peer has
+        # already closed them can abort in gloo's teardown ("terminate called without an active
+        # exception", seen once in CI's 2-rank FSDP2 resume test after the run had finished).
+        dist.barrier()
         dist.destroy_process_group()
 
 
