@@ -26,8 +26,8 @@ from .convert import FALLBACKS, convert_from_te, convert_to_te
 from .training.switches import set_block_fp8, set_grad_checkpointing, set_mlp_recompute
 from .training.detect import GPUInfo, fp8_support, gpu_info
 from .training.diagnostics import BlockStats, DiagnosisReport, diagnose
-from .training.distributed import (default_mp_policy, fp8_weight_init, fp8_weight_optimizer, latest_checkpoint,
-                                   load_checkpoint, save_checkpoint, shard_model)
+from .training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .training.distributed import default_mp_policy, fp8_weight_init, fp8_weight_optimizer, shard_model
 from .errors import Check, ConversionError, FP8UnavailableError, TEUnavailableError
 from .blocks.eva import TE_EvaBlock
 from .training.graphs import GraphedBlocks, make_graphed_blocks

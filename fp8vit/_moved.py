@@ -32,7 +32,7 @@ MOVED = {
     "fp8vit.context": ("fp8vit.training.context",),
     "fp8vit.graphs": ("fp8vit.training.graphs",),
     "fp8vit.guards": ("fp8vit.training.guards",),
-    "fp8vit.distributed": ("fp8vit.training.distributed",),
+    "fp8vit.distributed": ("fp8vit.training.distributed", "fp8vit.training.checkpoint"),
     "fp8vit.diagnostics": ("fp8vit.training.diagnostics",),
     "fp8vit.detect": ("fp8vit.training.detect",),
     "fp8vit.numerics": ("fp8vit.training.numerics",),
