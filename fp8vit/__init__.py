@@ -8,6 +8,7 @@
     with fp8vit.fp8_context():                    # bf16 autocast + TE FP8 where the GPU has it
         loss = criterion(model(images), labels)
     loss.backward()
+    # or carry FP8 in the model and keep the loop unchanged: fp8vit.convert_to_te(model, autocast=True)
 
 ``import fp8vit`` never requires TE or a GPU. If TE is installed and a GPU is visible, it is
 imported here, before any cuDNN kernel runs (a later import can load a clashing cuDNN).
@@ -22,6 +23,7 @@ from .blocks.backend import set_cudnn_layernorm
 from .blocks.vit import TE_Block
 from .blocks.config import BlockConfig
 from .training.context import FP8State, fp8_context
+from .training.autocast import set_fp8_autocast
 from .convert import FALLBACKS, convert_from_te, convert_to_te
 from .training.switches import set_block_fp8, set_grad_checkpointing, set_mlp_recompute
 from .training.detect import GPUInfo, fp8_support, gpu_info
@@ -57,6 +59,7 @@ __all__ = [
     # FP8 execution
     "fp8_context",
     "FP8State",
+    "set_fp8_autocast",
     "RecipeName",
     "RECIPE_NAMES",
     "make_recipe",

@@ -26,6 +26,7 @@ from .blocks.linear import (holds_linear, is_block, is_swapped, restore_owner, s
 from .blocks.weights import is_sharded
 from .errors import ConversionError
 from .summary import EXCLUDED, ConversionSummary, forget_summary, record_summary
+from .training.autocast import remove_fp8_autocast, set_fp8_autocast
 from .training.switches import (ModuleFilter, checkpointing_on, install_checkpointing, remove_checkpointing,
                                 set_grad_checkpointing)
 
@@ -53,6 +54,7 @@ def convert_to_te(
     backend: Optional[str] = None,
     fp32_residual: bool = False,
     fallback: str = "keep",
+    autocast: bool = False,
 ) -> nn.Module:
     """Give ``model`` FP8, in place: fp8vit's fused blocks where it has them, else (optionally) FP8 Linears.
 
@@ -88,13 +90,17 @@ def convert_to_te(
             bf16 under autocast). ``"error"``: raise :class:`ConversionError`. The default is
             ``"keep"`` because the swap was measured no faster than timm's bf16 eager step (H200,
             batch 128: Swin-B 0.90x, BEiT-B 1.00x; docs/families.md): it saves memory, not time.
+        autocast: True: the model carries FP8 (:func:`fp8vit.set_fp8_autocast` with its defaults),
+            so that an unchanged bf16 loop, with no ``fp8_context``, trains it in FP8. Where the
+            model holds nothing FP8 runs in, it warns and installs nothing.
 
     Returns:
         ``model`` (or the fused block replacing it, if ``model`` is a block of a family).
 
     Raises:
         TypeError: ``model`` is not a module, ``module_filter_fn`` not callable, ``exact_gelu`` or
-            ``fp32_residual`` not a bool, ``backend`` or ``fallback`` not a str; nothing is changed.
+            ``fp32_residual`` or ``autocast`` not a bool, ``backend`` or ``fallback`` not a str; nothing
+            is changed.
         ValueError: an unknown ``backend`` or ``fallback``; nothing is changed.
         ConversionError: with ``fallback="error"``: a block (chosen by the filter) cannot be
             fused, named with its path and the reason, or ``model`` holds nothing to convert.
@@ -108,6 +114,7 @@ def convert_to_te(
     check_backend(fn, backend)
     check_bool(fn, "fp32_residual", fp32_residual)
     check_choice(fn, "fallback", fallback, FALLBACKS)
+    check_bool(fn, "autocast", autocast)
     kw = dict(exact_gelu=exact_gelu, backend=backend, fp32_residual=fp32_residual)
     plan = _Plan(model, module_filter_fn, fallback, kw)
     plan.walk(model, "", None)
@@ -128,11 +135,19 @@ def convert_to_te(
     if summary.num_fused or summary.num_swapped:
         install_checkpointing(model)
     record_summary(model, summary)
+    holds_fp8 = bool(summary.num_fused or summary.num_swapped)
+    if autocast and holds_fp8:
+        set_fp8_autocast(model)
+    no_forward = ("; autocast=True installed no FP8 forward: nothing in the model runs FP8"
+                  if autocast and not holds_fp8 else "")
     if plan.empty:
         warnings.warn(f"fp8vit.convert_to_te: {type(model).__name__} holds nothing fp8vit can convert: "
-                      f"{_NOTHING}; it is unchanged", UserWarning, stacklevel=2)
+                      f"{_NOTHING}; it is unchanged{no_forward}", UserWarning, stacklevel=2)
     elif summary.unasked_kept:
-        warnings.warn(f"{summary.short()}. fp8vit.conversion_summary(model) lists them", UserWarning, stacklevel=2)
+        warnings.warn(f"{summary.short()}. fp8vit.conversion_summary(model) lists them{no_forward}", UserWarning,
+                      stacklevel=2)
+    elif no_forward:
+        warnings.warn(f"fp8vit.convert_to_te: {summary.short()}{no_forward}", UserWarning, stacklevel=2)
     return model
 
 
@@ -186,6 +201,11 @@ class _Plan:
             return
         if fqn in self.head:  # the classifier head: never converted
             self.outside.extend(_join(fqn, n) for n, m in mod.named_modules() if isinstance(m, nn.Linear))
+            return
+        if mod is not self.root and _is_model(mod):  # a timm model inside a wrapper (a LightningModule, ...)
+            self.head |= {_join(fqn, p) for p in _head_paths(mod)}
+            for name, child in mod.named_children():
+                self.walk(child, _join(fqn, name), holder)
             return
         cls = fp8vit_block_for(mod)
         if cls is not None or is_block(mod, root=mod is self.root):
@@ -247,6 +267,11 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
+def _is_model(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a timm model (its API: ``forward_features`` and ``get_classifier``), not a block."""
+    return callable(getattr(mod, "forward_features", None)) and callable(getattr(mod, "get_classifier", None))
+
+
 def _head_paths(model: nn.Module) -> set:
     """Paths of the classifier head: the model's ``head*`` children and what ``get_classifier()``
     returns (timm's API; a tuple for distilled models)."""
@@ -292,6 +317,7 @@ def convert_from_te(model: nn.Module) -> nn.Module:
                          "process too), and convert that one back")
     if isinstance(model, FP8Block):
         return model.to_timm()
+    remove_fp8_autocast(model)
     checkpointing = checkpointing_on(model)
     set_grad_checkpointing(model, False)
     new = {fqn: mod.to_timm() for fqn, mod in model.named_modules() if isinstance(mod, FP8Block)}

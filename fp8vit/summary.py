@@ -8,11 +8,12 @@ Linears, what it kept as it was and why, and the Linears outside every block.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Tuple
+from typing import Iterable, Optional, Tuple
 
 from torch import nn
 
 from ._validate import check_type
+from .training.autocast import describe_fp8_autocast
 
 __all__ = ["ConversionSummary", "conversion_summary", "record_summary", "forget_summary", "EXCLUDED"]
 
@@ -48,6 +49,8 @@ class ConversionSummary:
         kept: blocks and Linears left as they are (they run in the autocast dtype), keyed by reason.
         outside: the ``nn.Linear``s outside every block (classifier head, embeddings), which
             fp8vit never converts.
+        fp8_forward: where the model carries FP8 (:func:`fp8vit.set_fp8_autocast`), in words, as
+            :func:`conversion_summary` reads it; None: FP8 runs only inside an ``fp8_context``.
     """
 
     fallback: str
@@ -55,6 +58,7 @@ class ConversionSummary:
     swapped: Groups = ()
     kept: Groups = ()
     outside: Tuple[str, ...] = ()
+    fp8_forward: Optional[str] = None
 
     @property
     def num_fused(self) -> int:
@@ -85,7 +89,7 @@ class ConversionSummary:
         """Every field, JSON-able (groups as ``{key: [paths]}``)."""
         return {"fallback": self.fallback, "fused": {k: list(p) for k, p in self.fused},
                 "swapped": {k: list(p) for k, p in self.swapped}, "kept": {k: list(p) for k, p in self.kept},
-                "outside": list(self.outside)}
+                "outside": list(self.outside), "fp8_forward": self.fp8_forward}
 
     def short(self) -> str:
         """One line: the counts, and every reason for keeping something, with examples."""
@@ -95,6 +99,8 @@ class ConversionSummary:
         if self.kept:
             line += f", kept {self.num_kept} modules as they are: " + "; ".join(
                 f"{reason}: {len(p)} ({_examples(p, 2)})" for reason, p in self.kept)
+        if self.fp8_forward:
+            line += "; FP8 inside the model's forward"
         return line
 
     def table(self) -> str:
@@ -112,6 +118,7 @@ class ConversionSummary:
         section("kept as they are", self.kept, self.num_kept)
         lines.append(f"  {'Linears outside blocks':24s} {len(self.outside):5d}"
                      + (f"  (never converted: {_examples(self.outside)})" if self.outside else ""))
+        lines.append(f"  FP8: {self.fp8_forward or 'inside fp8_context() only (set_fp8_autocast: in the model)'}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -130,7 +137,8 @@ def forget_summary(model: nn.Module) -> None:
 
 
 def conversion_summary(model: nn.Module) -> ConversionSummary:
-    """The :class:`ConversionSummary` of the last :func:`fp8vit.convert_to_te` call on ``model``.
+    """The :class:`ConversionSummary` of the last :func:`fp8vit.convert_to_te` call on ``model``, with
+    where FP8 runs now (``fp8_forward``: inside the model, after :func:`fp8vit.set_fp8_autocast`).
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
@@ -141,4 +149,4 @@ def conversion_summary(model: nn.Module) -> ConversionSummary:
     if summary is None:
         raise ValueError(f"conversion_summary: this {type(model).__name__} was not converted; run "
                          "fp8vit.convert_to_te(model) first (it returns the model and leaves the summary on it)")
-    return summary
+    return dataclasses.replace(summary, fp8_forward=describe_fp8_autocast(model))

@@ -96,6 +96,7 @@ ROWS = [
     row("convert_to_te", "fallback", "lin", lambda v: fp8vit.convert_to_te(_vit(), fallback=v), ValueError,
         "'linear'", "'keep'", "'error'"),
     row("convert_to_te", "fallback", None, lambda v: fp8vit.convert_to_te(_vit(), fallback=v), TypeError, "'keep'"),
+    row("convert_to_te", "autocast", "yes", lambda v: fp8vit.convert_to_te(_vit(), autocast=v), TypeError, BOOL),
     row("convert_from_te", "model", "model", lambda v: fp8vit.convert_from_te(v), TypeError, MODULE),
     row("conversion_summary", "model", None, lambda v: fp8vit.conversion_summary(v), TypeError, MODULE),
     row("set_block_fp8", "model", None, lambda v: fp8vit.set_block_fp8(v, "blocks.0", False), TypeError, MODULE),
@@ -195,6 +196,18 @@ ROWS = [
     row("fp8_context", "strict", 1, lambda v: fp8vit.fp8_context(strict=v), TypeError, BOOL),
     row("fp8_context", "amax_reduction_group", "world", lambda v: fp8vit.fp8_context(amax_reduction_group=v),
         TypeError, _PG),
+    row("set_fp8_autocast", "model", None, lambda v: fp8vit.set_fp8_autocast(v), TypeError, MODULE),
+    row("set_fp8_autocast", "enabled", 1, lambda v: fp8vit.set_fp8_autocast(_converted(), v), TypeError, BOOL),
+    row("set_fp8_autocast", "recipe", "dealyed", lambda v: fp8vit.set_fp8_autocast(_converted(), recipe=v),
+        ValueError, *RECIPES),
+    row("set_fp8_autocast", "recipe", 3, lambda v: fp8vit.set_fp8_autocast(_converted(), recipe=v), TypeError,
+        *RECIPES),
+    row("set_fp8_autocast", "dtype", torch.float32, lambda v: fp8vit.set_fp8_autocast(_converted(), dtype=v),
+        ValueError, "torch.bfloat16"),
+    row("set_fp8_autocast", "dtype", None, lambda v: fp8vit.set_fp8_autocast(_converted(), dtype=v),
+        TypeError, "torch.bfloat16"),
+    row("set_fp8_autocast", "amax_reduction_group", "world",
+        lambda v: fp8vit.set_fp8_autocast(_converted(), amax_reduction_group=v), TypeError, _PG),
     row("make_recipe", "name", "bogus", lambda v: fp8vit.make_recipe(v), ValueError, *RECIPES),
     row("make_recipe", "name", None, lambda v: fp8vit.make_recipe(v), TypeError, *RECIPES),
     row("set_cudnn_layernorm", "enabled", 1, lambda v: fp8vit.set_cudnn_layernorm(v), TypeError, BOOL),
@@ -364,7 +377,7 @@ def _snapshot(model: nn.Module) -> tuple:
 
 @pytest.mark.parametrize("bad", [dict(backend="bogus"), dict(backend="cuda"), dict(fallback="lin"),
                                  dict(exact_gelu=1), dict(fp32_residual="yes"),
-                                 dict(module_filter_fn="blocks.0")], ids=str)
+                                 dict(module_filter_fn="blocks.0"), dict(autocast=1)], ids=str)
 def test_a_refused_conversion_leaves_the_model_unchanged(bad):
     model = _vit()
     modules, state, attrs = _snapshot(model)
@@ -439,6 +452,9 @@ def test_good_values_still_pass():
     group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1)
     with fp8vit.fp8_context(fp8vit.RecipeName.DELAYED, enabled=False, dtype=None, amax_reduction_group=group):
         pass
+    assert fp8vit.set_fp8_autocast(model, True, recipe=fp8vit.RecipeName.CURRENT, dtype=torch.float16,
+                                   amax_reduction_group=group) is model
+    fp8vit.set_fp8_autocast(model, False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the backend fallback note (no TE here)
         timm_block = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=1, num_heads=2,

@@ -2,6 +2,7 @@
 
 =================  ===================================================================================
 ``context``        ``fp8_context``: bf16 autocast + TE's FP8 autocast, with a clear fallback
+``autocast``       ``set_fp8_autocast``: the model's forward enters that context itself
 ``detect``         what this GPU runs: capability, FP8 recipes, the default one
 ``switches``       FP8 per block, activation checkpointing, MLP recompute
 ``graphs``         ``make_graphed_blocks``: the blocks' forward and backward as CUDA graphs

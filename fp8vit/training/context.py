@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from typing import Any, ContextManager, Iterator, Optional, Union
 
@@ -15,7 +16,7 @@ from .detect import gpu_info
 from .._te.recipes import check_recipe, recipe_name
 from .detect import resolve_recipe
 
-__all__ = ["fp8_context", "FP8State", "AUTOCAST_DTYPES", "check_autocast_dtype"]
+__all__ = ["fp8_context", "FP8State", "AUTOCAST_DTYPES", "check_autocast_dtype", "active_fp8_state"]
 
 # What torch autocast can run FP8's surrounding ops in (TE's GEMM outputs are in this dtype too).
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -30,6 +31,12 @@ def check_autocast_dtype(fn: str, dtype: Optional[torch.dtype], *, none_ok: bool
     """
     return check_choice(fn, "dtype", dtype, AUTOCAST_DTYPES, none_ok=none_ok,
                         also=" (no torch autocast)" if none_ok else "")
+
+
+def active_fp8_state() -> Optional["FP8State"]:
+    """The :class:`FP8State` of the innermost ``fp8_context`` being run (FP8 on or off), or None
+    outside every one (``set_fp8_autocast``'s forward then enters one itself)."""
+    return _ACTIVE.get()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,9 @@ class FP8State:
     recipe_name: Optional[str]
     dtype: Optional[torch.dtype]
     reason: str = ""
+
+
+_ACTIVE: contextvars.ContextVar[Optional[FP8State]] = contextvars.ContextVar("fp8vit_fp8_context", default=None)
 
 
 def fp8_context(
@@ -128,4 +138,8 @@ def _fp8_context(recipe, enabled: bool, dtype: Optional[torch.dtype], strict: bo
                 stack.enter_context(torch.autocast("cuda", dtype=dtype))
         if use_fp8:
             stack.enter_context(_te.autocast(enabled=True, recipe=te_recipe, amax_reduction_group=amax_reduction_group))
-        yield state
+        token = _ACTIVE.set(state)
+        try:
+            yield state
+        finally:
+            _ACTIVE.reset(token)

@@ -19,6 +19,7 @@ from .._validate import check_bool, check_int, check_items, check_model, check_m
 from ..blocks.base import FP8Block
 from ..blocks.families import fp8vit_block_for
 from ..blocks.linear import holds_linear, is_block, is_swapped
+from .autocast import own_forward, set_own_forward
 
 __all__ = ["set_block_fp8", "set_grad_checkpointing", "set_mlp_recompute", "ModuleFilter", "install_checkpointing",
            "remove_checkpointing", "checkpointing_on"]
@@ -99,13 +100,13 @@ def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> nn.Module:
     check_model("set_grad_checkpointing", model)
     check_bool("set_grad_checkpointing", "enable", enable)
     for mod in model.modules():
-        if isinstance(vars(mod).get("forward"), _CheckpointedForward):
-            del mod.forward
+        if isinstance(own_forward(mod), _CheckpointedForward):
+            set_own_forward(mod, None)
         if isinstance(mod, FP8Block):
             mod.grad_checkpointing = enable
     if enable:
-        for mod in _checkpoint_units(model):
-            mod.forward = _CheckpointedForward(mod)
+        for mod in _checkpoint_units(model):  # beneath set_fp8_autocast's forward, on a model that is a block
+            set_own_forward(mod, _CheckpointedForward(mod))
     return model
 
 
@@ -221,7 +222,7 @@ class _SetGradCheckpointing:
 def checkpointing_on(model: nn.Module) -> bool:
     """Whether any block of ``model`` checkpoints itself (:func:`set_grad_checkpointing`)."""
     return any(m.grad_checkpointing for m in model.modules() if isinstance(m, FP8Block)) or any(
-        isinstance(vars(m).get("forward"), _CheckpointedForward) for m in model.modules())
+        isinstance(own_forward(m), _CheckpointedForward) for m in model.modules())
 
 
 def remove_checkpointing(model: nn.Module) -> bool:
