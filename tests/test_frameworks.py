@@ -1,0 +1,66 @@
+"""What every framework integration relies on (docs/frameworks.md), on the CPU: a timm model inside
+a framework's own module converts as the model alone does, and ``torch.compile`` of a converted model
+trains as the model does uncompiled (graph breaks allowed). The frameworks themselves:
+tests/test_timm_train.py, tests/test_lightning.py, tests/test_accelerate.py."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import fp8vit
+
+
+def tiny_vit(num_classes=32, depth=2):
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=depth, num_classes=num_classes)
+
+
+class Wrapper(nn.Module):  # as a LightningModule holds the timm model
+    def __init__(self):
+        super().__init__()
+        self.model = tiny_vit()
+        self.extra = nn.Linear(32, 32)  # a Linear of the wrapper's own, outside every block
+
+
+@pytest.mark.parametrize("fallback", ["keep", "linear"])
+def test_a_model_inside_a_wrapper_converts_as_the_model_alone(fallback):
+    wrapper, alone = Wrapper(), tiny_vit()
+    fp8vit.convert_to_te(wrapper, fallback=fallback)
+    fp8vit.convert_to_te(alone, fallback=fallback)
+    # its classifier head stays a plain Linear (never FP8) and the model is not a "block" kept or swapped
+    assert type(wrapper.model.head) is nn.Linear and type(alone.head) is nn.Linear
+    s = fp8vit.conversion_summary(wrapper)
+    assert s.num_fused == 2 and s.num_swapped == 0 and not s.kept
+    assert set(s.outside) == {"model.head", "extra"}
+
+
+def compiled_against_eager(autocast: bool, backend: str):
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 0, 1])
+    results = []
+    for compile_it in (False, True):
+        model = fp8vit.convert_to_te(tiny_vit(num_classes=2), autocast=autocast)
+        run = torch.compile(model, backend=backend) if compile_it else model
+        losses = []
+        for _ in range(2):  # the second call runs the compiled code without compiling
+            if autocast:
+                out = run(x)
+            else:
+                with fp8vit.fp8_context():
+                    out = run(x)
+            loss = nn.functional.cross_entropy(out.float(), y)
+            loss.backward()
+            losses.append(loss.detach())
+        results.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    return results
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp8_context", "autocast=True"])
+def test_torch_compile_of_a_converted_model_trains_as_uncompiled(autocast):
+    (eager_losses, eager_grads), (losses, grads) = compiled_against_eager(autocast, "aot_eager")
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-2, atol=1e-3)
+    assert grads.keys() == eager_grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, eager_grads[name], rtol=5e-2, atol=1e-3, msg=name)
