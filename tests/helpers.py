@@ -396,3 +396,17 @@ def count_rope_angle_computations(monkeypatch) -> list:
 
     monkeypatch.setattr(eva, "rope_angles", counted)
     return calls
+
+
+def train_steps(model, data, opt, context=contextlib.nullcontext) -> list:
+    """One optimizer step per ``(x, y)`` in ``data``, cross entropy computed inside ``context()``
+    with the forward; the losses as floats."""
+    losses = []
+    for x, y in data:
+        with context():
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return losses

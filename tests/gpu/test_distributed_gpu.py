@@ -13,11 +13,10 @@ import pytest
 import timm
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fp8vit
-from helpers import GRAD_DB, LOGITS_DB, fp8_step, snr_db
+from helpers import GRAD_DB, LOGITS_DB, fp8_step, snr_db, train_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -58,15 +57,9 @@ def _data(n=4):
 
 
 def _train(model, data, recipe, opt):
-    losses = []
-    for x, y in data:  # recipe None: no autocast at all (the model's dtype, fp32 here)
-        with fp8vit.fp8_context(recipe, strict=True) if recipe else contextlib.nullcontext():
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-    return losses
+    # recipe None: no autocast at all (the model's dtype, fp32 here)
+    return train_steps(model, data, opt, lambda: fp8vit.fp8_context(recipe, strict=True) if recipe
+                       else contextlib.nullcontext())
 
 
 def _full(t):

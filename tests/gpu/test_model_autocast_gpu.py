@@ -10,12 +10,11 @@ import warnings
 import pytest
 import timm
 import torch
-import torch.nn.functional as F
 
 import fp8vit
 from fp8vit._te.fp8 import _delayed_states
 from fp8vit._te.recipes import recipe_name
-from helpers import LOGITS_DB, snr_db
+from helpers import LOGITS_DB, snr_db, train_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -59,16 +58,7 @@ def _train(model, data, loop, recipe=None):
     "explicit" (``fp8_context(recipe)``). Returns the losses."""
     ctx = {"unchanged": contextlib.nullcontext, "amp": lambda: torch.autocast("cuda", dtype=torch.bfloat16),
            "explicit": lambda: fp8vit.fp8_context(recipe)}[loop]
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-    losses = []
-    for x, y in data:
-        with ctx():
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-    return losses
+    return train_steps(model, data, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9), ctx)
 
 
 def _forward_scaling(model):
