@@ -1,9 +1,8 @@
 """HF accelerate: ``Accelerator(mixed_precision="bf16")`` with a model converted by
 ``convert_to_te(model, autocast=True)``: ``prepare``, steps in FP8 (bf16 on the CPU), ``save_state`` /
 ``load_state`` resuming exactly (CPU: reference modules; the GPU twin is
-tests/gpu/test_frameworks_gpu.py). ``save_state(..., safe_serialization=False)``: TE's delayed-scaling
-state is a dict in the state dict (plain tensors and numbers, ``weights_only``-safe), which
-safetensors cannot hold."""
+tests/gpu/test_frameworks_gpu.py). ``save_state``'s default, safetensors, holds fp8vit's FP8 scaling
+state: one uint8 tensor per TE module."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 import fp8vit  # noqa: E402
+from fp8vit._te import extra_state  # noqa: E402
 from fp8vit.training.autocast import fp8_forward  # noqa: E402
 from fp8vit.training.context import active_fp8_state  # noqa: E402
 
@@ -61,7 +61,7 @@ def test_prepare_train_save_state_load_state(accelerator, tmp_path):
         return {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
 
     steps(2)
-    accelerator.save_state(str(tmp_path / "state"), safe_serialization=False)  # FP8 state is no safetensors
+    accelerator.save_state(str(tmp_path / "state"))  # safetensors
     saved = weights()
     after = steps(2), weights()
 
@@ -82,8 +82,8 @@ def test_prepare_train_save_state_load_state(accelerator, tmp_path):
         assert plain(torch.randn(2, 3, 32, 32)).shape == (2, 2)
 
 
-class _DictExtraState(torch.nn.Module):
-    """What a TE module that ran delayed scaling puts in the state dict: a dict, not a tensor."""
+class _FP8State(torch.nn.Module):
+    """What a TE module that ran delayed scaling puts in the state dict (fp8vit's encoding)."""
 
     def __init__(self):
         super().__init__()
@@ -91,17 +91,18 @@ class _DictExtraState(torch.nn.Module):
         self.loaded = None
 
     def get_extra_state(self):
-        return {"scale_fwd": torch.ones(3), "amax_history_len": 16, "format": "fp8vit.delayed_scaling.v1"}
+        return extra_state.encode_state({
+            "recipe": {"margin": 0, "fp8_format": "HYBRID", "amax_history_len": 16}, "extra_fp8_variables": {},
+            "scale_fwd": torch.full((3,), 2.0), "amax_history_fwd": torch.ones(16, 3),
+            "scale_bwd": torch.ones(2), "amax_history_bwd": torch.zeros(16, 2)})
 
     def set_extra_state(self, state):
-        self.loaded = state
+        self.loaded = extra_state.decode_state(state)
 
 
-def test_save_state_needs_safe_serialization_false_for_fp8_state(accelerator, tmp_path):
-    model = accelerator.prepare(_DictExtraState())
-    with pytest.raises((AttributeError, TypeError)):  # accelerate's default, safetensors: tensors only
-        accelerator.save_state(str(tmp_path / "safe"))
-    accelerator.save_state(str(tmp_path / "pickle"), safe_serialization=False)
-    accelerator.load_state(str(tmp_path / "pickle"))
+def test_save_state_default_safetensors_keeps_fp8_state(accelerator, tmp_path):
+    model = accelerator.prepare(_FP8State())
+    accelerator.save_state(str(tmp_path / "safe"))  # accelerate's default: safetensors, tensors only
+    accelerator.load_state(str(tmp_path / "safe"))
     loaded = accelerator.unwrap_model(model).loaded
-    assert loaded["amax_history_len"] == 16 and torch.equal(loaded["scale_fwd"], torch.ones(3))
+    assert loaded["recipe"]["amax_history_len"] == 16 and torch.equal(loaded["scale_fwd"], torch.full((3,), 2.0))

@@ -190,8 +190,9 @@ def test_shard_model_needs_blocks_or_units_and_a_process_group():
 
 
 class _ScaleState(torch.nn.Module):
-    """Keeps its state as TE's modules do in fp8vit (``_SafeExtraState``): nothing (an empty uint8
-    tensor) before its first FP8 step, then a dict of tensors and plain values."""
+    """Keeps its state as fp8vit 0.1's TE modules did: nothing (an empty uint8 tensor) before its
+    first FP8 step, then a dict of tensors and plain values (checkpoints of that form still load;
+    today's form is one tensor, tests/test_extra_state.py)."""
 
     def __init__(self):
         super().__init__()

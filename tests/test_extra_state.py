@@ -1,4 +1,5 @@
-"""FP8 scaling state is checkpointed as plain tensors (loadable with weights_only=True).
+"""FP8 scaling state is checkpointed as one plain tensor (loadable with weights_only=True, by DCP and
+by safetensors), never a pickle.
 
 TE is not needed: a stand-in base class has the attributes TE's modules have
 (``fp8_meta`` with ``scaling_fwd``/``scaling_bwd``, ``init_fp8_meta_tensors``). The real TE
@@ -88,14 +89,56 @@ def test_round_trip_through_weights_only_load():
     torch.save(src.state_dict(), buf)
     buf.seek(0)
     sd = torch.load(buf, weights_only=True)  # would raise on any pickled object
-    assert sd["_extra_state"]["format"] == _te.EXTRA_STATE_FORMAT
+    blob = sd["_extra_state"]
+    assert isinstance(blob, torch.Tensor) and blob.dtype == torch.uint8
+    assert bytes(blob[:40].tolist()).startswith(_te.EXTRA_STATE_FORMAT.encode())
+    _assert_same_state(_loaded(sd), src)
+
+
+def _loaded(sd):
     dst = Module()
     dst.load_state_dict(sd)
+    assert dst.legacy_calls == []
+    return dst
+
+
+def _assert_same_state(dst, src):
     assert dst.fp8_meta["recipe"] == src.fp8_meta["recipe"] and dst.fp8_meta["num_gemms"] == 1
     for which in ("scaling_fwd", "scaling_bwd"):
         for name in ("scale", "amax_history"):
             assert torch.equal(getattr(dst.fp8_meta[which], name), getattr(src.fp8_meta[which], name))
-    assert dst.legacy_calls == []
+
+
+def test_round_trip_through_safetensors(tmp_path):
+    # accelerate's save_state writes safetensors, which takes tensors only (it refused the dict of 0.1)
+    from safetensors.torch import load_file, save_file
+
+    src = _trained()
+    save_file(src.state_dict(), str(tmp_path / "m.safetensors"))
+    _assert_same_state(_loaded(load_file(str(tmp_path / "m.safetensors"))), src)
+
+
+def test_round_trip_through_a_distributed_checkpoint(tmp_path):
+    import fp8vit
+
+    src = nn.Sequential(_trained())
+    fp8vit.save_checkpoint(str(tmp_path / "ckpt"), src)
+    dst = nn.Sequential(Module())
+    fp8vit.load_checkpoint(str(tmp_path / "ckpt"), dst)
+    _assert_same_state(dst[0], src[0])
+
+
+def test_the_dict_of_fp8vit_0_1_still_loads():
+    src = _trained()
+    state = extra_state.decode_state(src.get_extra_state())
+    sd = dict(src.state_dict(), _extra_state=dict(state, format="fp8vit.delayed_scaling.v1"))
+    _assert_same_state(_loaded(sd), src)
+
+
+def test_a_damaged_state_is_refused():
+    blob = _trained().get_extra_state()
+    with pytest.raises(ValueError, match="damaged"):
+        Module().set_extra_state(blob[:-4])
 
 
 def test_module_that_never_ran_fp8_stores_nothing():
@@ -112,7 +155,9 @@ def test_legacy_te_state_goes_to_te_loader():
 
 def test_shape_mismatch_is_reported():
     sd = _trained().state_dict()
-    sd["_extra_state"]["recipe"]["amax_history_len"] = 8
+    state = extra_state.decode_state(sd["_extra_state"])
+    state["recipe"]["amax_history_len"] = 8
+    sd["_extra_state"] = extra_state.encode_state(state)
     with pytest.raises(ValueError, match=r"amax_history_fwd has shape \(4, 3\).*expects \(8, 3\)"):
         Module().load_state_dict(sd)
 

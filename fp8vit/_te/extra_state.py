@@ -3,32 +3,77 @@
 
 TE stores delayed scaling's scales and amax histories in ``_extra_state`` as a pickled byte
 tensor, and since 2.20 refuses to load it without ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (a
-pickle can run arbitrary code). :class:`SafeExtraState` stores the same state as a dict of
-tensors and plain values, which ``torch.load(weights_only=True)`` reads safely.
+pickle can run arbitrary code). :class:`SafeExtraState` stores the same state without a pickle, as
+one uint8 tensor (:func:`encode_state`): a JSON header (the recipe's settings, TE's plain
+``fp8_meta`` values, the tensors' shapes) and the float32 bytes of the scales and histories. A
+tensor, because every checkpoint writer takes one: ``torch.save`` read back with
+``weights_only=True``, DCP (no unpickling on load) and safetensors (accelerate's ``save_state``,
+which refused the dict of fp8vit 0.1; that dict still loads).
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any, Dict, Optional
 
 import torch
 
 from .loader import te_module
 
-__all__ = ["EXTRA_STATE_FORMAT", "SafeExtraState"]
+__all__ = ["EXTRA_STATE_FORMAT", "SafeExtraState", "encode_state", "decode_state"]
 
-# Format tag of the plain-tensor FP8 scaling state written by fp8vit (see SafeExtraState).
-EXTRA_STATE_FORMAT = "fp8vit.delayed_scaling.v1"
+# Format tag of the FP8 scaling state fp8vit writes: v2 is the tensor (encode_state), v1 the dict of
+# fp8vit 0.1 (still read).
+EXTRA_STATE_FORMAT = "fp8vit.delayed_scaling.v2"
+_V1 = "fp8vit.delayed_scaling.v1"
+_MAGIC = (EXTRA_STATE_FORMAT + "\n").encode()
+_TENSORS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
+
+
+def encode_state(state: Dict[str, Any]) -> torch.Tensor:
+    """The scaling state (a dict: ``recipe``, ``extra_fp8_variables`` and the float tensors named in
+    ``_TENSORS``) as one uint8 tensor: the format tag and a newline, the JSON header and a newline,
+    then each tensor's float32 bytes (little-endian, as every CUDA host) in the header's order."""
+    tensors = [state[k].detach().to("cpu", torch.float32).contiguous() for k in _TENSORS]
+    header = {"recipe": state["recipe"], "extra_fp8_variables": state["extra_fp8_variables"],
+              "shapes": [list(t.shape) for t in tensors]}
+    head = torch.frombuffer(bytearray(_MAGIC + json.dumps(header).encode() + b"\n"), dtype=torch.uint8)
+    return torch.cat([head] + [t.flatten().view(torch.uint8) for t in tensors])
+
+
+def decode_state(blob: Any) -> Optional[Dict[str, Any]]:
+    """The dict :func:`encode_state` encoded (also fp8vit 0.1's dict as it was saved), or None for
+    anything else (TE's own pickled state, an empty tensor)."""
+    if isinstance(blob, dict):
+        return blob if blob.get("format") == _V1 else None
+    if not (isinstance(blob, torch.Tensor) and blob.dtype == torch.uint8 and blob.dim() == 1):
+        return None
+    raw = blob.detach().cpu()
+    if bytes(raw[:len(_MAGIC)].tolist()) != _MAGIC:
+        return None
+    data = bytes(raw.tolist())
+    end = data.index(b"\n", len(_MAGIC))
+    header = json.loads(data[len(_MAGIC):end])
+    state = {"recipe": header["recipe"], "extra_fp8_variables": header["extra_fp8_variables"]}
+    sizes = [4 * int(torch.Size(shape).numel()) for shape in header["shapes"]]
+    if end + 1 + sum(sizes) != len(data):
+        raise ValueError(f"fp8vit FP8 scaling state: {len(data)} bytes where its header describes "
+                         f"{end + 1 + sum(sizes)}; the checkpoint is damaged")
+    offset = end + 1
+    for name, shape, n in zip(_TENSORS, header["shapes"], sizes):
+        # clone: a slice at an offset that is not a multiple of 4 cannot be viewed as float32
+        state[name] = raw[offset:offset + n].clone().view(torch.float32).reshape(shape)
+        offset += n
+    return state
 
 
 class SafeExtraState:
     """Mixin for TE modules: FP8 delayed-scaling state as plain tensors, never a pickle; and
     modules that pickle whole (``torch.save(model)``).
 
-    TE stores the delayed-scaling scales and amax histories in ``_extra_state`` as a pickled
-    byte tensor, and since 2.20 refuses to load it without ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``
-    (a pickle can run arbitrary code). Here the same state is a dict of tensors, ints, floats,
-    bools and strings, which ``torch.load(weights_only=True)`` reads safely. Stateless recipes
-    (current, block, mxfp8) and modules that never ran FP8 store TE's empty tensor as before.
-    Old TE pickles still go through TE's own (guarded) loader.
+    The state is one uint8 tensor (:func:`encode_state`, see the module docstring). Stateless
+    recipes (current, block, mxfp8) and modules that never ran FP8 store TE's empty tensor as
+    before. Old TE pickles still go through TE's own (guarded) loader.
     """
 
     def get_extra_state(self):
@@ -47,8 +92,7 @@ class SafeExtraState:
             k: v for k, v in meta.items()
             if k != "buffer_index_and_autocast_key" and isinstance(v, (bool, int, float, str))
         }
-        return {
-            "format": EXTRA_STATE_FORMAT,
+        return encode_state({
             "recipe": {
                 "margin": int(recipe.margin),
                 "fp8_format": recipe.fp8_format.name,
@@ -63,11 +107,13 @@ class SafeExtraState:
             "scale_bwd": meta["scaling_bwd"].scale.detach().cpu().clone(),
             "amax_history_bwd": meta["scaling_bwd"].amax_history.detach().cpu().clone(),
             "extra_fp8_variables": extra,
-        }
+        })
 
     def set_extra_state(self, state):
-        if not (isinstance(state, dict) and state.get("format") == EXTRA_STATE_FORMAT):
+        decoded = decode_state(state)
+        if decoded is None:
             return super().set_extra_state(state)
+        state = decoded
         rec = te_module("transformer_engine.common.recipe")
         r = dict(state["recipe"])
         r["fp8_format"] = getattr(rec.Format, r["fp8_format"])

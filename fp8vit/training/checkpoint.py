@@ -331,7 +331,7 @@ def load_checkpoint(checkpoint_id, model: nn.Module,
     laid out as the checkpoint's metadata describes it before loading.
 
     Load only checkpoints you trust: DCP reads every non-tensor entry (the optimizer's
-    hyperparameters, ``extra``, the scaling state's recipe fields) with ``torch.load(...,
+    hyperparameters, ``extra``; FP8 scaling state is a tensor) with ``torch.load(...,
     weights_only=False)``, i.e. by unpickling (torch 2.14,
     ``torch/distributed/checkpoint/default_planner.py``, ``DefaultLoadPlanner.load_bytes``), unlike
     ``torch.load(weights_only=True)`` of a ``model.state_dict()`` file.

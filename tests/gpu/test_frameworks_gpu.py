@@ -85,7 +85,7 @@ def test_accelerate_trains_in_fp8_and_resumes(tmp_path):
             return out
 
         steps()
-        acc.save_state(str(tmp_path / "state"), safe_serialization=False)
+        acc.save_state(str(tmp_path / "state"))
         after = steps()
         acc.load_state(str(tmp_path / "state"))
         again = steps()
