@@ -19,6 +19,7 @@ from torch import nn
 
 from ._validate import check_bool, check_choice, check_model, check_module_filter
 from .blocks.backend import check_backend, resolve_backend
+from .blocks.compiled import compile_block, is_compiled_block, uncompile_block
 from .blocks.base import FP8Block
 from .blocks.families import FAMILIES, fp8vit_block_for
 from .blocks.linear import (holds_linear, is_block, is_swapped, restore_owner, swap_refusal, switch_owner, to_fp8_linear,
@@ -33,7 +34,7 @@ from .training.switches import (ModuleFilter, checkpointing_on, install_checkpoi
 __all__ = ["convert_to_te", "convert_from_te", "ModuleFilter", "FALLBACKS"]
 
 # What convert_to_te does with a block it cannot fuse (see its docstring).
-FALLBACKS = ("linear", "keep", "error")
+FALLBACKS = ("linear", "keep", "error", "compile")
 
 
 def _parent(model: nn.Module, fqn: str) -> Tuple[nn.Module, str]:
@@ -87,7 +88,13 @@ def convert_to_te(
             TE's FP8 ``Linear`` (``fp8vit.blocks.linear``: the same parameters and state dict keys, any
             leading dims, FP8 only inside ``fp8_context``; Linears whose features are not
             multiples of 16 stay as they are). ``"keep"``: leave them as they are (they run in
-            bf16 under autocast). ``"error"``: raise :class:`ConversionError`. The default is
+            bf16 under autocast). ``"error"``: raise :class:`ConversionError`. ``"compile"``: keep
+            them, each compiled in place with ``nn.Module.compile()`` (``torch.compile``, default
+            options; the same module object, parameters and state dict keys); the outermost
+            unfused block holding Linears is compiled, fused blocks are not. Compilation happens
+            at a block's first call; a block that fails to compile warns once, naming the block
+            and the error, and runs eagerly from then on (an error its eager forward raises too
+            is raised as it is). Opt-in, not yet measured. The default is
             ``"keep"`` because the swap was measured no faster than timm's bf16 eager step (H200,
             batch 128: Swin-B 0.90x, BEiT-B 1.00x; docs/families.md): it saves memory, not time.
         autocast: True: the model carries FP8 (:func:`fp8vit.set_fp8_autocast` with its defaults),
@@ -132,6 +139,8 @@ def convert_to_te(
         parent, name = _parent(model, fqn)
         switch_owner(new, parent, name)
         setattr(parent, name, new)
+    for fqn in plan.compile:
+        compile_block(model.get_submodule(fqn), fqn)
     if summary.num_fused or summary.num_swapped:
         install_checkpointing(model)
     record_summary(model, summary)
@@ -171,9 +180,11 @@ class _Plan:
     kw: dict
     fuse: Dict[str, nn.Module] = dataclasses.field(default_factory=dict)
     swap: Dict[str, nn.Linear] = dataclasses.field(default_factory=dict)
+    compile: List[str] = dataclasses.field(default_factory=list)
     fused: Dict[str, List[str]] = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
     swapped: Dict[str, List[str]] = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
     kept: Dict[str, List[str]] = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
+    compiled: Dict[str, List[str]] = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
     outside: List[str] = dataclasses.field(default_factory=list)
     # (fqn, Linear, (holding block's fqn, its class name, why it was not fused))
     linears: List[tuple] = dataclasses.field(default_factory=list)
@@ -246,6 +257,12 @@ class _Plan:
             if self.fallback == "keep":
                 self.kept[why].append(block)
                 continue
+            if self.fallback == "compile":
+                if not any(_inside(block, other) for other, _, _ in by_holder):  # the outermost only
+                    self.compiled[why].append(block)
+                    if not is_compiled_block(self.root.get_submodule(block)):  # compiled by an earlier call
+                        self.compile.append(block)
+                continue
             for fqn, lin in lins:
                 refusal = swap_refusal(lin)
                 if refusal is None and not self._allowed(lin, fqn):
@@ -256,11 +273,17 @@ class _Plan:
                 else:
                     self.kept[refusal].append(fqn)
         return ConversionSummary(fallback=self.fallback, fused=_groups(self.fused), swapped=_groups(self.swapped),
-                                 kept=_groups(self.kept), outside=tuple(self.outside))
+                                 kept=_groups(self.kept), compiled=_groups(self.compiled),
+                                 outside=tuple(self.outside))
 
 
 def _groups(d: Dict[str, List[str]]) -> tuple:
     return tuple((key, tuple(paths)) for key, paths in d.items() if paths)
+
+
+def _inside(fqn: str, other: str) -> bool:
+    """Whether the module at ``fqn`` lies strictly inside the one at ``other``."""
+    return fqn != other and (other == "" or fqn.startswith(other + "."))
 
 
 def _join(prefix: str, name: str) -> str:
@@ -323,6 +346,8 @@ def convert_from_te(model: nn.Module) -> nn.Module:
     new = {fqn: mod.to_timm() for fqn, mod in model.named_modules() if isinstance(mod, FP8Block)}
     for fqn, block in new.items():
         _swap(model, fqn, block)
+    for mod in model.modules():
+        uncompile_block(mod)
     swapped = [(fqn, mod) for fqn, mod in model.named_modules() if is_swapped(mod)]
     for fqn, mod in swapped:
         parent, name = _parent(model, fqn)

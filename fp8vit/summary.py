@@ -43,10 +43,13 @@ class ConversionSummary:
     dict. Paths are module paths in the model (``""``: the model itself).
 
     Attributes:
-        fallback: the ``fallback`` of the conversion (``"linear"``, ``"keep"`` or ``"error"``).
+        fallback: the ``fallback`` of the conversion (``"linear"``, ``"keep"``, ``"error"`` or
+            ``"compile"``).
         fused: blocks replaced by fp8vit's fused blocks, keyed by fp8vit block class.
         swapped: ``nn.Linear``s swapped for FP8 Linears, keyed by why their block was not fused.
         kept: blocks and Linears left as they are (they run in the autocast dtype), keyed by reason.
+        compiled: blocks kept unfused and compiled in place (``fallback="compile"``), keyed by
+            why they were not fused.
         outside: the ``nn.Linear``s outside every block (classifier head, embeddings), which
             fp8vit never converts.
         fp8_forward: where the model carries FP8 (:func:`fp8vit.set_fp8_autocast`), in words, as
@@ -57,6 +60,7 @@ class ConversionSummary:
     fused: Groups = ()
     swapped: Groups = ()
     kept: Groups = ()
+    compiled: Groups = ()
     outside: Tuple[str, ...] = ()
     fp8_forward: Optional[str] = None
 
@@ -76,9 +80,19 @@ class ConversionSummary:
         return _count(self.kept)
 
     @property
+    def num_compiled(self) -> int:
+        """Blocks compiled in place (``fallback="compile"``)."""
+        return _count(self.compiled)
+
+    @property
     def unasked_kept(self) -> Groups:
         """The ``kept`` groups other than those ``module_filter_fn`` asked for."""
         return tuple((r, p) for r, p in self.kept if r != EXCLUDED)
+
+    @property
+    def compiled_paths(self) -> Tuple[str, ...]:
+        """The compiled blocks' paths, group by group."""
+        return tuple(p for _, paths in self.compiled for p in paths)
 
     def counts(self) -> dict:
         """``{"fused": n, "linear": n, "kept": {reason: n}}``: the outcome in numbers (JSON-able)."""
@@ -89,6 +103,7 @@ class ConversionSummary:
         """Every field, JSON-able (groups as ``{key: [paths]}``)."""
         return {"fallback": self.fallback, "fused": {k: list(p) for k, p in self.fused},
                 "swapped": {k: list(p) for k, p in self.swapped}, "kept": {k: list(p) for k, p in self.kept},
+                "compiled": {k: list(p) for k, p in self.compiled},
                 "outside": list(self.outside), "fp8_forward": self.fp8_forward}
 
     def short(self) -> str:
@@ -96,6 +111,8 @@ class ConversionSummary:
         fused = ", ".join(f"{fam} {len(p)}" for fam, p in self.fused)
         line = (f"fp8vit.convert_to_te(fallback={self.fallback!r}): fused {self.num_fused} blocks"
                 + (f" ({fused})" if fused else "") + f", swapped {self.num_swapped} Linears for FP8 Linears")
+        if self.compiled:
+            line += f", compiled {self.num_compiled} blocks it cannot fuse ({_examples(self.compiled_paths, 2)})"
         if self.kept:
             line += f", kept {self.num_kept} modules as they are: " + "; ".join(
                 f"{reason}: {len(p)} ({_examples(p, 2)})" for reason, p in self.kept)
@@ -116,6 +133,8 @@ class ConversionSummary:
         section("fused fp8vit blocks", self.fused, self.num_fused)
         section("swapped to FP8 Linears", self.swapped, self.num_swapped)
         section("kept as they are", self.kept, self.num_kept)
+        if self.compiled:
+            section("compiled (torch.compile)", self.compiled, self.num_compiled)
         lines.append(f"  {'Linears outside blocks':24s} {len(self.outside):5d}"
                      + (f"  (never converted: {_examples(self.outside)})" if self.outside else ""))
         lines.append(f"  FP8: {self.fp8_forward or 'inside fp8_context() only (set_fp8_autocast: in the model)'}")

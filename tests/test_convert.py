@@ -436,7 +436,7 @@ def test_module_filter_fn_applies_to_blocks_and_linears_without_a_warning():
 
 
 def test_fallback_is_validated():
-    with pytest.raises(ValueError, match=r"fallback='lin'.*\['linear', 'keep', 'error'\]"):
+    with pytest.raises(ValueError, match=r"fallback='lin'.*\['linear', 'keep', 'error', 'compile'\]"):
         fp8vit.convert_to_te(_swin(), backend="reference", fallback="lin")
 
 

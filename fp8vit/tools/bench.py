@@ -140,7 +140,8 @@ _SETUP_CLASS = {"eager": "build", "graphed": "build", "compile": "compile", "tor
 def variant_kind(variant: str) -> str:
     """``"eager"``, ``"graphed"``, ``"compile"`` (torch.compile) or ``"torchao"`` (its compile)."""
     v = Variant.parse(variant)
-    return "torchao" if v.fp8 == "torchao" else "compile" if v.compile else "graphed" if v.graphed else "eager"
+    return ("torchao" if v.fp8 == "torchao" else "compile" if v.compile or v.block_compile
+            else "graphed" if v.graphed else "eager")
 
 
 class RunEstimate:

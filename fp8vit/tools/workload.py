@@ -15,6 +15,9 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-RECIPE-linear``       ``convert_to_te(fallback="linear")``: blocks fp8vit has no fused
                                    block for (Swin, BEiT, ...) get FP8 Linears (the generic path);
                                    on a model of fused blocks only, the same as without ``-linear``
+``fp8vit-fp8-delayed-blockcompile[-graphed]``  ``convert_to_te(fallback="compile")``: the blocks
+                                   fp8vit cannot fuse are ``torch.compile``d one by one (the fused
+                                   blocks are not; ``-graphed`` captures those)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` (``-cudnn-norm-graphed``:
@@ -57,6 +60,7 @@ VARIANTS = (
     *(f"fp8vit-fp8-{r}" for r in RECIPE_NAMES), *(f"fp8vit-fp8-{r}-graphed" for r in RECIPE_NAMES),
     *(f"fp8vit-fp8-{r}-cudnn-norm{g}" for g in ("", "-graphed") for r in RECIPE_NAMES),
     "fp8vit-fp8-delayed-linear", "fp8vit-fp8-current-linear",
+    "fp8vit-fp8-delayed-blockcompile", "fp8vit-fp8-delayed-blockcompile-graphed",
 )
 
 
@@ -72,6 +76,8 @@ class Variant:
         graphed: capture the blocks as CUDA graphs.
         cudnn_norm: TE's LayerNorm on cuDNN's kernels (:func:`fp8vit.set_cudnn_layernorm`).
         linear: the blocks fp8vit cannot fuse get FP8 Linears (``convert_to_te(fallback="linear")``).
+        block_compile: the blocks fp8vit cannot fuse are compiled one by one
+            (``convert_to_te(fallback="compile")``).
     """
 
     name: str
@@ -81,6 +87,7 @@ class Variant:
     graphed: bool
     cudnn_norm: bool = False
     linear: bool = False
+    block_compile: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -95,7 +102,8 @@ class Variant:
         if name.startswith("te-layer"):
             return cls(name, "te-layer", "delayed", False, graphed)
         fp8 = parts[2] if name.startswith("fp8vit-fp8") else None
-        return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm, linear=parts[-1] == "linear")
+        return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm, linear=parts[-1] == "linear",
+                   block_compile="blockcompile" in parts)
 
     @property
     def te_fp8(self) -> bool:
@@ -197,7 +205,7 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if eager_cudnn_norm or _te.cudnn_norm_enabled():  # a variant without the switch runs TE's kernels
         set_cudnn_layernorm(eager_cudnn_norm)
     if v.blocks == "fp8vit":
-        convert_to_te(net, backend=backend, fallback="linear" if v.linear else "keep")
+        convert_to_te(net, backend=backend, fallback="linear" if v.linear else "compile" if v.block_compile else "keep")
         if mlp_recompute:
             set_mlp_recompute(net, every=mlp_recompute)
     if v.fp8 == "torchao":

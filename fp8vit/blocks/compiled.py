@@ -1,0 +1,74 @@
+"""``convert_to_te(fallback="compile")``: the blocks fp8vit cannot fuse, compiled in place.
+
+:func:`compile_block` does what ``nn.Module.compile()`` does (``module._compiled_call_impl =
+torch.compile(module._call_impl)``: the same module object, parameters and state dict keys; the
+module's ``__call__`` runs the compiled function) behind a guard: ``torch.compile`` compiles at
+the first call, so a block that cannot compile fails there. The guard catches dynamo's and
+inductor's exceptions (``torch._dynamo.exc.TorchDynamoException``, which ``InductorError``,
+``BackendCompilerFailed``, ``Unsupported`` and ``TorchRuntimeError`` derive from) and runs the same
+call eagerly: if the eager call raises too, the error is the model's own (a shape error shows
+as ``TorchRuntimeError`` while tracing) and the eager error is raised, the block staying
+compiled; if it runs, the block warns once, naming itself and the compiler's error, and runs
+eagerly from then on. Failures of a backward compiled later than its forward are not caught.
+
+Pickling and ``copy.deepcopy`` drop the compilation (``nn.Module.__getstate__`` drops
+``_compiled_call_impl``), as they do for ``nn.Module.compile()``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+__all__ = ["compile_block", "is_compiled_block", "uncompile_block"]
+
+# Marks the guard that compile_block installs, with the block's path (uncompile_block undoes
+# only these, not a user's own nn.Module.compile()).
+_MARK = "_fp8vit_compiled_block"
+
+
+def _compiler_errors() -> tuple:
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+    except ImportError:  # pragma: no cover - every torch fp8vit supports has it
+        return ()
+    return (TorchDynamoException,)
+
+
+def compile_block(module: nn.Module, fqn: str) -> nn.Module:
+    """Compile ``module`` in place (``torch.compile``'s defaults), with the guard of the module
+    docstring; ``fqn`` names it in the warning. Returns ``module``."""
+    compiled = torch.compile(module._call_impl)
+    errors = _compiler_errors()
+
+    def call(*args, **kwargs):
+        try:
+            return compiled(*args, **kwargs)
+        except errors as err:
+            out = module._call_impl(*args, **kwargs)  # raises the model's own error, if it is one
+            first = str(err).strip().splitlines()
+            warnings.warn(f"fp8vit: {fqn or '<model>'} ({type(module).__name__}) could not be compiled "
+                          f"(convert_to_te(fallback='compile')): {type(err).__name__}: "
+                          f"{first[0] if first else ''}; it runs eagerly from now on", UserWarning, stacklevel=3)
+            module._compiled_call_impl = None
+            return out
+
+    setattr(call, _MARK, fqn)
+    module._compiled_call_impl = call
+    return module
+
+
+def is_compiled_block(module: nn.Module) -> bool:
+    """Whether :func:`compile_block` compiled ``module`` (and it has not fallen back to eager)."""
+    return getattr(getattr(module, "_compiled_call_impl", None), _MARK, None) is not None
+
+
+def uncompile_block(module: nn.Module) -> bool:
+    """Undo :func:`compile_block` on ``module`` (not a user's own ``nn.Module.compile()``);
+    whether there was anything to undo."""
+    if not is_compiled_block(module):
+        return False
+    module._compiled_call_impl = None
+    return True

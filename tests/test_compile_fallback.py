@@ -1,0 +1,123 @@
+"""convert_to_te(fallback="compile"): the blocks fp8vit cannot fuse, compiled in place per block
+(CPU, reference backend, torch.compile's default backend on tiny models)."""
+
+import copy
+import warnings
+
+import pytest
+import timm
+import torch
+from timm.models.vision_transformer import ResPostBlock, VisionTransformer
+
+import fp8vit
+from fp8vit.blocks import compiled as compiled_mod
+from fp8vit.blocks.compiled import is_compiled_block
+
+
+def _beit():
+    torch.manual_seed(0)
+    return timm.create_model("beit_base_patch16_224", depth=2, embed_dim=64, num_heads=2, img_size=32,
+                             patch_size=16, num_classes=5, drop_path_rate=0.0)
+
+
+def _convert(model, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the backend note (no TE here)
+        return fp8vit.convert_to_te(model, backend="reference", fallback="compile", **kw)
+
+
+def test_compile_fallback_matches_eager_forward_and_backward():
+    torch._dynamo.reset()
+    model = _beit()
+    ref = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    params = [id(p) for p in model.parameters()]
+    assert _convert(model) is model
+    summary = fp8vit.conversion_summary(model)
+    assert summary.fallback == "compile" and summary.num_compiled == 2 and summary.num_kept == 0
+    assert summary.compiled_paths == ("blocks.0", "blocks.1")
+    assert "compiled (torch.compile)" in summary.table() and "compiled 2 blocks" in summary.short()
+    assert summary.to_dict()["compiled"] == {"Block: no fp8vit block for this class": ["blocks.0", "blocks.1"]}
+    assert all(is_compiled_block(b) for b in model.blocks)
+    assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
+
+    x = torch.randn(3, 3, 32, 32)
+    torch._dynamo.utils.counters.clear()
+    for m in (model, ref):
+        m.train()
+        m(x).square().sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the blocks did compile
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+    assert fp8vit.convert_from_te(model) is model
+    assert not any(is_compiled_block(m) for m in model.modules())
+    assert all(m._compiled_call_impl is None for m in model.modules())
+    assert list(model.state_dict()) == keys
+    with pytest.raises(ValueError, match="was not converted"):
+        fp8vit.conversion_summary(model)
+
+
+def test_fused_blocks_stay_uncompiled_and_a_second_call_keeps_the_compilation():
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=2, num_classes=5)
+    model.blocks[1] = ResPostBlock(64, 2)  # no fp8vit block for it
+    _convert(model)
+    summary = fp8vit.conversion_summary(model)
+    assert summary.num_fused == 1 and summary.compiled_paths == ("blocks.1",)
+    assert not is_compiled_block(model.blocks[0]) and model.blocks[0]._compiled_call_impl is None
+    guard = model.blocks[1]._compiled_call_impl
+    _convert(model)  # converts what is left: nothing; the compiled block stays as it was
+    assert fp8vit.conversion_summary(model).compiled_paths == ("blocks.1",)
+    assert model.blocks[1]._compiled_call_impl is guard
+
+
+def test_module_filter_keeps_a_block_uncompiled():
+    model = _beit()
+    _convert(model, module_filter_fn=lambda mod, fqn: fqn != "blocks.0")
+    summary = fp8vit.conversion_summary(model)
+    assert summary.compiled_paths == ("blocks.1",) and dict(summary.kept) == {fp8vit.summary.EXCLUDED: ("blocks.0",)}
+    assert not is_compiled_block(model.blocks[0]) and is_compiled_block(model.blocks[1])
+
+
+def _failing_compile(fn, *args, **kwargs):
+    def call(*a, **kw):
+        raise torch._dynamo.exc.TorchRuntimeError("inductor could not lower aten.frobnicate")
+    return call
+
+
+def test_a_block_that_cannot_compile_warns_once_and_runs_eagerly(monkeypatch):
+    monkeypatch.setattr(compiled_mod.torch, "compile", _failing_compile)
+    model = _beit().eval()
+    ref = copy.deepcopy(model)
+    _convert(model)
+    x = torch.randn(2, 3, 32, 32)
+    with pytest.warns(UserWarning, match=r"blocks\.\d \(Block\) could not be compiled.*TorchRuntimeError: "
+                                         r"inductor could not lower.*eagerly from now on") as record:
+        out = model(x)
+    assert len([w for w in record if "could not be compiled" in str(w.message)]) == 2  # one per block
+    torch.testing.assert_close(out, ref(x))
+    assert not any(is_compiled_block(b) for b in model.blocks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(model(x), ref(x))
+
+
+def test_the_models_own_errors_are_raised_not_taken_for_compile_failures(monkeypatch):
+    monkeypatch.setattr(compiled_mod.torch, "compile", _failing_compile)
+    model = _beit().eval()
+    _convert(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError) as info:
+            model.blocks[0](torch.randn(2, 5, 32))  # 32 features, the block wants 64
+    assert not isinstance(info.value, torch._dynamo.exc.TorchDynamoException)
+    assert is_compiled_block(model.blocks[0])  # still compiled: the failure was the model's
+
+
+def test_compile_is_a_fallback_choice():
+    assert "compile" in fp8vit.FALLBACKS
+    with pytest.raises(ValueError, match=r"'compile'"):
+        fp8vit.convert_to_te(_beit(), backend="reference", fallback="compiled")
