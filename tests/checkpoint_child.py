@@ -151,6 +151,9 @@ def main():
             dcp_resume(out)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
+        # Both ranks finish before either tears gloo down: a rank whose peer had already closed its
+        # connections aborted in teardown once in CI ("terminate called without an active exception").
+        torch.distributed.barrier()
 
 
 if __name__ == "__main__":
