@@ -34,7 +34,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, 
 import torch
 
 __all__ = ["Part", "Tie", "rename", "name_pairs", "timm_to_te", "te_to_timm",
-           "te_requires_grad", "timm_requires_grad", "copy_requires_grad", "timm_shapes", "is_sharded"]
+           "te_requires_grad", "timm_requires_grad", "copy_requires_grad", "is_sharded"]
 
 _EXTRA = "_extra_state"
 
@@ -235,21 +235,6 @@ def copy_requires_grad(src, dst, convert, layout: Layout) -> None:
     dst_params = dict(dst.named_parameters())
     for name, flag in convert(flags, layout).items():
         dst_params[name].requires_grad_(flag)
-
-
-def timm_shapes(layout: Layout, te_shapes: Mapping[str, Sequence[int]]) -> Dict[str, Tuple[int, ...]]:
-    """The timm tensors' shapes, from the TE tensors' (to create timm-shaped tensors, e.g. to
-    initialise them as timm does), in the layout's order."""
-    ends: Dict[str, Tuple[List[int], int]] = {}
-    for tie in _ties(layout):
-        shape = list(te_shapes[tie.te])
-        for p, length in zip(tie.parts, _part_lengths(tie, shape[tie.dim])):
-            if p.name is None:
-                continue
-            s, old = list(shape), ends.get(p.name)
-            s[tie.dim] = max(p.start + length, old[0][tie.dim] if old else 0)
-            ends[p.name] = (s, tie.dim)
-    return {name: tuple(s) for name, (s, _) in ends.items()}
 
 
 def is_sharded(t: torch.Tensor) -> bool:
