@@ -28,6 +28,7 @@ from .blocks.weights import is_sharded
 from .errors import ConversionError
 from .summary import EXCLUDED, ConversionSummary, forget_summary, record_summary
 from .training.autocast import remove_fp8_autocast, set_fp8_autocast
+from .training.graphs import install_graphs, remove_graphs
 from .training.switches import (ModuleFilter, checkpointing_on, install_checkpointing, remove_checkpointing,
                                 set_grad_checkpointing)
 
@@ -56,6 +57,7 @@ def convert_to_te(
     fp32_residual: bool = False,
     fallback: str = "keep",
     autocast: bool = False,
+    cuda_graphs: bool = False,
 ) -> nn.Module:
     """Give ``model`` FP8, in place: fp8vit's fused blocks where it has them, else (optionally) FP8 Linears.
 
@@ -100,13 +102,17 @@ def convert_to_te(
         autocast: True: the model carries FP8 (:func:`fp8vit.set_fp8_autocast` with its defaults),
             so that an unchanged bf16 loop, with no ``fp8_context``, trains it in FP8. Where the
             model holds nothing FP8 runs in, it warns and installs nothing.
+        cuda_graphs: True: the blocks run as CUDA graphs, each batch shape captured at its second
+            training step (:func:`fp8vit.make_graphed_blocks` with no batch size: at most 3 shapes,
+            the rest and eval eager), so that an unchanged loop gets them. Needs no GPU yet; warns
+            and installs nothing where the model has no ``blocks``.
 
     Returns:
         ``model`` (or the fused block replacing it, if ``model`` is a block of a family).
 
     Raises:
         TypeError: ``model`` is not a module, ``module_filter_fn`` not callable, ``exact_gelu`` or
-            ``fp32_residual`` or ``autocast`` not a bool, ``backend`` or ``fallback`` not a str; nothing
+            ``fp32_residual``, ``autocast`` or ``cuda_graphs`` not a bool, ``backend`` or ``fallback`` not a str; nothing
             is changed.
         ValueError: an unknown ``backend`` or ``fallback``; nothing is changed.
         ConversionError: with ``fallback="error"``: a block (chosen by the filter) cannot be
@@ -122,6 +128,7 @@ def convert_to_te(
     check_bool(fn, "fp32_residual", fp32_residual)
     check_choice(fn, "fallback", fallback, FALLBACKS)
     check_bool(fn, "autocast", autocast)
+    check_bool(fn, "cuda_graphs", cuda_graphs)
     kw = dict(exact_gelu=exact_gelu, backend=backend, fp32_residual=fp32_residual)
     plan = _Plan(model, module_filter_fn, fallback, kw)
     plan.walk(model, "", None)
@@ -147,6 +154,9 @@ def convert_to_te(
     holds_fp8 = bool(summary.num_fused or summary.num_swapped)
     if autocast and holds_fp8:
         set_fp8_autocast(model)
+    not_graphed = install_graphs(model) if cuda_graphs else None
+    if not_graphed:
+        warnings.warn(f"fp8vit.convert_to_te(cuda_graphs=True): {not_graphed}", UserWarning, stacklevel=2)
     no_forward = ("; autocast=True installed no FP8 forward: nothing in the model runs FP8"
                   if autocast and not holds_fp8 else "")
     if plan.empty:
@@ -341,6 +351,7 @@ def convert_from_te(model: nn.Module) -> nn.Module:
     if isinstance(model, FP8Block):
         return model.to_timm()
     remove_fp8_autocast(model)
+    remove_graphs(model)
     checkpointing = checkpointing_on(model)
     set_grad_checkpointing(model, False)
     new = {fqn: mod.to_timm() for fqn, mod in model.named_modules() if isinstance(mod, FP8Block)}

@@ -99,6 +99,7 @@ ROWS = [
         "'compile'"),
     row("convert_to_te", "fallback", None, lambda v: fp8vit.convert_to_te(_vit(), fallback=v), TypeError, "'keep'"),
     row("convert_to_te", "autocast", "yes", lambda v: fp8vit.convert_to_te(_vit(), autocast=v), TypeError, BOOL),
+    row("convert_to_te", "cuda_graphs", 1, lambda v: fp8vit.convert_to_te(_vit(), cuda_graphs=v), TypeError, BOOL),
     row("convert_from_te", "model", "model", lambda v: fp8vit.convert_from_te(v), TypeError, MODULE),
     row("conversion_summary", "model", None, lambda v: fp8vit.conversion_summary(v), TypeError, MODULE),
     row("set_block_fp8", "model", None, lambda v: fp8vit.set_block_fp8(v, "blocks.0", False), TypeError, MODULE),
@@ -231,6 +232,10 @@ ROWS = [
         lambda v: fp8vit.make_graphed_blocks(_vit(), 8, fused_wgrad=v), TypeError, BOOL),
     row("make_graphed_blocks", "amax_reduction_group", "world",
         lambda v: fp8vit.make_graphed_blocks(_vit(), 8, amax_reduction_group=v), TypeError, _PG),
+    row("make_graphed_blocks", "max_shapes", 0, lambda v: fp8vit.make_graphed_blocks(_vit(), max_shapes=v),
+        ValueError, INT1),
+    row("make_graphed_blocks", "max_shapes", 2.5, lambda v: fp8vit.make_graphed_blocks(_vit(), max_shapes=v),
+        TypeError, INT1),
     # ----------------------------------------------------------------- several GPUs
     row("shard_model", "model", "model", lambda v: fp8vit.shard_model(v), TypeError, MODULE),
     row("shard_model", "mesh", "cuda", lambda v: fp8vit.shard_model(_converted(), mesh=v), TypeError, "DeviceMesh"),
@@ -379,7 +384,8 @@ def _snapshot(model: nn.Module) -> tuple:
 
 @pytest.mark.parametrize("bad", [dict(backend="bogus"), dict(backend="cuda"), dict(fallback="lin"),
                                  dict(exact_gelu=1), dict(fp32_residual="yes"),
-                                 dict(module_filter_fn="blocks.0"), dict(autocast=1)], ids=str)
+                                 dict(module_filter_fn="blocks.0"), dict(autocast=1),
+                                 dict(cuda_graphs="yes")], ids=str)
 def test_a_refused_conversion_leaves_the_model_unchanged(bad):
     model = _vit()
     modules, state, attrs = _snapshot(model)

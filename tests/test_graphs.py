@@ -1,25 +1,132 @@
-"""make_graphed_blocks refuses what it cannot capture, before touching the model (CPU)."""
+"""make_graphed_blocks on the CPU: what it refuses before touching the model, and the shape cache's
+policy (second-sight capture, the limit, its warnings, eval, requires_grad and switch changes, two
+forwards before one backward, FSDP2, a failed capture, copies) with TE's capture replaced by a fake.
+
+The fake stands where ``GraphedBlocks._run_capture`` calls TE's ``make_graphed_callables``: it
+records what it was asked to capture and returns, per graphed module, a "graph" that doubles its
+input through a custom autograd Function (TE's replay is one too). The GPU twin
+(tests/gpu/test_graphs_gpu.py, test_graph_cache_gpu.py) checks the numerics with TE's real capture.
+"""
+
+import copy
+import pickle
+import warnings
 
 import pytest
+import timm
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
 import fp8vit
+from fp8vit.training import graphs as G
 
 
-def _vit():
-    return fp8vit.convert_to_te(VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=4,
-                                                  num_classes=3), backend="reference")
+def _vit(depth=2, **kw):
+    torch.manual_seed(0)
+    return fp8vit.convert_to_te(VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=depth, num_heads=4,
+                                                  num_classes=3), backend="reference", **kw)
 
 
+def _eva():
+    torch.manual_seed(0)
+    model = timm.create_model("eva02_base_patch14_224", pretrained=False, img_size=56, embed_dim=64, num_heads=4,
+                              depth=3, num_classes=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fp8vit.convert_to_te(model, backend="reference", exact_gelu=True)
+
+
+def _images(batch, size=32):
+    return torch.randn(batch, 3, size, size)
+
+
+class _Delayed:
+    """What fp8vit.training.graphs reads of a TE recipe: its name (recipe_name asks .delayed())."""
+
+    def delayed(self):
+        return True
+
+
+class _Current:
+    def float8_current_scaling(self):
+        return True
+
+
+def _fake_graph():
+    """A fake graph replay, like TE's: a custom autograd Function that writes a static output
+    buffer and returns it detached (the same storage every replay)."""
+    static = []
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            if not static:
+                static.append(torch.empty_like(x))
+            static[0].copy_(x * 2)
+            return static[0].detach()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    return lambda x, **kw: Replay.apply(x)
+
+
+class _FakeTE:
+    """Replaces TE's capture and the call's environment (GPU, autocast, FP8 recipe)."""
+
+    def __init__(self, monkeypatch):
+        self.captures = []
+        self.recipe = _Delayed()
+        self.dtype = torch.bfloat16
+        self.oom = False
+        fake = self
+
+        def run_capture(handle, samples, sample_kwargs, recipe, dtype, first):
+            if fake.oom:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            fake.captures.append(dict(shape=tuple(samples[0][0].shape), dtypes=[s[0].dtype for s in samples],
+                                      kwargs=sample_kwargs, recipe=recipe, dtype=dtype, first=first))
+            graphed = tuple(_fake_graph() for _ in handle._targets)
+            return graphed, 1000 * samples[0][0].shape[0], True, ()
+
+        monkeypatch.setattr(G.GraphedBlocks, "_run_capture", run_capture)
+        monkeypatch.setattr(G.GraphedBlocks, "_on_gpu", staticmethod(lambda t: True))
+        monkeypatch.setattr(G.GraphedBlocks, "_call_context", lambda handle: (fake.dtype, fake.recipe))
+
+    @property
+    def shapes(self):
+        return [c["shape"] for c in self.captures]
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    from fp8vit import _warn
+    _warn._seen.clear()  # each test sees its own warnings
+    return _FakeTE(monkeypatch)
+
+
+def _step(model, batch, size=32):
+    out = model(_images(batch, size))
+    out.float().sum().backward()
+    return out
+
+
+def _messages(record):
+    return [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
+
+
+# --------------------------------------------------------------------------- refusals (no fake)
 def test_needs_a_vit_with_sequential_blocks():
     with pytest.raises(ValueError, match="Linear has no nn.Sequential or nn.ModuleList .blocks."):
         fp8vit.make_graphed_blocks(torch.nn.Linear(4, 4), 8)
 
 
-def test_needs_the_model_on_a_gpu():
+def test_needs_the_model_on_a_gpu_to_capture_a_batch_size_now():
     with pytest.raises(ValueError, match="blocks are on cpu.*model.cuda"):
         fp8vit.make_graphed_blocks(_vit(), 8, fp8=False)
+    handle = fp8vit.make_graphed_blocks(_vit())  # no batch size: nothing to capture yet, no GPU needed
+    assert handle.shapes == [] and handle.max_shapes == G.MAX_SHAPES
 
 
 def test_tokens_per_image_without_patch_embed_num_patches_must_be_given():
@@ -36,34 +143,450 @@ def test_dtype_must_be_an_autocast_dtype():
         fp8vit.make_graphed_blocks(_vit(), 8, dtype=torch.float32)
 
 
-def test_only_gradients_aliasing_the_graph_buffers_are_copied_before_a_replay():
-    # The logic that keeps accumulation right when gradients leave the graphs uncopied (the GPU
-    # tests check it end to end): a .grad that is a view of a graph buffer is replaced by a copy
-    # with the same values; a .grad elsewhere (e.g. a DDP bucket view) and a None stay as they are.
-    from fp8vit.training.graphs import _Dispatch
-    static = torch.randn(6)                      # stands in for the backward graph's buffer
-    aliased, own, none = (torch.nn.Parameter(torch.zeros(6)) for _ in range(3))
-    aliased.grad = static.detach()
-    own.grad = torch.randn(6)
-    own_grad = own.grad
-    d = _Dispatch(handle=None, graphed=None, eager=None, params=(aliased, own, none))
-    d._record_static((static.detach(), None), ())
-    d._copy_aliased_grads()
-    assert aliased.grad.data_ptr() != static.data_ptr() and torch.equal(aliased.grad, static)
-    static.add_(1.0)                             # the next replay rewrites the buffer
-    assert not torch.equal(aliased.grad, static)
-    assert own.grad is own_grad and none.grad is None
+def test_checkpointing_and_unfused_recompute_are_refused_at_setup():
+    model = _vit()
+    model.set_grad_checkpointing(True)
+    with pytest.raises(ValueError, match="checkpointing is on"):
+        fp8vit.make_graphed_blocks(model)
+    model = _vit(exact_gelu=True)
+    fp8vit.set_mlp_recompute(model)
+    with pytest.raises(ValueError, match="MLP recompute is on in blocks .*unfused"):
+        fp8vit.make_graphed_blocks(model)
+
+
+def test_hooks_on_the_graphed_modules_are_set_aside_for_the_capture_and_run_around_replays(fake):
+    # TE refuses to capture a module with hooks (NonFiniteGuard's on EVA's blocks, a profiler's):
+    # they are put aside while it captures, and run around every call as before.
+    block = torch.nn.Linear(2, 2)
+    fwd = block.register_forward_hook(lambda m, a, o: None)
+    pre = block.register_forward_pre_hook(lambda m, a: None)
+    with G._hooks_set_aside((block,)):
+        assert not (block._forward_hooks or block._forward_pre_hooks or block._backward_hooks)
+    assert fwd.id in block._forward_hooks and pre.id in block._forward_pre_hooks
+    model = _eva()
+    handle = fp8vit.make_graphed_blocks(model)
+    calls = []
+    model.blocks[1].register_forward_hook(lambda m, a, o: calls.append(tuple(o.shape)))
+    for _ in range(3):
+        _step(model, 2, size=56)
+    assert handle.replays == 6 and calls == [(2, 17, 64)] * 3
+
+
+# --------------------------------------------------------------------------- the shape cache
+def test_a_shape_is_captured_at_its_second_training_step_and_replayed_from_then_on(fake):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a loader's shapes are no reason to warn
+        _step(model, 4)
+        assert fake.shapes == [] and handle.eager_reasons == {"new shape": 1}
+        _step(model, 4)
+        assert fake.shapes == [(4, 5, 64)] and handle.replays == 1
+        _step(model, 4)
+    assert fake.shapes == [(4, 5, 64)] and handle.replays == 2 and handle.eager_calls == 1
+    shape, = handle.shapes
+    assert shape.shape == (4, 5, 64) and shape.recipe_name == "delayed" and shape.autocast_dtype == torch.bfloat16
+    assert shape.replays == 2 and shape.memory_bytes == 4000 and handle.memory_bytes == 4000
+    assert handle.shape == (4, 5, 64) and handle.recipe_name == "delayed"  # the first signature's
+    assert fake.captures[0]["recipe"] is fake.recipe and fake.captures[0]["dtype"] == torch.bfloat16
+
+
+def test_the_last_partial_batch_replays_from_the_second_epoch(fake):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    epoch = [4, 4, 4, 3]  # 15 images, batch 4, drop_last=False
+    for _ in range(3):
+        for b in epoch:
+            _step(model, b)
+    assert fake.shapes == [(4, 5, 64), (3, 5, 64)]
+    assert [s.replays for s in handle.shapes] == [2 + 3 + 3, 2]
+    assert handle.eager_reasons == {"new shape": 2}  # the first sight of each, nothing else
+
+
+def test_eval_runs_eagerly_silently_and_captures_nothing(fake):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            with torch.no_grad():
+                model(_images(4))
+    assert fake.captures == [] and handle.eager_reasons == {"eval": 3}
+    model.train()
+    _step(model, 4), _step(model, 4)
+    model.eval()
+    with torch.no_grad():
+        model(_images(4))  # a captured shape: still eager in eval mode (TE captures for training)
+    assert handle.replays == 1 and handle.eager_reasons["eval"] == 4
+
+
+def test_a_no_grad_training_call_replays_but_never_captures(fake):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    for _ in range(3):
+        with torch.no_grad():
+            model(_images(4))
+    assert fake.captures == [] and handle.eager_reasons == {"no grad": 3}
+    _step(model, 4), _step(model, 4)
+    with torch.no_grad():
+        model(_images(4))
+    assert handle.replays == 2
+
+
+def test_the_cache_holds_max_shapes_and_says_once_which_and_how_to_hold_more(fake):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model, max_shapes=2)
+    for b in (4, 4, 3, 3):
+        _step(model, b)
+    assert fake.shapes == [(4, 5, 64), (3, 5, 64)]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            _step(model, 2)
+    msg, = _messages(record)
+    assert "met 3 distinct input signatures" in msg and "max_shapes=2" in msg
+    assert "[[4, 5, 64], [3, 5, 64]]" in msg and "max_shapes = N" in msg and "memory_bytes" in msg
+    assert fake.shapes == [(4, 5, 64), (3, 5, 64)] and handle.eager_reasons["cache full"] == 3
+    handle.max_shapes = 3  # room again: the next call of the shape is captured
+    _step(model, 2)
+    assert fake.shapes[-1] == (2, 5, 64) and len(handle.shapes) == 3
+
+
+def test_a_shape_that_changes_every_step_captures_nothing_and_warns_once(fake):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for b in range(1, 9):
+            _step(model, b)
+    msg, = _messages(record)
+    assert "changes from step to step" in msg and "drop_last=True" in msg and "(this one: [4, 5, 64])" in msg
+    assert fake.captures == [] and handle.eager_calls == 8 and handle.replays == 0
+
+
+def test_a_new_recipe_or_keyword_input_on_a_captured_shape_is_said_at_once(fake):
+    # Unlike a new batch size, the same shape under another recipe is unusual: one warning at its
+    # first sight, and it is captured as well if it repeats.
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    _step(model, 4), _step(model, 4)
+    fake.recipe = _Current()
+    with pytest.warns(RuntimeWarning, match=r"captured with FP8 recipe 'delayed', the call runs with 'current'.*"
+                                            r"captured as well if it repeats"):
+        _step(model, 4)
+    _step(model, 4)
+    assert [s.recipe_name for s in handle.shapes] == ["delayed", "current"]
+
+
+def test_outside_autocast_and_without_fp8_on_an_fp8_gpu_run_eagerly_saying_why(fake, monkeypatch):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    fake.dtype, fake.recipe = None, None
+    with pytest.warns(RuntimeWarning, match="outside torch autocast.*fp8_context"):
+        _step(model, 4), _step(model, 4)
+    fake.dtype = torch.bfloat16
+
+    class _FP8GPU:
+        class fp8:  # noqa: N801 - what gpu_info() returns, as far as graphs reads it
+            ok = True
+
+    monkeypatch.setattr(G, "gpu_info", lambda: _FP8GPU)
+    with pytest.warns(RuntimeWarning, match=r"without FP8 \(outside fp8_context.*fp8=False"):
+        _step(model, 4), _step(model, 4)
+    assert fake.captures == [] and handle.eager_calls == 4
+    bf16 = _vit()
+    bf16_handle = fp8vit.make_graphed_blocks(bf16, fp8=False)  # graphs without FP8, asked for
+    _step(bf16, 4), _step(bf16, 4)
+    assert fake.captures[-1]["recipe"] is None and bf16_handle.shapes[0].recipe_name is None
+
+
+def test_two_forwards_before_one_backward_run_the_second_eagerly(fake):
+    # A replay overwrites the graphs' activations and output: the second forward must not replay
+    # while the first one's backward has yet to run.
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    _step(model, 4), _step(model, 4)
+    first = model(_images(4))
+    with pytest.warns(RuntimeWarning, match="previous graph replay is still in use.*Two forwards before one backward"):
+        second = model(_images(4))
+    assert handle.replays == 2 and handle.eager_reasons["busy"] == 1
+    (first.sum() + second.sum()).backward()
+    _step(model, 4)  # the backward ran: replays again
+    assert handle.replays == 3
+    first = model(_images(4))
+    del first  # the graph is dropped without backward: nothing can read the replay any more
+    _step(model, 4)
+    assert handle.replays == 5
+
+
+def test_a_referenced_block_output_is_not_overwritten(fake):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    x = torch.randn(4, 5, 64, requires_grad=True)
+    for _ in range(2):
+        model.blocks(x).sum().backward()
+    kept = model.blocks(x).detach()  # no backward will come; the user keeps the blocks' output
+    model.blocks(x)
+    assert handle.eager_reasons["busy"] == 1
+    del kept
+    model.blocks(x)
+    assert handle.replays == 3
+
+
+def test_freezing_or_unfreezing_parameters_drops_the_graphs_and_captures_again(fake):
+    # A graph computes the gradients of the parameters trainable at capture: an unfrozen one
+    # would silently get none. So the graphs are captured again, for the new set.
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    _step(model, 4), _step(model, 4), _step(model, 3), _step(model, 3)
+    assert len(handle.shapes) == 2
+    model.blocks[0].qkv.weight.requires_grad_(False)
+    with pytest.warns(RuntimeWarning, match=r"requires_grad changed on 1 block parameters since the blocks' CUDA "
+                                            r"graphs were captured: the graphs are dropped and captured again"):
+        _step(model, 4)
+    assert fake.shapes == [(4, 5, 64), (3, 5, 64), (4, 5, 64)] and fake.captures[-1]["first"]
+    _step(model, 3)  # known to repeat: captured again at once
+    assert fake.shapes[-1] == (3, 5, 64) and len(handle.shapes) == 2
+    for p in model.blocks.parameters():
+        p.requires_grad_(True)
+    _step(model, 4)  # (the same warning is not repeated)
+    assert len(fake.captures) == 5 and len(handle.shapes) == 1
+
+
+def test_a_replaced_parameter_or_block_switch_drops_the_graphs(fake):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    _step(model, 4), _step(model, 4)
+    name, p = next(model.blocks[1].named_parameters())
+    module, attr = model.blocks[1], name
+    while "." in attr:
+        head, attr = attr.split(".", 1)
+        module = getattr(module, head)
+    setattr(module, attr, torch.nn.Parameter(p.detach().clone()))  # load_state_dict(assign=True) does this
+    with pytest.warns(RuntimeWarning, match="1 block parameters were replaced or moved"):
+        _step(model, 4)
+    fp8vit.set_block_fp8(model, "blocks.0", False)
+    with pytest.warns(RuntimeWarning, match="fp8_enabled, grad_checkpointing, recompute_mlp or gelu_in_gemm switch"):
+        _step(model, 4)
+    assert len(fake.captures) == 3 and len(handle.shapes) == 1
+
+
+def test_checkpointing_switched_on_after_capture_runs_eagerly_saying_why(fake):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    _step(model, 4), _step(model, 4)
+    fp8vit.set_grad_checkpointing(model)
+    with pytest.warns(RuntimeWarning, match="activation checkpointing is on"):
+        _step(model, 4)
+    assert handle.shapes == [] and handle.eager_reasons["not capturable"] == 1
 
 
 @pytest.mark.parametrize("switch", ["fp8_enabled", "grad_checkpointing", "recompute_mlp", "gelu_in_gemm"])
 def test_every_block_switch_read_by_forward_is_watched_after_capture(switch):
     # The graphs replay what was captured: flipping any block switch that changes the forward must
-    # make the next call run eagerly (with a warning), never be silently ignored.
+    # be seen (the graphs are then captured again), never be silently ignored.
     from fp8vit.training.graphs import _switches
     model = _vit()
     before = _switches(model.blocks)
     setattr(model.blocks[1], switch, not getattr(model.blocks[1], switch))
     assert _switches(model.blocks) != before
+
+
+def test_fsdp2_sharded_blocks_run_eagerly_saying_why(fake, monkeypatch):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    monkeypatch.setattr(G, "is_sharded", lambda t: True)  # as after another framework's fully_shard
+    with pytest.warns(RuntimeWarning, match="sharded by FSDP2.*static input surface.*FSDP2 runs eagerly"):
+        _step(model, 4), _step(model, 4)
+    assert fake.captures == [] and handle.eager_calls == 2
+    with pytest.raises(ValueError, match="sharded by FSDP2"):
+        fp8vit.make_graphed_blocks(_vit())
+
+
+def test_a_capture_out_of_memory_stops_capturing_says_so_and_keeps_the_graphs_held(fake):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    _step(model, 4), _step(model, 4)
+    fake.oom = True
+    _step(model, 8)
+    with pytest.warns(RuntimeWarning, match=r"capturing the blocks for \[8, 5, 64\] ran out of GPU memory.*"
+                                            r"those held \(\[\[4, 5, 64\]\]\) keep replaying"):
+        out = _step(model, 8)
+    assert out.shape == (8, 3) and handle.eager_reasons["capture failed"] == 1
+    fake.oom = False
+    _step(model, 2), _step(model, 2)  # no more captures
+    _step(model, 4)
+    assert fake.shapes == [(4, 5, 64)] and handle.replays == 2
+
+
+def test_a_capture_that_raises_inside_a_step_runs_eagerly_saying_why(fake, monkeypatch):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+
+    def broken(*a):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(G.GraphedBlocks, "_run_capture", broken)
+    _step(model, 4)
+    with pytest.warns(RuntimeWarning, match=r"capturing the blocks for \[4, 5, 64\] failed \(RuntimeError\): CUDA "
+                                            r"error: operation not permitted"):
+        out = _step(model, 4)
+    assert out.shape == (4, 3) and handle.shapes == [] and handle.eager_reasons["capture failed"] == 1
+
+
+def test_gradients_aliasing_a_graph_buffer_are_copied_before_a_capture(fake):
+    # The warm-up of a new shape's capture rewrites the fused-wgrad buffers that a .grad of the
+    # last micro-batch may still be (gradient accumulation).
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    _step(model, 4), _step(model, 4)
+    p = handle._params[0]
+    static = torch.randn_like(p)
+    p.grad = static.detach()
+    handle._static_ptrs.add(static.data_ptr())
+    _step(model, 3)
+    _step(model, 3)  # captured here
+    assert p.grad.data_ptr() != static.data_ptr()
+
+
+def test_positional_inputs_and_cpu_input_run_eagerly(fake, monkeypatch):
+    model = _eva()
+    handle = fp8vit.make_graphed_blocks(model)
+    x = torch.randn(2, 17, 64)
+    with pytest.warns(RuntimeWarning, match="positional inputs besides x"):
+        model.blocks[0](x, None)
+    monkeypatch.setattr(G.GraphedBlocks, "_on_gpu", staticmethod(lambda t: False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.blocks[0](x)
+    assert handle.eager_reasons == {"positional inputs": 1, "not on a GPU": 1}
+
+
+# --------------------------------------------------------------------------- per-block graphs (EVA)
+def test_per_block_graphs_capture_what_each_block_got_at_the_first_sight(fake):
+    model = _eva()
+    handle = fp8vit.make_graphed_blocks(model)
+    assert handle.per_block
+    _step(model, 2, size=56)
+    assert handle.eager_calls == 3 and fake.captures == []  # one per block
+    _step(model, 2, size=56)
+    cap, = fake.captures
+    assert cap["shape"] == (2, 17, 64) and len(cap["dtypes"]) == 3
+    assert [set(k) for k in cap["kwargs"]] == [{"rope"}] * 3
+    assert handle.replays == 3 and handle.shapes[0].call_kwargs["rope"][0] == (16, 32)
+    _step(model, 2, size=56)
+    assert handle.replays == 6
+    with torch.no_grad():
+        model.blocks[1](torch.randn(2, 17, 64), rope=model.rope.get_embed())  # a block called alone: eager
+    assert handle.eager_reasons["block called alone"] == 1
+
+
+def test_per_block_graphs_say_when_a_keyword_input_differs_from_the_capture(fake):
+    model = _eva()
+    fp8vit.make_graphed_blocks(model)
+    _step(model, 2, size=56), _step(model, 2, size=56)
+    rope = model.rope.get_embed().to(torch.bfloat16)  # the capture saw fp32
+    with pytest.warns(RuntimeWarning, match=r"rope is \[16, 32\] torch.bfloat16, the graphs were captured for "
+                                            r"\[16, 32\] torch.float32"):
+        model.blocks[0](torch.randn(2, 17, 64), rope=rope)
+
+
+# --------------------------------------------------------------------------- conversion, copies, release
+def test_convert_to_te_cuda_graphs_sets_up_graphs_an_unchanged_loop_uses(fake):
+    model = _vit(cuda_graphs=True)
+    assert G.graphed_modules(model) == ["blocks"]
+    handle = G.GraphedBlocks.of(model)
+    assert handle.max_shapes == G.MAX_SHAPES and handle.shapes == [] and handle.fused_wgrad
+    for _ in range(3):
+        _step(model, 4)
+    assert fake.shapes == [(4, 5, 64)] and handle.replays == 2
+    fp8vit.convert_from_te(model)  # back to timm: the graphs go too
+    assert G.graphed_modules(model) == [] and G.GraphedBlocks.of(model) is None
+
+
+def test_convert_to_te_cuda_graphs_without_blocks_warns_and_installs_nothing():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.warns(UserWarning, match=r"cuda_graphs=True\): .*no nn.Sequential or nn.ModuleList 'blocks'"):
+        fp8vit.convert_to_te(model, backend="reference", cuda_graphs=True)
+    assert G.graphed_modules(model) == []
+
+
+def test_on_the_cpu_the_graphs_set_up_at_conversion_stay_out_of_the_way():
+    model, plain = _vit(cuda_graphs=True), _vit()
+    x = _images(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    assert G.GraphedBlocks.of(model).eager_reasons == {"not on a GPU": 2}
+
+
+def test_make_graphed_blocks_replaces_graphs_set_up_but_never_captured(fake):
+    model = _vit(cuda_graphs=True)
+    old = G.GraphedBlocks.of(model)
+    handle = fp8vit.make_graphed_blocks(model, max_shapes=1)
+    assert G.GraphedBlocks.of(model) is handle is not old and handle.max_shapes == 1
+    _step(model, 4), _step(model, 4)
+    with pytest.raises(ValueError, match="already graphed.*release"):
+        fp8vit.make_graphed_blocks(model)
+    handle.release()
+    assert G.graphed_modules(model) == [] and "forward" not in vars(model.blocks)
+    fp8vit.make_graphed_blocks(model)
+
+
+def test_release_and_clear(fake):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    _step(model, 4), _step(model, 4)
+    handle.clear()
+    assert handle.shapes == [] and handle.memory_bytes == 0
+    _step(model, 4)  # a new first sight
+    assert len(fake.captures) == 1
+    _step(model, 4)
+    assert len(fake.captures) == 2
+    handle.release()
+    _step(model, 4), _step(model, 4)
+    assert len(fake.captures) == 2 and G.graphed_modules(model) == []
+
+
+@pytest.mark.parametrize("make", [_vit, _eva], ids=["vit", "eva-per-block"])
+def test_a_copy_carries_the_settings_not_the_graphs(fake, make):
+    # EMA (timm's ModelEmaV3 deep-copies the model), torch.save(model): the copy's own graphs.
+    model = make()
+    handle = fp8vit.make_graphed_blocks(model, max_shapes=2)
+    size = 56 if handle.per_block else 32
+    _step(model, 2, size), _step(model, 2, size)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        twin_handle = G.GraphedBlocks.of(twin)
+        assert twin_handle is not handle and twin_handle.shapes == [] and twin_handle.max_shapes == 2
+        assert all(vars(t)["forward"].handle is twin_handle for t in twin_handle._targets)
+        assert all(t1 is not t0 for t1, t0 in zip(twin_handle._targets, handle._targets))
+        _step(twin, 2, size), _step(twin, 2, size)
+        assert len(twin_handle.shapes) == 1
+    assert len(handle.shapes) == 1
+
+
+# --------------------------------------------------------------------------- gradients out of the graphs
+def test_only_gradients_aliasing_the_graph_buffers_are_copied_before_a_replay():
+    # The logic that keeps accumulation right when gradients leave the graphs uncopied (the GPU
+    # tests check it end to end): a .grad that is a view of a graph buffer is replaced by a copy
+    # with the same values; a .grad elsewhere (e.g. a DDP bucket view) and a None stay as they are.
+    static = torch.randn(6)                      # stands in for the backward graph's buffer
+    aliased, own, none = (torch.nn.Parameter(torch.zeros(6)) for _ in range(3))
+    aliased.grad = static.detach()
+    own.grad = torch.randn(6)
+    own_grad = own.grad
+    handle = G.GraphedBlocks(torch.nn.Sequential(torch.nn.Identity()), False)
+    handle._params = (aliased, own, none)
+    entry = G.GraphShape((6,), (torch.float32,), torch.bfloat16, None, {}, _recorded=[False])
+    G._AfterBackward(handle, entry, 0)((static.detach(), None), ())
+    assert entry._recorded == [True]
+    handle._copy_aliased_grads()
+    assert aliased.grad.data_ptr() != static.data_ptr() and torch.equal(aliased.grad, static)
+    static.add_(1.0)                             # the next replay rewrites the buffer
+    assert not torch.equal(aliased.grad, static)
+    assert own.grad is own_grad and none.grad is None
 
 
 class _FakeTELinear(torch.nn.Module):
@@ -95,6 +618,13 @@ def test_wgrad_into_main_grad_gives_trainable_te_gemm_weights_a_buffer_and_resto
     # Off again for eager calls; the buffers stay for the graphs captured inside.
     assert not linear.fuse_wgrad_accumulation and not mlp.fuse_wgrad_accumulation
     assert all(hasattr(w, "main_grad") for w in weights)
+    # A later capture (another shape) reuses them: the graphs already captured write into them.
+    buffers = [w.main_grad for w in weights]
+    with _te.wgrad_into_main_grad([model], reuse=True) as again:
+        assert [w.main_grad for w in again] == buffers and all(a is b for a, b in zip((w.main_grad for w in again),
+                                                                                      buffers))
+    with _te.wgrad_into_main_grad([model]):
+        assert all(w.main_grad is not b for w, b in zip(weights, buffers))
     _te.release_main_grad(weights)
     assert not any(hasattr(w, a) for w in weights for a in ("main_grad", "overwrite_main_grad"))
 
@@ -103,17 +633,47 @@ def test_main_grads_reach_autograd_uncopied_and_are_copied_before_the_next_repla
     # The node before the graphed blocks hands each fused weight its main_grad: p.grad becomes a
     # view of it (no copy), accumulation adds to it, and before the next replay (which rewrites
     # main_grad) a p.grad still aliasing it is copied.
-    from fp8vit.training.graphs import _Dispatch, _MainGradsToAutograd
+    from fp8vit.training.graphs import _MainGradsToAutograd
     w = torch.nn.Parameter(torch.zeros(4))
     w.main_grad = torch.randn(4)                 # what the backward graph wrote
     x = torch.randn(4, requires_grad=True)
     _MainGradsToAutograd.apply(x, (w.main_grad,), w).sum().backward()
     assert torch.equal(x.grad, torch.ones(4))
     assert w.grad.data_ptr() == w.main_grad.data_ptr()
-    d = _Dispatch(handle=None, graphed=None, eager=None, params=(w,), main_grad_weights=(w,))
-    d._copy_aliased_grads()
+    handle = G.GraphedBlocks(torch.nn.Sequential(torch.nn.Identity()), False)
+    handle._params, handle._static_ptrs = (w,), {w.main_grad.data_ptr()}
+    handle._copy_aliased_grads()
     first = w.grad
     assert first.data_ptr() != w.main_grad.data_ptr() and torch.equal(first, w.main_grad)
     w.main_grad.mul_(-1.0)                       # the next backward graph's gradient
     _MainGradsToAutograd.apply(x, (w.main_grad,), w).sum().backward()
     assert torch.allclose(w.grad, torch.zeros(4))  # accumulated: g + (-g)
+
+
+def test_a_failed_capture_restores_tes_process_wide_state(monkeypatch):
+    # TE wraps the graphed module's class __call__ in its autocast and sets a "capturing" flag that
+    # stops every amax reduction; its own clean-up does not run when the capture raises.
+    import types
+    from fp8vit._te import graphs as seam
+    flag = {"capturing": False}
+    graph_mod = types.SimpleNamespace(set_capture_end=lambda: flag.update(capturing=False))
+
+    def make_graphed_callables(modules, sample_args, **kw):
+        flag["capturing"] = True
+        type(modules).__call__ = lambda self, *a, **k: "wrapped"
+        import gc
+        gc.disable()
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(seam, "load_te", lambda: types.SimpleNamespace(make_graphed_callables=make_graphed_callables))
+    monkeypatch.setattr(seam, "te_module", lambda name: graph_mod)
+
+    class Blocks(torch.nn.Sequential):
+        pass
+
+    blocks = Blocks(torch.nn.Identity())
+    with pytest.raises(RuntimeError, match="capture failed"):
+        seam.make_graphed_callables((blocks,), ((torch.zeros(1),),), fp8=False, recipe=None, num_warmup_iters=1)
+    import gc
+    assert "__call__" not in Blocks.__dict__ and not flag["capturing"] and gc.isenabled()
+    assert torch.equal(blocks(torch.ones(1)), torch.ones(1))

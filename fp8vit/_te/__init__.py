@@ -26,7 +26,7 @@ must be imported before torch runs its first cuDNN kernel.
 from .extra_state import EXTRA_STATE_FORMAT
 from .fp8 import (active_fp8_recipe, autocast, checkpoint, fused_adam, is_quantized, quantized_model_init,
                   repair_amax_histories, scaling_state)
-from .graphs import make_graphed_callables, release_main_grad, wgrad_into_main_grad
+from .graphs import make_graphed_callables, release_main_grad, restore_scaling, save_scaling, wgrad_into_main_grad
 from .loader import (INSTALL_HINT, MIN_TE_VERSION, clear_cache, installed, load_te, preload, release_import_warnings,
                      te_check, te_module, te_status, te_version)
 from .module_types import MODULE_NAMES, SwappedLinear, fp8_linear_class, modules, transformer_layer_class
@@ -43,7 +43,7 @@ __all__ = [
     "modules", "MODULE_NAMES", "SwappedLinear", "fp8_linear_class", "transformer_layer_class",
     "packed_attention", "fused_rope", "gated_activation", "cudnn_norm", "cudnn_norm_enabled", "set_cudnn_norm",
     # CUDA graphs
-    "make_graphed_callables", "wgrad_into_main_grad", "release_main_grad",
+    "make_graphed_callables", "wgrad_into_main_grad", "release_main_grad", "save_scaling", "restore_scaling",
 ]
 
 

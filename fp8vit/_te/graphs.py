@@ -1,26 +1,31 @@
 """CUDA graphs of TE modules, and weight gradients written straight into fp32 buffers.
 
 :func:`make_graphed_callables` is TE's capture (FP8 scaling read from device memory inside the
-graphs, updated outside them); :func:`wgrad_into_main_grad` makes TE's weight-gradient GEMMs write
-into ``weight.main_grad`` (the graphed blocks hand those buffers to autograd themselves).
+graphs, updated outside them), leaving TE's process-wide state as it found it when the capture
+fails; :func:`wgrad_into_main_grad` makes TE's weight-gradient GEMMs write into ``weight.main_grad``
+(the graphed blocks hand those buffers to autograd themselves); :func:`save_scaling` and
+:func:`restore_scaling` keep delayed-scaling state across a capture that fails.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 from typing import Any, List
 
 import torch
 from torch import nn
 
-from .loader import load_te
+from .fp8 import _delayed_states
+from .loader import load_te, te_module
 
-__all__ = ["make_graphed_callables", "wgrad_into_main_grad", "release_main_grad"]
+__all__ = ["make_graphed_callables", "wgrad_into_main_grad", "release_main_grad", "save_scaling", "restore_scaling"]
 
 
 def make_graphed_callables(modules, sample_args, *, fp8: bool, recipe: Any, num_warmup_iters: int,
-                           amax_reduction_group=None, sample_kwargs=None) -> bool:
+                           amax_reduction_group=None, sample_kwargs=None, pool=None,
+                           post_warmup_hook=None) -> bool:
     """``te.make_graphed_callables``: forward and backward of each module captured as CUDA graphs.
 
     FP8 scaling factors are read from device memory inside the graphs and updated outside them
@@ -31,8 +36,14 @@ def make_graphed_callables(modules, sample_args, *, fp8: bool, recipe: Any, num_
             order: all forwards, then the backwards in reverse, sharing one memory pool).
         sample_args: ``(tensor, ...)`` for one module, or one such tuple per module.
         sample_kwargs: None, or one dict of tensor keyword inputs per module.
+        pool: a graph memory pool (``torch.cuda.graph_pool_handle()``) shared with other
+            captures; None: a pool of its own.
+        post_warmup_hook: called once between TE's warm-up passes and the capture.
 
-    TE installs each graphed forward on its module (``module.forward``).
+    TE installs each graphed forward on its module (``module.forward``, with ``backward_dw`` and
+    ``reset``). If the capture raises, TE's own clean-up does not run: the class ``__call__`` it
+    wrapped in its autocast, its "capturing" flag (which stops every later amax reduction) and the
+    garbage collector it paused are restored here before the error propagates.
 
     Returns:
         True where TE can return parameter gradients as views of the backward graph's static
@@ -42,18 +53,57 @@ def make_graphed_callables(modules, sample_args, *, fp8: bool, recipe: Any, num_
     """
     te = load_te()
     kwargs = {}
-    grads_alias = "clone_param_grads_on_return" in inspect.signature(te.make_graphed_callables).parameters
+    accepted = inspect.signature(te.make_graphed_callables).parameters
+    grads_alias = "clone_param_grads_on_return" in accepted
     if grads_alias:
         kwargs["clone_param_grads_on_return"] = False
     if sample_kwargs is not None:
         kwargs["sample_kwargs"] = sample_kwargs
+    if pool is not None and "pool" in accepted:
+        kwargs["pool"] = pool
+    if post_warmup_hook is not None and "post_warmup_hook" in accepted:
+        kwargs["post_warmup_hook"] = post_warmup_hook
     if isinstance(modules, tuple) and len(modules) == 1 and sample_kwargs is None:
         modules, sample_args = modules[0], sample_args[0]
-    te.make_graphed_callables(
-        modules, sample_args, num_warmup_iters=num_warmup_iters, enabled=fp8,
-        recipe=recipe if fp8 else None, amax_reduction_group=amax_reduction_group,
-        cache_quantized_params=False, **kwargs)
+    classes = {type(m) for m in (modules if isinstance(modules, tuple) else (modules,))}
+    calls = {cls: cls.__dict__.get("__call__") for cls in classes}
+    gc_was_enabled = gc.isenabled()
+    try:
+        te.make_graphed_callables(
+            modules, sample_args, num_warmup_iters=num_warmup_iters, enabled=fp8,
+            recipe=recipe if fp8 else None, amax_reduction_group=amax_reduction_group,
+            cache_quantized_params=False, **kwargs)
+    except BaseException:
+        for cls, call in calls.items():  # TE wraps the class's __call__ for the capture's duration
+            if call is None:
+                if "__call__" in cls.__dict__:
+                    delattr(cls, "__call__")
+            else:
+                cls.__call__ = call
+        graph = te_module("transformer_engine.pytorch.graph")
+        if hasattr(graph, "set_capture_end"):
+            graph.set_capture_end()
+        if gc_was_enabled:
+            gc.enable()
+        raise
     return grads_alias
+
+
+def save_scaling(modules) -> list:
+    """Copies of the delayed-scaling state (scale, amax history) of every TE module under
+    ``modules``, for :func:`restore_scaling`."""
+    with torch.no_grad():
+        return [(st, st.scale.clone(), st.amax_history.clone())
+                for m in modules for _, _, st in _delayed_states(m)]
+
+
+def restore_scaling(saved: list) -> None:
+    """Copy :func:`save_scaling`'s copies back, in place (TE's amax buffers hold these tensors)."""
+    with torch.no_grad():
+        for st, scale, amax in saved:
+            if st.scale.shape == scale.shape and st.amax_history.shape == amax.shape:
+                st.scale.copy_(scale)
+                st.amax_history.copy_(amax)
 
 
 def _gemm_weights(module: nn.Module) -> List[nn.Parameter]:
@@ -75,7 +125,7 @@ def _gemm_weights(module: nn.Module) -> List[nn.Parameter]:
 
 
 @contextlib.contextmanager
-def wgrad_into_main_grad(roots):
+def wgrad_into_main_grad(roots, reuse: bool = False):
     """Within: TE's wgrad GEMMs under ``roots`` write each weight's gradient straight into
     ``weight.main_grad``, a buffer of the weight's dtype (fp32 for fp32 weights), overwriting it.
 
@@ -89,6 +139,8 @@ def wgrad_into_main_grad(roots):
 
     Args:
         roots: modules whose submodules are switched (e.g. fp8vit's ``TE_Block`` instances).
+        reuse: keep a weight's ``main_grad`` from an earlier call (same shape, dtype and device):
+            graphs captured then write into it, so it must not move.
 
     Yields:
         the weights that now get their gradient in ``main_grad``.
@@ -99,7 +151,10 @@ def wgrad_into_main_grad(roots):
         if not ws or not all(w.requires_grad for w in ws) or mod.fuse_wgrad_accumulation:
             continue
         for w in ws:
-            w.main_grad = torch.empty_like(w, memory_format=torch.contiguous_format)
+            old = vars(w).get("main_grad")
+            if not (reuse and isinstance(old, torch.Tensor) and old.shape == w.shape and old.dtype == w.dtype
+                    and old.device == w.device):
+                w.main_grad = torch.empty_like(w, memory_format=torch.contiguous_format)
             w.overwrite_main_grad = True  # TE: the GEMM writes (beta = 0), it does not accumulate
         mod.fuse_wgrad_accumulation = True
         fused.append(mod)

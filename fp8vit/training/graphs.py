@@ -1,44 +1,90 @@
-"""CUDA graphs for a ViT's blocks: capture the forward and backward once, replay them every step.
+"""CUDA graphs for a ViT's blocks: forward and backward captured per batch shape, replayed every step.
 
-    model = fp8vit.convert_to_te(timm.create_model("vit_base_patch16_224").cuda())
-    graphs = fp8vit.make_graphed_blocks(model, batch_size=128)   # after convert, before DDP
-    for x, y in loader:                                          # unchanged training loop
+    model = fp8vit.convert_to_te(timm.create_model("vit_base_patch16_224").cuda(), cuda_graphs=True)
+    for x, y in loader:                                  # unchanged training loop, any batch shapes
         with fp8vit.fp8_context():
             loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
+``graphs = fp8vit.make_graphed_blocks(model, batch_size=128)`` does the same and captures that
+shape at once; ``make_graphed_blocks(model)`` captures every shape as it comes.
+
 Why: below ViT-H an FP8 step is host-bound. TE's Python runs for each of a block's ~10 modules,
 so issuing the kernels takes longer than running them (ViT-B batch 128 on an H200: 44.8 ms
 eager, 34.4 ms graphed; docs/performance.md). A graph replays all of the blocks' kernels with one
 launch.
 
+Shapes, a small cache. A graph replays one call signature: the block input's shape ``(B, N, C)``
+and dtype, the autocast dtype, the FP8 recipe and the keyword inputs (EVA's RoPE table). A
+training call that misses the cache runs eagerly; the *second* training call with the same
+signature captures it (TE's ``make_graphed_callables``: a few warm-up passes, then the capture,
+about a second) and replays it from then on, up to ``max_shapes`` signatures (default 3: the full
+batch, the last partial batch of an epoch, one more). Second sight rather than first: a capture
+costs a second and memory, so it is spent on shapes that repeat; a shape seen once (a one-off, or
+a batch size that changes every step) costs one eager step and nothing else, and the last partial
+batch of an epoch runs eagerly in the first epoch and replays from the second. A call that cannot
+replay runs eagerly with one warning naming the reason, and when the blocks meet more distinct
+signatures than ``max_shapes`` (a shape that changes every step) one warning says so and how to
+fix it: never a silent slowdown. Eval mode runs eagerly (TE captures for training), silently; so
+does a training-mode call under ``no_grad`` of a signature not captured.
+
+Capturing inside a training step (at the forward of a repeating shape) leaves training as it was:
+TE saves and restores the modules' delayed-scaling state and the CUDA RNG around its warm-up, runs
+no amax reduction while capturing (no collective: a rank may capture alone), and restores the
+parameters' ``.grad``; a gradient still pointing into buffers the warm-up rewrites (accumulation
+over micro-batches) is copied first. Under DDP the warm-up's backward fires DDP's gradient hooks,
+which return at once (DDP expects them only after its own forward has finished), so capture inside
+a DDP-wrapped forward works and graphs need not be made before DDP wraps the model. FSDP2 cannot
+use graphs (:data:`WHY_NOT_WITH_FSDP2`): ``shard_model`` refuses a model with graphed blocks, and
+blocks found sharded by another ``fully_shard`` run eagerly with one warning.
+
+Memory, bounded by ``max_shapes``: all signatures share one graph memory pool, which holds the
+activations of the largest captured batch (a smaller one reuses them: a graph replays only after
+the previous replay's backward, see below). Each signature adds its static buffers: block input
+and output and their gradients (4 x B x N x C in the autocast dtype) and TE's gradient buffers of
+the parameters without fused wgrad (biases and norms; every weight with ``fused_wgrad=False``).
+:attr:`GraphedBlocks.memory_bytes` and ``shapes[i].memory_bytes`` report what each capture added
+(reserved GPU memory after minus before, caches emptied). A call that runs eagerly needs its own
+activation memory besides.
+
 What stays right: FP8 scales live in device memory and TE updates them outside the graphs
 (delayed scaling keeps its amax history); the weight-gradient GEMMs write fp32 gradients into
-buffers kept on the weights (``fused_wgrad``, no bf16 -> fp32 cast kernels); parameter gradients
-are handed out of the graph's buffers without a copy and copied only where a ``.grad`` still
-points into them at the next replay (so accumulation over micro-batches,
-``zero_grad(set_to_none=False)`` and DDP work); the optimizer updates parameters in place, which
-the graphs read. A reference to a ``p.grad`` kept across ``zero_grad()`` (set to None) is
-rewritten by the next step: clone it to keep it.
+buffers kept on the weights (``fused_wgrad``, shared by all signatures); parameter gradients are
+handed out of the graphs' buffers without a copy and copied only where a ``.grad`` still points
+into them at the next replay or capture (so accumulation over micro-batches,
+``zero_grad(set_to_none=False)`` and DDP work); the optimizer and ``load_state_dict`` (resuming)
+update parameters in place, which the graphs read. A reference to a ``p.grad`` kept across
+``zero_grad()`` (set to None) is rewritten by the next step: clone it to keep it.
 
-What falls back to eager, with one warning saying why: another input shape (e.g. the last,
-smaller batch of an epoch), a call outside ``fp8_context`` or with another recipe or autocast
-dtype, a change to a block's FP8, checkpointing, MLP-recompute or GELU-in-GEMM switch after
-capture. Eval mode always runs eagerly, silently (that is TE's rule).
+What is watched, per call: a replay overwrites the graphs' activations and output, so it runs only
+once the previous replay's backward has run (or its autograd graph is gone) and the blocks' output
+it returned is no longer referenced; else the call runs eagerly with one warning (two forwards
+before one backward, ``retain_graph=True``). Trainable parameters changed since capture
+(``requires_grad``, a parameter replaced or moved) or a block's FP8, checkpointing, MLP-recompute or
+GELU-in-GEMM switch: the graphs, captured for the old set, are dropped and captured again as the
+shapes come, with one warning.
 
 MLP recompute (``set_mlp_recompute``) is captured with the blocks when the MLP is TE's fused
 ``LayerNormMLP`` (the default): it recomputes inside its own backward, which the backward graph
-replays. Not supported: activation checkpointing (a graph keeps every activation anyway; it
-raises), MLP recompute of an unfused MLP (``exact_gelu=True``; it raises), ``torch.save(model)`` /
-``copy.deepcopy(model)`` of the graphed model (save ``state_dict()``, or ``release()`` first).
+replays. Not capturable (eager with one warning; :func:`make_graphed_blocks` raises): activation
+checkpointing (a graph keeps every activation anyway), MLP recompute of an unfused MLP
+(``exact_gelu=True``). Module hooks on the graphed modules (``model.blocks``, or EVA's blocks) are
+set aside while TE captures (it refuses them) and run around every call; hooks on modules *inside*
+a graphed ``nn.Sequential`` run during capture only, not in replays. A deep copy or pickle of the
+model carries the graph settings, not the graphs: the copy captures its own.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import gc
+import inspect
+import time
+import weakref
 from typing import Any, Optional, Tuple
 
 import torch
@@ -47,7 +93,7 @@ from torch import nn
 from .. import _te
 from .._validate import check_bool, check_int, check_process_group, check_type
 from .._warn import warn_once
-from .context import check_autocast_dtype
+from .context import _fp8_context, check_autocast_dtype
 from .detect import gpu_info
 from ..errors import FP8UnavailableError
 from ..blocks.base import FP8Block
@@ -55,7 +101,8 @@ from .._te.recipes import check_recipe, recipe_name
 from .detect import resolve_recipe
 from ..blocks.weights import is_sharded
 
-__all__ = ["make_graphed_blocks", "GraphedBlocks", "graphed_modules", "WHY_NOT_WITH_FSDP2"]
+__all__ = ["make_graphed_blocks", "GraphedBlocks", "GraphShape", "graphed_modules", "install_graphs",
+           "remove_graphs", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES"]
 
 # Why make_graphed_blocks and FSDP2 (fully_shard) are refused together, from the sources (not
 # measured: it needs a GPU). Said by make_graphed_blocks and by fp8vit.training.distributed.shard_model.
@@ -69,92 +116,694 @@ WHY_NOT_WITH_FSDP2 = (
     "fuse_wgrad_accumulation is a strict xfail: tests/pytorch/distributed/fsdp2_tests/"
     "run_fsdp2_fused_adam.py). Graphed blocks train data-parallel under DDP; FSDP2 runs eagerly")
 
+# Call signatures a handle holds graphs for unless told otherwise: the full batch, the last partial
+# batch of an epoch, one more.
+MAX_SHAPES = 3
+# Signatures seen once and remembered, to be captured at their second sight (the oldest goes first).
+_SEEN_LIMIT = 64
+
+_PREFIX = "fp8vit: CUDA-graphed blocks run eagerly (correct, slower): "
+_BUSY = ("the previous graph replay is still in use (its backward has not run, the blocks' output it "
+         "returned is still referenced, or retain_graph=True), and a replay would overwrite what that "
+         "backward reads: this forward runs eagerly. Two forwards before one backward (several crops or "
+         "views) run eagerly from the second on")
+
 
 def graphed_modules(model: nn.Module) -> list:
-    """Names of the submodules of ``model`` (``""``: itself) whose forward
-    :func:`make_graphed_blocks` replaced by its graph dispatch."""
+    """Names of the submodules of ``model`` (``""``: itself) whose forward is the graph dispatch of
+    :func:`make_graphed_blocks` (or of ``convert_to_te(cuda_graphs=True)``)."""
     return [name for name, m in model.named_modules() if isinstance(vars(m).get("forward"), _Dispatch)]
 
 
-@dataclasses.dataclass
-class GraphedBlocks:
-    """What :func:`make_graphed_blocks` captured, and how often the graphs ran since.
+def _spec(kwargs: dict, defaults: dict) -> tuple:
+    """A call's keyword inputs as a hashable signature: ``(shape, dtype)`` of a tensor, else the
+    value, left out where it is the forward's default (``is_causal=False`` passed or not: one call)."""
+    if not kwargs:
+        return ()
+    out = []
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            out.append((k, (tuple(v.shape), v.dtype)))
+        else:
+            d = defaults.get(k, inspect.Parameter.empty)
+            if not (v is d or (type(v) is type(d) and v == d)):
+                out.append((k, v))
+    return tuple(sorted(out, key=lambda kv: kv[0]))
 
-    Attributes:
-        shape: the block input shape the graphs replay for, ``(B, N, C)``.
-        input_dtype: the block input dtype at capture (per-block graphs: the first block's; each
-            later block's is what the block before it returns under the training autocast).
-        autocast_dtype: torch autocast dtype at capture.
-        recipe_name: the FP8 recipe captured (None: FP8 off).
-        fused_wgrad: the backward graph writes weight gradients in the weights' dtype (see
-            :func:`make_graphed_blocks`).
-        replays: forward calls that replayed the graphs.
-        eager_calls: forward calls that ran eagerly (eval mode, or a mismatch that was warned).
-        per_block: one graph pair per block (blocks in an ``nn.ModuleList`` that the model calls
-            one by one, with keyword inputs such as EVA's RoPE table), instead of one for all.
-        call_kwargs: per block, the keyword inputs the capture saw: ``(shape, dtype)`` for a
-            tensor (replayed with the caller's values), the value itself otherwise (must match).
-    """
 
-    shape: Tuple[int, ...]
-    input_dtype: torch.dtype
-    autocast_dtype: torch.dtype
-    recipe_name: Optional[str]
-    replays: int = 0
-    eager_calls: int = 0
-    fused_wgrad: bool = False
-    per_block: bool = False
-    call_kwargs: dict = dataclasses.field(default_factory=dict)
-    _blocks: Optional[nn.Module] = dataclasses.field(default=None, repr=False)
-    _patched: tuple = dataclasses.field(default=(), repr=False)
-    _switches: tuple = dataclasses.field(default=(), repr=False)
-    _main_grad_weights: tuple = dataclasses.field(default=(), repr=False)
-
-    def release(self) -> None:
-        """Run the blocks eagerly again and let the graphs and their memory go."""
-        for mod in self._patched:
-            if "forward" in vars(mod):
-                del mod.forward
-        _te.release_main_grad(self._main_grad_weights)
-        self._blocks, self._patched, self._main_grad_weights = None, (), ()
-
-    def mismatch(self, x: torch.Tensor, kwargs: Optional[dict] = None,
-                 input_dtype: Optional[torch.dtype] = None) -> Optional[str]:
-        """Why a call with block input ``x`` (and keyword inputs ``kwargs``) cannot replay the
-        graphs (None: it can); ``input_dtype``: the graph's own, if not :attr:`input_dtype`."""
-        kwargs = kwargs or {}
-        input_dtype = input_dtype or self.input_dtype
-        if kwargs.keys() - self.call_kwargs.keys():
-            return f"the call passes {sorted(kwargs.keys() - self.call_kwargs.keys())}, which the capture did not see"
-        for name, want in self.call_kwargs.items():
-            got = kwargs.get(name)
-            if isinstance(want, tuple) and len(want) == 2 and isinstance(want[1], torch.dtype):
-                if not isinstance(got, torch.Tensor) or (tuple(got.shape), got.dtype) != want:
-                    what = f"{list(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else repr(got)
-                    return f"{name} is {what}, the graphs were captured for {list(want[0])} {want[1]}"
-            elif got is not want and got != want:
-                return f"{name}={got!r}, the graphs were captured with {name}={want!r}"
-        if tuple(x.shape) != self.shape:
-            return (f"the input is {list(x.shape)}, the graphs were captured for {list(self.shape)} "
-                    "(the last, smaller batch of an epoch? use drop_last=True, or capture this shape)")
-        if x.dtype != input_dtype:
-            return f"the input is {x.dtype}, the graphs were captured for {input_dtype}"
-        if not torch.is_autocast_enabled("cuda") or torch.get_autocast_dtype("cuda") != self.autocast_dtype:
-            return f"the graphs were captured under {self.autocast_dtype} autocast; wrap the forward in fp8_context"
-        active = _te.active_fp8_recipe()
-        now = recipe_name(active) if active is not None else None
-        if now != self.recipe_name:
-            return (f"the graphs were captured with FP8 recipe {self.recipe_name!r}, the call runs with "
-                    f"{now!r} (outside fp8_context, or another recipe)")
-        if _switches(self._blocks) != self._switches:
-            return ("a block's fp8_enabled, grad_checkpointing, recompute_mlp or gelu_in_gemm switch changed "
-                    "after capture; call make_graphed_blocks again")
-        return None
+def _show(value: Any) -> str:
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype):
+        return f"{list(value[0])} {value[1]}"
+    return repr(value)
 
 
 def _switches(blocks: nn.Module) -> tuple:
     return tuple((m.fp8_enabled, m.grad_checkpointing, m.recompute_mlp, m.gelu_in_gemm)
                  for m in blocks.modules() if isinstance(m, FP8Block))
+
+
+def _uncapturable(blocks: nn.Module, targets: tuple) -> Optional[str]:
+    """Why the blocks cannot be captured as they are now (None: they can)."""
+    if any(getattr(m, "grad_checkpointing", False) is True for m in blocks.modules()):
+        return ("activation checkpointing is on; a CUDA graph keeps all activations of its capture, so turn "
+                "checkpointing off (model.set_grad_checkpointing(False)) or do not graph this model")
+    unfused = [n for n, m in blocks.named_modules()
+               if isinstance(m, FP8Block) and m.recompute_mlp and not m.cfg.fused_mlp]
+    if unfused:
+        # TE's LayerNormMLP recomputes inside its own backward, which the graph captures; an
+        # unfused MLP (exact_gelu=True) would need activation checkpointing, refused above.
+        return (f"MLP recompute is on in blocks {unfused[:4]} whose MLP is unfused (exact_gelu=True or MLP "
+                "dropout), and that recompute uses activation checkpointing, which a captured graph cannot "
+                "hold; fp8vit.set_mlp_recompute(model, False) for them, or do not graph this model")
+    return None
+
+
+def _use_count(storage: Any) -> int:
+    """How many tensors (and storage objects) hold ``storage``."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+@contextlib.contextmanager
+def _hooks_set_aside(targets: tuple):
+    """Module hooks of the graphed modules, away while TE captures (it refuses modules with hooks;
+    registered after capture they run around each replay, as they then are again)."""
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    saved = [(t, {n: getattr(t, n) for n in names}) for t in targets]
+    for t, _ in saved:
+        for n in names:
+            setattr(t, n, collections.OrderedDict())
+    try:
+        yield
+    finally:
+        for t, hooks in saved:
+            for n, d in hooks.items():
+                setattr(t, n, d)
+
+
+@dataclasses.dataclass(eq=False)
+class GraphShape:
+    """One captured call signature of the blocks: its graphs' memory and use.
+
+    Attributes:
+        shape: the block input shape the graphs replay for, ``(B, N, C)``.
+        input_dtypes: the block input dtype, per graphed module (one for ``nn.Sequential`` blocks;
+            per block otherwise: the first block's from the model's stem, each later one's what the
+            block before it returns).
+        autocast_dtype: torch autocast dtype of the capture.
+        recipe_name: the FP8 recipe captured (None: FP8 off).
+        call_kwargs: the keyword inputs: ``(shape, dtype)`` for a tensor (replayed with the caller's
+            values), the value itself otherwise (must match).
+        memory_bytes: GPU memory the capture added (reserved after minus before, caches emptied):
+            its static buffers, and the shared pool's growth if this batch was the largest so far.
+        capture_seconds: how long the capture took (warm-up passes included).
+        replays: forward replays of these graphs (per-block graphs: one per block).
+    """
+
+    shape: Tuple[int, ...]
+    input_dtypes: Tuple[torch.dtype, ...]
+    autocast_dtype: torch.dtype
+    recipe_name: Optional[str]
+    call_kwargs: dict
+    memory_bytes: int = 0
+    capture_seconds: float = 0.0
+    replays: int = 0
+    _key: tuple = dataclasses.field(default=(), repr=False)
+    _graphed: tuple = dataclasses.field(default=(), repr=False)
+    _recorded: list = dataclasses.field(default_factory=list, repr=False)
+    _node: Any = dataclasses.field(default=None, repr=False)  # weakref: the last replay's backward node
+    _storage: Any = dataclasses.field(default=None, repr=False)  # the static output's storage
+    _idle: int = dataclasses.field(default=0, repr=False)  # its use count when no one else holds it
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.input_dtypes[0]
+
+    def _busy(self) -> bool:
+        """Whether something may still read what the next replay overwrites: a backward not yet
+        run, or the output (or a view or detached alias of it) still held."""
+        node = self._node
+        return ((node is not None and node() is not None)
+                or (self._storage is not None and _use_count(self._storage) > self._idle))
+
+
+class _AfterBackward:
+    """Hook on a replay's backward node: the first time, records the graph's static gradient
+    buffers (the views it returned); on the first graphed module's node (its backward runs last),
+    marks the replay's backward as done."""
+
+    def __init__(self, handle: "GraphedBlocks", entry: GraphShape, index: int):
+        self.handle, self.entry, self.index = handle, entry, index
+
+    def __call__(self, grad_inputs, grad_outputs) -> None:
+        entry = self.entry
+        if not entry._recorded[self.index]:
+            self.handle._static_ptrs.update(g.data_ptr() for g in grad_inputs if g is not None)
+            entry._recorded[self.index] = True
+        if self.index == 0:
+            entry._node = None
+
+
+class GraphedBlocks:
+    """The CUDA graphs of a model's blocks (:func:`make_graphed_blocks`, ``convert_to_te(cuda_graphs=True)``):
+    which call signatures are captured, their memory, and how often the graphs ran.
+
+    ``GraphedBlocks.of(model)`` finds the handle of a model (None: not graphed).
+
+    Attributes:
+        shapes: a :class:`GraphShape` per captured signature, in capture order.
+        max_shapes: how many signatures may be captured (settable; raising it lets new shapes in).
+        replays: forward calls that replayed graphs (per-block graphs: one per block).
+        eager_calls: forward calls that ran eagerly; ``eager_reasons`` counts them by reason
+            (``"eval"``, ``"new shape"``: first sight, ``"cache full"``, ``"busy"``, ...).
+        per_block: one graph pair per block (blocks in an ``nn.ModuleList`` that the model calls
+            one by one, with keyword inputs such as EVA's RoPE table), instead of one for all.
+        shape, input_dtype, autocast_dtype, recipe_name, call_kwargs: the first captured
+            signature's (None before any capture).
+    """
+
+    def __init__(self, blocks: nn.Module, per_block: bool, *, max_shapes: int = MAX_SHAPES,
+                 num_warmup_iters: int = 3, cudnn_layernorm: bool = False, fused_wgrad: bool = True,
+                 fp8: bool = True, amax_reduction_group: Any = None):
+        self._blocks = blocks  # may be half-built here (unpickling, deepcopy): read on first use
+        self._target_list: Optional[tuple] = None
+        self.per_block = per_block
+        self.max_shapes = max_shapes
+        self.num_warmup_iters = num_warmup_iters
+        self.cudnn_layernorm = cudnn_layernorm
+        self._fused_wgrad = fused_wgrad
+        self._fp8 = fp8
+        self._group = amax_reduction_group
+        self.replays = 0
+        self.eager_calls = 0
+        self.eager_reasons: collections.Counter = collections.Counter()
+        self._entries: "collections.OrderedDict[tuple, GraphShape]" = collections.OrderedDict()
+        self._seen: "collections.OrderedDict[tuple, list]" = collections.OrderedDict()
+        self._met = 0  # distinct signatures met in training
+        self._warned_full = False
+        self._capture_failed: Optional[str] = None
+        self._capturing = False
+        self._released = False
+        self._seq: Optional[tuple] = None  # per-block: what the next block of this forward does
+        self._pool = None
+        self._slots: tuple = ()
+        self._fp8_blocks: tuple = ()
+        self._fingerprint_at_capture = None
+        self._params: tuple = ()
+        self._main_grad_weights: tuple = ()
+        self._main_grads: tuple = ()
+        self._static_ptrs: set = set()
+        self._defaults: Optional[dict] = None
+
+    def _spec(self, kwargs: dict) -> tuple:
+        if not kwargs:
+            return ()
+        if self._defaults is None:
+            params = inspect.signature(type(self._targets[0]).forward).parameters
+            self._defaults = {n: p.default for n, p in params.items()}
+        return _spec(kwargs, self._defaults)
+
+    @property
+    def _targets(self) -> tuple:
+        """The modules whose forward is graphed: ``model.blocks``, or each block."""
+        if self._target_list is None:
+            self._target_list = tuple(self._blocks) if self.per_block else (self._blocks,)
+        return self._target_list
+
+    def _own(self) -> tuple:
+        """This handle's dispatch on each graphed module (None where there is none)."""
+        out = []
+        for t in self._targets:
+            d = vars(t).get("forward")
+            out.append(d if isinstance(d, _Dispatch) and d.handle is self else None)
+        return tuple(out)
+
+    # ------------------------------------------------------------------ reading
+    @staticmethod
+    def of(model: nn.Module) -> Optional["GraphedBlocks"]:
+        """The handle of ``model``'s graphed blocks (through a DDP wrapper too), or None."""
+        model = getattr(model, "module", model)
+        blocks = getattr(model, "blocks", None)
+        if not isinstance(blocks, nn.Module):
+            return None
+        for m in (blocks, *(blocks if isinstance(blocks, nn.ModuleList) else ())):
+            d = vars(m).get("forward")
+            if isinstance(d, _Dispatch) and d.handle is not None:
+                return d.handle
+        return None
+
+    @property
+    def shapes(self) -> list:
+        return list(self._entries.values())
+
+    @property
+    def main_grad_bytes(self) -> int:
+        """The fused-wgrad buffers (one fp32 gradient per block weight), shared by all signatures."""
+        return sum(w.main_grad.numel() * w.main_grad.element_size() for w in self._main_grad_weights
+                   if isinstance(vars(w).get("main_grad"), torch.Tensor))
+
+    @property
+    def memory_bytes(self) -> int:
+        """GPU memory held for the graphs: every capture's (:attr:`GraphShape.memory_bytes`) and the
+        fused-wgrad buffers."""
+        return sum(e.memory_bytes for e in self._entries.values()) + self.main_grad_bytes
+
+    @property
+    def fused_wgrad(self) -> bool:
+        """Whether the backward graphs write weight gradients in the weights' dtype (fp32) into
+        ``weight.main_grad`` (asked for with ``fused_wgrad=True``; before any capture: the setting)."""
+        return self._fused_wgrad and (not self._entries or bool(self._main_grad_weights))
+
+    def _first(self, attr: str) -> Any:
+        entry = next(iter(self._entries.values()), None)
+        return None if entry is None else getattr(entry, attr)
+
+    shape = property(lambda self: self._first("shape"))
+    input_dtype = property(lambda self: self._first("input_dtype"))
+    autocast_dtype = property(lambda self: self._first("autocast_dtype"))
+    recipe_name = property(lambda self: self._first("recipe_name"))
+    call_kwargs = property(lambda self: self._first("call_kwargs"))
+
+    def __repr__(self) -> str:
+        shapes = [(list(e.shape), e.recipe_name, e.memory_bytes, e.replays) for e in self._entries.values()]
+        return (f"GraphedBlocks(shapes={shapes} (shape, recipe, memory_bytes, replays), max_shapes="
+                f"{self.max_shapes}, replays={self.replays}, eager_calls={self.eager_calls}, "
+                f"memory_bytes={self.memory_bytes}, per_block={self.per_block})")
+
+    # ------------------------------------------------------------------ lifetime
+    def release(self) -> None:
+        """Run the blocks eagerly again and let the graphs and their memory go."""
+        for t, d in zip(self._targets, self._own()):
+            if d is not None:
+                del t.forward
+        self._drop(remember=False)
+        self._seen.clear()
+        self._released = True
+
+    def clear(self) -> None:
+        """Drop the captured graphs and their memory; shapes are captured again as they come (e.g.
+        after progressive resizing moved on from the shapes held)."""
+        self._drop(remember=False)
+        self._seen.clear()
+        self._met, self._warned_full, self._capture_failed = 0, False, None
+
+    def __reduce__(self):
+        # A copy (deepcopy, pickle) of the model gets the settings and captures its own graphs:
+        # these read the original's parameters.
+        return (_fresh_handle, (self._blocks, self.per_block, dict(
+            max_shapes=self.max_shapes, num_warmup_iters=self.num_warmup_iters, cudnn_layernorm=self.cudnn_layernorm,
+            fused_wgrad=self._fused_wgrad, fp8=self._fp8)))
+
+    def _install(self) -> None:
+        for i, t in enumerate(self._targets):
+            t.forward = _Dispatch(self, i, t)
+
+    def _drop(self, remember: bool) -> None:
+        """Let every graph go (``remember``: their signatures are captured again at their next call)."""
+        self._copy_aliased_grads()
+        for key, entry in self._entries.items():
+            entry._graphed, entry._node, entry._storage = (), None, None
+            if remember:
+                self._seen[key] = list(entry.input_dtypes)
+        had = bool(self._entries)
+        self._entries.clear()
+        _te.release_main_grad(self._main_grad_weights)
+        self._main_grad_weights, self._main_grads, self._params = (), (), ()
+        self._static_ptrs, self._pool, self._fingerprint_at_capture = set(), None, None
+        if had:
+            gc.collect()  # TE's graphed callables hold their graphs in reference cycles
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ the call
+    def _forward(self, i: int, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        t = self._targets[i]
+        if self._capturing or self._released:  # TE's warm-up and capture call the blocks themselves
+            return type(t).forward(t, x, *args, **kwargs)
+        if not t.training:
+            if i == 0:
+                self._seq = None
+            return self._eager(t, "eval", None, x, args, kwargs)
+        if i:
+            return self._follow(i, t, x, args, kwargs)
+        self._seq = None
+        entry, reason, message = self._choose(x, args, kwargs)
+        if entry is None:
+            if self.per_block and self._seq is None and len(self._targets) > 1:
+                self._seq = ("eager", reason, 1)
+            return self._eager(t, reason, message, x, args, kwargs)
+        return self._replay(entry, 0, x, kwargs)
+
+    def _eager(self, t: nn.Module, reason: str, message: Optional[str], x, args, kwargs) -> torch.Tensor:
+        self.eager_calls += 1
+        self.eager_reasons[reason] += 1
+        if message:
+            warn_once(_PREFIX + message, RuntimeWarning, stacklevel=5)
+        return type(t).forward(t, x, *args, **kwargs)
+
+    def _follow(self, i: int, t: nn.Module, x, args, kwargs) -> torch.Tensor:
+        """Per-block graphs, block ``i > 0``: do what block 0 decided for this forward."""
+        seq, self._seq = self._seq, None
+        if seq is None or seq[2] != i:  # e.g. a block called on its own
+            return self._eager(t, "block called alone", None, x, args, kwargs)
+        kind, what, _ = seq
+        nxt = i + 1 if i + 1 < len(self._targets) else None
+        if kind == "replay":
+            if (not args and tuple(x.shape) == what.shape and x.dtype == what.input_dtypes[i]
+                    and self._spec(kwargs) == what._key[4]):
+                return self._replay(what, i, x, kwargs)
+            message = (f"block {i} of a graphed forward got {list(x.shape)} {x.dtype} and keyword inputs "
+                       f"{self._spec(kwargs)}, its graph was captured for {list(what.shape)} {what.input_dtypes[i]} and "
+                       f"{what._key[4]}: it and the blocks after it run eagerly")
+            if nxt:
+                self._seq = ("eager", "block input", nxt)
+            return self._eager(t, "block input", message, x, args, kwargs)
+        if kind == "observe":  # first sight: note what each block gets, for the capture
+            seen = self._seen.get(what)
+            if seen is not None:
+                alike = not args and tuple(x.shape) == what[0] and self._spec(kwargs) == what[4]
+                seen[i] = x.dtype if alike else False
+            if nxt:
+                self._seq = ("observe", what, nxt)
+            return self._eager(t, "new shape", None, x, args, kwargs)
+        if nxt:
+            self._seq = ("eager", what, nxt)
+        return self._eager(t, what, None, x, args, kwargs)
+
+    @staticmethod
+    def _on_gpu(t: torch.Tensor) -> bool:
+        return t.is_cuda
+
+    def _call_context(self) -> Tuple[Optional[torch.dtype], Any]:
+        """The call's autocast dtype (None: autocast off) and active TE FP8 recipe (None: FP8 off)."""
+        if not torch.is_autocast_enabled("cuda"):
+            return None, None
+        return torch.get_autocast_dtype("cuda"), _te.active_fp8_recipe()
+
+    def _choose(self, x: torch.Tensor, args: tuple, kwargs: dict):
+        """``(entry to replay, None, None)`` or ``(None, reason, warning or None)`` for the first
+        graphed module's call; captures a signature at its second sight."""
+        if args:
+            return None, "positional inputs", (f"the blocks were called with {len(args)} positional inputs "
+                                               "besides x; graphs take keyword inputs only")
+        if not self._on_gpu(x):
+            return None, "not on a GPU", None
+        dtype, recipe = self._call_context()
+        if dtype is None:
+            return None, "no autocast", ("the call runs outside torch autocast; graphs are captured for a "
+                                         "training loop inside fp8_context (its autocast): wrap the forward in it")
+        spec = self._spec(kwargs)
+        try:
+            hash(spec)
+        except TypeError:
+            return None, "keyword inputs", (f"a keyword input of the blocks ({sorted(kwargs)}) is neither a tensor "
+                                            "nor a hashable value, so no graph can be keyed on it")
+        key = (tuple(x.shape), x.dtype, dtype, recipe_name(recipe) if recipe is not None else None, spec)
+        if self._entries:
+            changed = self._changed()
+            if changed is not None:
+                if self._busy():
+                    return None, "busy", _BUSY
+                self._drop(remember=True)
+                warn_once(f"fp8vit: {changed} since the blocks' CUDA graphs were captured: the graphs are dropped "
+                          "and captured again as the shapes come (about a second each)", RuntimeWarning, stacklevel=6)
+        entry = self._entries.get(key)
+        if entry is not None:
+            if self._busy():
+                return None, "busy", _BUSY
+            return entry, None, None
+        if not torch.is_grad_enabled():
+            return None, "no grad", None
+        why = self._why_not(recipe, kwargs)
+        if why is not None:
+            return None, "not capturable", why
+        return self._miss(key, x, kwargs, recipe)
+
+    def _busy(self) -> bool:
+        return any(e._busy() for e in self._entries.values())
+
+    def _why_not(self, recipe: Any, kwargs: dict) -> Optional[str]:
+        """Why no signature can be captured now (None: one can)."""
+        if self._capture_failed:
+            return self._capture_failed
+        p = next(iter(self._blocks.parameters()), None)
+        if p is not None and is_sharded(p):
+            return f"model.blocks is sharded by FSDP2 (fully_shard): {WHY_NOT_WITH_FSDP2}"
+        if p is not None and not self._on_gpu(p):
+            return f"the blocks' parameters are on {p.device}; CUDA graphs need the model on its GPU"
+        if recipe is None and self._fp8 and gpu_info().fp8.ok:
+            return ("the call runs without FP8 (outside fp8_context, or with FP8 turned off) on a GPU that runs "
+                    "FP8, and graphs are captured for the training loop's fp8_context: wrap the forward in "
+                    "fp8_context, or make_graphed_blocks(model, fp8=False) for graphs without FP8")
+        why = _uncapturable(self._blocks, self._targets)
+        if why is not None:
+            return why
+        for k, v in self._spec(kwargs):
+            if not (isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.dtype)):
+                # Only tensor inputs enter a graph; the others are the forward's defaults at capture.
+                return f"the blocks get {k}={v!r}, and a graph takes only tensors or the forward's defaults"
+        return None
+
+    def _miss(self, key: tuple, x: torch.Tensor, kwargs: dict, recipe: Any):
+        n = len(self._targets)
+        seen = self._seen.get(key)
+        full = len(self._entries) >= self.max_shapes
+        if seen is None:  # first sight: eager, noted
+            self._seen[key] = [x.dtype] + [None] * (n - 1)
+            while len(self._seen) > _SEEN_LIMIT:
+                self._seen.popitem(last=False)
+            self._met += 1
+            if n > 1:
+                self._seq = ("observe", key, 1)
+            if full or self._met > self.max_shapes:
+                return None, ("cache full" if full else "new shape"), self._too_many(key)
+            return None, "new shape", self._unlike(key)
+        if full:
+            return None, "cache full", self._too_many(key)
+        if self._busy():
+            return None, "busy", _BUSY
+        if None in seen:  # per-block: the first sight did not see every block
+            self._seen[key] = [x.dtype] + [None] * (n - 1)
+            self._seq = ("observe", key, 1)
+            return None, "new shape", None
+        if False in seen:
+            return None, "not capturable", (f"the blocks of one forward get inputs of other shapes or keyword inputs "
+                                            f"than block 0 ({list(key[0])}), which per-block graphs need alike")
+        entry = self._capture(key, tuple(seen), kwargs, recipe, lazy=True, device=x.device)
+        if entry is None:
+            return None, "capture failed", self._capture_failed
+        return entry, None, None
+
+    def _too_many(self, key: tuple) -> Optional[str]:
+        """The one warning (per handle) when the blocks meet more signatures than ``max_shapes``."""
+        if self._warned_full:
+            return None
+        self._warned_full = True
+        held = [list(e.shape) for e in self._entries.values()] or "none yet"
+        return (f"the blocks have met {self._met} distinct input signatures in training (this one: "
+                f"{list(key[0])}), more than max_shapes={self.max_shapes}; graphs are held for {held} and other "
+                "shapes run eagerly. A batch shape that changes from step to step cannot use CUDA graphs: fix it "
+                "(drop_last=True, one resolution). To hold more shapes (each adds memory, see memory_bytes): "
+                "make_graphed_blocks(model, max_shapes=N), or GraphedBlocks.of(model).max_shapes = N")
+
+    def _unlike(self, key: tuple) -> Optional[str]:
+        """Says how a first-seen signature differs from a captured one of the same shape (None: no
+        such one): an unusual change, unlike a new batch size."""
+        for e in self._entries.values():
+            if e.shape != key[0]:
+                continue
+            if key[1] != e.input_dtype:
+                why = f"the input is {key[1]}, the graphs were captured for {e.input_dtype}"
+            elif key[2] != e.autocast_dtype:
+                why = f"the graphs were captured under {e.autocast_dtype} autocast, the call runs under {key[2]}"
+            elif key[3] != e.recipe_name:
+                why = (f"the graphs were captured with FP8 recipe {e.recipe_name!r}, the call runs with {key[3]!r} "
+                       "(another fp8_context recipe)")
+            else:
+                got, want = dict(key[4]), e.call_kwargs
+                names = sorted(set(got) | set(want), key=lambda k: (not isinstance(want.get(k), tuple), k))
+                name = next((k for k in names if got.get(k) != want.get(k)), None)  # tensors first
+                if name is None:
+                    continue
+                why = (f"{name} is {_show(got.get(name))}, the graphs were captured for {_show(want.get(name))}"
+                       if name in want else f"the call passes {name}, which the capture did not see")
+            return f"{why}; it is captured as well if it repeats (max_shapes={self.max_shapes})"
+        return None
+
+    # ------------------------------------------------------------------ state the graphs depend on
+    def _fingerprint(self) -> tuple:
+        params = []
+        for m, n in self._slots:
+            p = m._parameters.get(n)
+            params.append((id(p), p.data_ptr(), p.requires_grad) if p is not None else None)
+        children = () if self.per_block else tuple(map(id, self._blocks._modules.values()))
+        switches = tuple((m.fp8_enabled, m.grad_checkpointing, m.recompute_mlp, m.gelu_in_gemm)
+                         for m in self._fp8_blocks)
+        return tuple(params), children, switches
+
+    def _changed(self) -> Optional[str]:
+        """What changed since capture that the graphs depend on (None: nothing)."""
+        now, then = self._fingerprint(), self._fingerprint_at_capture
+        if now == then:
+            return None
+        if now[1] != then[1]:
+            return "model.blocks holds other blocks"
+        if now[2] != then[2]:
+            return "a block's fp8_enabled, grad_checkpointing, recompute_mlp or gelu_in_gemm switch changed"
+        grad = sum(1 for a, b in zip(now[0], then[0]) if a is not None and b is not None and a[2] != b[2])
+        moved = sum(1 for a, b in zip(now[0], then[0]) if a is None or b is None or a[:2] != b[:2])
+        return (f"requires_grad changed on {grad} block parameters" if grad and not moved else
+                f"{moved} block parameters were replaced or moved" if moved and not grad else
+                f"requires_grad changed on {grad} block parameters and {moved} were replaced or moved")
+
+    # ------------------------------------------------------------------ replay and capture
+    def _replay(self, entry: GraphShape, i: int, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        if i == 0 and self._static_ptrs:
+            self._copy_aliased_grads()
+        weights, grads = self._main_grads[i] if self._main_grads else ((), ())
+        if grads and torch.is_grad_enabled():
+            x = _MainGradsToAutograd.apply(x, grads, *weights)
+        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)} if kwargs else {}
+        out = entry._graphed[i](x, **tensors)
+        entry.replays += 1
+        self.replays += 1
+        node = out.grad_fn
+        if node is not None and (i == 0 or not entry._recorded[i]):
+            node.register_hook(_AfterBackward(self, entry, i))
+        if i == 0:
+            entry._node = weakref.ref(node) if node is not None else None
+        if i + 1 < len(self._targets):
+            self._seq = ("replay", entry, i + 1)
+        elif entry._storage is None:  # the graph's static output: the same storage every replay
+            entry._storage = out.untyped_storage()
+            entry._idle = _use_count(entry._storage) - 1  # all but ``out``
+        return out
+
+    def _copy_aliased_grads(self) -> None:
+        """Copy each ``.grad`` that is a view of a graph's gradient buffer, which the next replay or
+        capture rewrites; gradients elsewhere (DDP's bucket views, earlier copies) stay as they are."""
+        ptrs = self._static_ptrs
+        if not ptrs:
+            return
+        for p in self._params:
+            g = p.grad
+            if g is not None and g.data_ptr() in ptrs:
+                p.grad = g.clone()
+
+    def _capture(self, key: tuple, dtypes: tuple, kwargs: dict, recipe: Any, lazy: bool, device) -> Optional[GraphShape]:
+        """Capture the signature ``key``. A lazy capture (inside a training step) that fails (out of
+        memory, or TE raising) returns None, stops lazy capture and says why (:attr:`_capture_failed`;
+        TE's process-wide state is restored first); a capture asked for with a batch size raises."""
+        targets, n, first = self._targets, len(self._targets), not self._entries
+        samples = tuple((torch.randn(key[0], device=device, dtype=dt, requires_grad=True),) for dt in dtypes)
+        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        sample_kwargs = tuple({k: v.detach().clone() for k, v in tensors.items()} for _ in range(n)) \
+            if self.per_block else None
+        if first:
+            self._slots = tuple((m, name) for t in targets for m in t.modules()
+                                for name, p in m._parameters.items() if p is not None)
+            self._fp8_blocks = tuple(m for t in targets for m in t.modules() if isinstance(m, FP8Block))
+        self._copy_aliased_grads()  # the warm-up rewrites main_grad
+        start = time.perf_counter()
+        try:
+            graphed, memory, grads_alias, weights = self._run_capture(samples, sample_kwargs, recipe, key[2], first)
+        except Exception as err:  # noqa: BLE001 - a capture inside a training step must not end the run
+            if not lazy:
+                raise
+            held = [list(e.shape) for e in self._entries.values()] or "none"
+            first_line = (str(err).splitlines() or [""])[0][:200]
+            what = ("ran out of GPU memory" if isinstance(err, torch.cuda.OutOfMemoryError)
+                    else f"failed ({type(err).__name__})")
+            self._capture_failed = (f"capturing the blocks for {list(key[0])} {what}: {first_line}; no shape is "
+                                    f"captured from now on, those held ({held}) keep replaying"
+                                    + (". drop_last=True, a smaller max_shapes or batch avoids it"
+                                       if isinstance(err, torch.cuda.OutOfMemoryError) else ""))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return None
+        self._main_grad_weights = tuple(weights)
+        mains = []
+        for t in targets:
+            mine = set(map(id, t.parameters()))
+            ws = tuple(w for w in weights if id(w) in mine)
+            mains.append((ws, tuple(w.main_grad for w in ws)))
+        self._main_grads = tuple(mains)
+        self._static_ptrs.update(w.main_grad.data_ptr() for w in weights)
+        self._params = tuple(p for p in (m._parameters[name] for m, name in self._slots) if p.requires_grad)
+        if first:
+            self._fingerprint_at_capture = self._fingerprint()
+        entry = GraphShape(shape=key[0], input_dtypes=tuple(dtypes), autocast_dtype=key[2], recipe_name=key[3],
+                           call_kwargs=dict(key[4]), memory_bytes=memory,
+                           capture_seconds=time.perf_counter() - start, _key=key, _graphed=graphed,
+                           _recorded=[not grads_alias] * n)
+        self._entries[key] = entry
+        self._seen.pop(key, None)
+        return entry
+
+    def _run_capture(self, samples: tuple, sample_kwargs: Optional[tuple], recipe: Any, dtype: torch.dtype,
+                     first: bool):
+        """TE's capture of the graphed modules: ``(graphed forwards, memory added, grads_alias, the
+        fused-wgrad weights)``. Restores the parameters' gradients, the CUDA RNG and the
+        delayed-scaling state if it fails."""
+        targets = self._targets
+        dispatches = tuple(d if d is not None else _Dispatch(self, i, t)
+                           for i, (t, d) in enumerate(zip(targets, self._own())))
+        if first or self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        params = tuple(m._parameters[name] for m, name in self._slots)
+        grads = [p.grad for p in params]
+        rng = torch.cuda.get_rng_state()
+        scaling = _te.save_scaling(targets)
+        had_main_grad = set(map(id, self._main_grad_weights))
+        weights: tuple = ()
+        try:
+            with contextlib.ExitStack() as stack:
+                if self.cudnn_layernorm:
+                    stack.enter_context(_te.cudnn_norm(True))
+                if self._fused_wgrad:
+                    # fp8vit's blocks only: their TE modules' weights are known to reach the GEMMs as is.
+                    weights = tuple(stack.enter_context(_te.wgrad_into_main_grad(self._fp8_blocks, reuse=True)))
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                before = torch.cuda.memory_reserved()
+                # no cached casts inside a graph; TE's warm-up runs backward
+                stack.enter_context(torch.autocast("cuda", dtype=dtype, cache_enabled=False))
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(_hooks_set_aside(targets))
+                self._capturing = True
+                try:
+                    grads_alias = _te.make_graphed_callables(
+                        targets, samples, fp8=recipe is not None, recipe=recipe,
+                        num_warmup_iters=self.num_warmup_iters, amax_reduction_group=self._group,
+                        sample_kwargs=sample_kwargs, pool=self._pool,
+                        post_warmup_hook=torch.cuda.empty_cache)  # the warm-up's cached blocks, before capture
+                finally:
+                    self._capturing = False
+                    graphed = tuple(self._reinstall(t, d) for t, d in zip(targets, dispatches))
+            torch.cuda.empty_cache()
+            memory = torch.cuda.memory_reserved() - before
+        except BaseException:
+            for p, g in zip(params, grads):  # TE sets them to None around its warm-up backward
+                p.grad = g
+            torch.cuda.set_rng_state(rng)
+            _te.restore_scaling(scaling)
+            _te.release_main_grad([w for w in weights if id(w) not in had_main_grad])
+            raise
+        return graphed, memory, grads_alias, weights
+
+    @staticmethod
+    def _reinstall(t: nn.Module, dispatch: "_Dispatch"):
+        """Take TE's graphed forward off the module (and the ``backward_dw``/``reset`` it set there),
+        put the dispatch back; returns TE's forward (None: the capture failed before setting it)."""
+        graphed = vars(t).pop("forward", None)
+        for attr in ("backward_dw", "reset"):
+            vars(t).pop(attr, None)
+        t.forward = dispatch
+        return None if graphed is dispatch else graphed
+
+
+def _fresh_handle(blocks, per_block, settings) -> GraphedBlocks:
+    """A copied model's handle: the settings, no graphs (see :meth:`GraphedBlocks.__reduce__`)."""
+    return GraphedBlocks(blocks, per_block, **settings)
 
 
 class _MainGradsToAutograd(torch.autograd.Function):
@@ -178,69 +827,74 @@ class _MainGradsToAutograd(torch.autograd.Function):
 
 
 class _Dispatch:
-    """``blocks.forward``: replay the graphs when the call matches the capture, else run eagerly.
+    """``forward`` of a graphed module (``model.blocks``, or each block): replays a graph of the
+    call's signature, captures it at its second sight, or runs the module's own forward.
 
     Gradients: the backward graph writes each parameter's gradient into a static buffer (TE's, or
     with ``fused_wgrad`` a weight's ``main_grad``), and autograd receives a view of it, which
     becomes ``p.grad`` without a copy when ``p.grad`` was None (the usual ``zero_grad()``; not
     copying them saves 1.65 ms per ViT-H step, docs/performance.md). The next replay rewrites
     those buffers (TE's live in the graphs' memory pool, which the forward replay may already
-    reuse). So before each replay, a ``p.grad`` that is still such a view (accumulation over
-    micro-batches, ``zero_grad(set_to_none=False)``) is copied, and autograd adds to the copy.
+    reuse). So before each replay or capture, a ``p.grad`` that is still such a view (accumulation
+    over micro-batches, ``zero_grad(set_to_none=False)``) is copied, and autograd adds to the copy.
     Gradients that are not views of the buffers (DDP's bucket views) are left alone.
     """
 
-    def __init__(self, handle: GraphedBlocks, graphed, eager, params: Tuple[nn.Parameter, ...] = (),
-                 main_grad_weights: Tuple[nn.Parameter, ...] = (), te_grads_alias: bool = False,
-                 input_dtype: Optional[torch.dtype] = None):
-        self.handle, self.graphed, self.eager, self.params = handle, graphed, eager, params
-        self.input_dtype = input_dtype
-        self.main_grad_weights = main_grad_weights
-        self.main_grads = tuple(w.main_grad for w in main_grad_weights)
-        # data_ptr()s of the buffers that p.grad may alias: the main_grads now, TE's static
-        # gradient buffers once the first replay's backward reports them.
-        self._static_ptrs = frozenset(g.data_ptr() for g in self.main_grads)
-        self._recorded = not te_grads_alias  # TE returns copies (older TE): nothing to record
+    def __init__(self, handle: Optional[GraphedBlocks] = None, index: int = 0, target: Optional[nn.Module] = None,
+                 graphed: Any = None, eager: Any = None):
+        self.handle, self.index, self.target = handle, index, target
 
-    def _record_static(self, grad_inputs, grad_outputs) -> None:
-        # Hook on the graphed backward node: grad_inputs are the views it returned.
-        self._static_ptrs |= frozenset(g.data_ptr() for g in grad_inputs if g is not None)
-        self._recorded = True
-
-    def _copy_aliased_grads(self) -> None:
-        for p in self.params:
-            g = p.grad
-            if g is not None and g.data_ptr() in self._static_ptrs:
-                p.grad = g.clone()
-
-    def __call__(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        h = self.handle
-        if h._blocks.training:
-            why = h.mismatch(x, kwargs, self.input_dtype)
-            if why is None:
-                h.replays += 1
-                if self.params:
-                    self._copy_aliased_grads()
-                if self.main_grads and torch.is_grad_enabled():
-                    x = _MainGradsToAutograd.apply(x, self.main_grads, *self.main_grad_weights)
-                tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-                out = self.graphed(x, **tensors)
-                if not self._recorded and out.grad_fn is not None:
-                    out.grad_fn.register_hook(self._record_static)
-                return out
-            warn_once(f"fp8vit: CUDA-graphed blocks run eagerly (correct, slower): {why}",
-                      RuntimeWarning, stacklevel=4)
-        h.eager_calls += 1
-        return self.eager(x, **kwargs)
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.handle._forward(self.index, x, *args, **kwargs)
 
     def __reduce__(self):
-        raise TypeError("a model with CUDA-graphed blocks cannot be pickled or deep-copied: save "
-                        "model.state_dict(), or call release() on make_graphed_blocks' result first")
+        return (_Dispatch, (self.handle, self.index, self.target))
+
+
+def _blocks_of(model: nn.Module, fn: str) -> Tuple[nn.Module, bool, tuple]:
+    """``(model.blocks, per_block, the modules whose forward gets graphed)``, or raise saying why not."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or len(blocks) == 0:
+        raise ValueError(f"{fn} needs a timm ViT with its blocks in model.blocks; "
+                         f"{type(model).__name__} has no nn.Sequential or nn.ModuleList 'blocks' "
+                         f"(found {type(blocks).__name__})")
+    per_block = not isinstance(blocks, nn.Sequential)
+    return blocks, per_block, (tuple(blocks) if per_block else (blocks,))
+
+
+def install_graphs(model: nn.Module) -> Optional[str]:
+    """``convert_to_te(cuda_graphs=True)``: graphs for ``model.blocks``, each shape captured as it
+    comes (:func:`make_graphed_blocks` with no batch size, its defaults). Nothing needs a GPU yet.
+
+    Returns:
+        None, or why nothing was installed (no ``blocks``, sharded, ``forward`` patched by someone
+        else). Already installed: None, unchanged.
+    """
+    try:
+        blocks, per_block, targets = _blocks_of(model, "cuda_graphs=True")
+    except ValueError as err:
+        return str(err)
+    if any(isinstance(vars(t).get("forward"), _Dispatch) for t in targets):
+        return None
+    if any("forward" in vars(t) for t in targets):
+        return "model.blocks' forward is replaced by something else already; the blocks are not graphed"
+    param = next(iter(blocks.parameters()), None)
+    if param is not None and is_sharded(param):
+        return f"the blocks are sharded by FSDP2 (fully_shard), so they are not graphed: {WHY_NOT_WITH_FSDP2}"
+    GraphedBlocks(blocks, per_block)._install()
+    return None
+
+
+def remove_graphs(model: nn.Module) -> None:
+    """Release the graphs of ``model``'s blocks, if any (``convert_from_te``)."""
+    handle = GraphedBlocks.of(model)
+    if handle is not None:
+        handle.release()
 
 
 def make_graphed_blocks(
     model: nn.Module,
-    batch_size: int,
+    batch_size: Optional[int] = None,
     *,
     tokens: Optional[int] = None,
     recipe: Any = None,
@@ -250,56 +904,67 @@ def make_graphed_blocks(
     cudnn_layernorm: bool = False,
     fused_wgrad: bool = True,
     amax_reduction_group: Any = None,
+    max_shapes: int = MAX_SHAPES,
 ) -> GraphedBlocks:
-    """Capture ``model.blocks`` (forward and backward, all blocks in one graph each) for training.
+    """CUDA graphs for ``model.blocks`` (forward and backward, all blocks in one graph pair each, or
+    one per block), one set per call signature, captured as the shapes come (module docstring).
 
-    Call it after :func:`convert_to_te` and before wrapping the model in DDP, with the model on
-    its GPU and in train mode. Then train as usual inside :func:`fp8_context` with the same recipe.
+    Call it after :func:`convert_to_te` (``convert_to_te(..., cuda_graphs=True)`` calls it with no
+    batch size), before or after DDP wraps the model, and train as usual inside
+    :func:`fp8_context`. With ``batch_size``, that shape is captured now, for the given ``recipe``,
+    ``fp8`` and ``dtype`` (the model on its GPU); every other shape is captured at its second
+    training call, under that call's recipe and autocast dtype, up to ``max_shapes`` in all.
 
     Args:
-        model: a timm ``VisionTransformer`` (its ``blocks`` is an ``nn.Sequential``); blocks kept
-            as timm ``Block``s by ``module_filter_fn`` are captured too.
-        batch_size: images per step (per GPU); the graphs replay for this batch only.
-        tokens: tokens per image; default ``patch_embed.num_patches + num_prefix_tokens``.
-        recipe: the FP8 recipe the training loop's ``fp8_context`` uses (None: its default).
-        fp8: False captures without FP8 (the blocks then run in ``dtype``).
-        dtype: torch autocast dtype of the training loop.
-        num_warmup_iters: eager iterations TE runs before capture (they do not change weights or
-            FP8 state).
+        model: a timm ``VisionTransformer`` (its ``blocks`` is an ``nn.Sequential``; an
+            ``nn.ModuleList`` gets a graph pair per block); blocks kept as timm ``Block``s by
+            ``module_filter_fn`` are captured too.
+        batch_size: images per step (per GPU) to capture now; None: nothing now.
+        tokens: tokens per image of that capture; default ``patch_embed.num_patches + num_prefix_tokens``.
+        recipe: the FP8 recipe of that capture (None: ``fp8_context``'s default).
+        fp8: False: graphs without FP8 (the blocks run in ``dtype``), captured also for calls
+            outside FP8; True: calls without FP8 on a GPU that runs it are not captured (warned).
+        dtype: torch autocast dtype of that capture.
+        num_warmup_iters: eager iterations TE runs before each capture (they change no weight,
+            gradient or FP8 state).
         cudnn_layernorm: capture TE's LayerNorm forward and backward with cuDNN's kernels
             (:func:`set_cudnn_layernorm`) instead of TE's own; only the graphs use them, and the
             process-wide setting is restored after capture. ViT-H/16 on an H200: -4% step time;
             ViT-B and L: unchanged (docs/performance.md, lever 8).
-        fused_wgrad: the backward graph's weight-gradient GEMMs write each weight's gradient in
-            the weight's dtype (fp32) into a buffer kept on the weight (``weight.main_grad``),
-            which becomes ``p.grad``, instead of writing bf16 that autograd then casts (TE's
-            ``fuse_wgrad_accumulation``; docs/performance.md, lever 15). The weight gradients are
-            then fp32 GEMM outputs, not bf16-rounded ones. The buffers stay allocated (one
-            gradient's worth of the blocks' weights) until ``release()``. ViT-H/16 on an H200:
-            -1.2 to -1.9 ms per step, +2.4 GiB peak, 16 images less of largest batch; False
-            gives that memory back. Eager calls (a fallback) always get TE's bf16 gradients.
-        amax_reduction_group: the process group TE reduces delayed-scaling amaxes over during its
-            warm-up iterations (which all ranks then run together); None: the default group, as
-            in :func:`fp8_context`. The replays take the group of the enclosing ``fp8_context``.
+        fused_wgrad: the backward graphs' weight-gradient GEMMs write each weight's gradient in
+            the weight's dtype (fp32) into a buffer kept on the weight (``weight.main_grad``, one
+            for all shapes), which becomes ``p.grad``, instead of writing bf16 that autograd then
+            casts (TE's ``fuse_wgrad_accumulation``; docs/performance.md, lever 15). The weight
+            gradients are then fp32 GEMM outputs, not bf16-rounded ones. The buffers stay
+            allocated (one gradient's worth of the blocks' weights) until ``release()``. ViT-H/16
+            on an H200: -1.2 to -1.9 ms per step, +2.4 GiB peak, 16 images less of largest batch;
+            False gives that memory back. Eager calls always get TE's bf16 gradients.
+        amax_reduction_group: the process group given to TE's captures (TE reduces no amax while
+            capturing); the replays take the group of the enclosing ``fp8_context``.
+        max_shapes: how many call signatures get graphs (the ``batch_size`` one included); each
+            holds its static buffers, and all share the activation memory of the largest
+            (:attr:`GraphedBlocks.memory_bytes`). Other shapes run eagerly.
 
     Returns:
-        a :class:`GraphedBlocks` handle (shape, replay counts, ``release()``).
+        a :class:`GraphedBlocks` handle (shapes, memory, replay counts, ``release()``).
 
     Raises:
         TypeError: an argument of the wrong type (``model`` not a module, ``batch_size``,
-            ``tokens`` or ``num_warmup_iters`` not an integer, a flag not a bool, ``recipe`` neither
-            a name nor a TE recipe object, ``amax_reduction_group`` not a process group); all
-            arguments are checked first, on any machine.
-        ValueError: ``batch_size`` or ``tokens`` below 1, ``num_warmup_iters`` below 0, an unknown
-            ``recipe`` name, ``dtype`` not an autocast dtype; then ``model`` has no
-            ``nn.Sequential`` ``blocks``, no ``patch_embed.num_patches`` and no ``tokens`` given,
-            is FSDP2-sharded, is not on a GPU, uses activation checkpointing or MLP recompute of
-            an unfused MLP; each names the value.
-        FP8UnavailableError: ``fp8`` is asked for and cannot run here.
+            ``tokens``, ``num_warmup_iters`` or ``max_shapes`` not an integer, a flag not a bool,
+            ``recipe`` neither a name nor a TE recipe object, ``amax_reduction_group`` not a
+            process group); all arguments are checked first, on any machine.
+        ValueError: ``batch_size``, ``tokens`` or ``max_shapes`` below 1, ``num_warmup_iters``
+            below 0, an unknown ``recipe`` name, ``dtype`` not an autocast dtype; then ``model``
+            has no ``nn.Sequential``/``nn.ModuleList`` ``blocks``, is FSDP2-sharded, uses
+            activation checkpointing or MLP recompute of an unfused MLP, passes its blocks
+            non-tensor keyword inputs other than the forward's defaults, is
+            graphed already, or (with ``batch_size``) is not on a GPU or has no
+            ``patch_embed.num_patches`` and no ``tokens``; each names the value.
+        FP8UnavailableError: a ``batch_size`` capture with ``fp8`` that cannot run here.
     """
     fn = "make_graphed_blocks"
     check_type(fn, "model", model, nn.Module, "a torch.nn.Module (a timm ViT)")
-    check_int(fn, "batch_size", batch_size, min=1)
+    check_int(fn, "batch_size", batch_size, min=1, none_ok=True)
     check_int(fn, "tokens", tokens, min=1, none_ok=True)
     check_recipe(fn, recipe)
     check_bool(fn, "fp8", fp8)
@@ -308,13 +973,10 @@ def make_graphed_blocks(
     check_bool(fn, "cudnn_layernorm", cudnn_layernorm)
     check_bool(fn, "fused_wgrad", fused_wgrad)
     check_process_group(fn, "amax_reduction_group", amax_reduction_group)
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or len(blocks) == 0:
-        raise ValueError(f"make_graphed_blocks needs a timm ViT with its blocks in model.blocks; "
-                         f"{type(model).__name__} has no nn.Sequential or nn.ModuleList 'blocks' "
-                         f"(found {type(blocks).__name__})")
-    per_block = not isinstance(blocks, nn.Sequential)
-    if not per_block and tokens is None and not isinstance(
+    check_int(fn, "max_shapes", max_shapes, min=1)
+    blocks, per_block, targets = _blocks_of(model, fn)
+    now = batch_size is not None
+    if now and not per_block and tokens is None and not isinstance(
             getattr(getattr(model, "patch_embed", None), "num_patches", None), int):
         raise ValueError(f"make_graphed_blocks: a {type(model).__name__} has no patch_embed.num_patches to "
                          "tell the tokens per image from; pass tokens=, the sequence length its blocks see")
@@ -323,80 +985,65 @@ def make_graphed_blocks(
         raise ValueError(f"make_graphed_blocks: the blocks' parameters are {type(param).__name__}s, sharded by "
                          f"FSDP2 (fully_shard); {WHY_NOT_WITH_FSDP2}: capture before sharding is refused too, "
                          "so graph the model and wrap it in DDP, or shard it and train eagerly")
-    if param.device.type != "cuda":
+    if now and param.device.type != "cuda":
         raise ValueError(f"make_graphed_blocks: the blocks are on {param.device}; CUDA graphs need the "
                          "model on its GPU (model.cuda() first)")
-    if getattr(model, "grad_checkpointing", False) or any(
-            getattr(m, "grad_checkpointing", False) for m in blocks.modules()):
+    if getattr(model, "grad_checkpointing", False) is True:
         raise ValueError("make_graphed_blocks: activation checkpointing is on; a CUDA graph keeps all "
                          "activations of its capture, so turn checkpointing off "
                          "(model.set_grad_checkpointing(False)) or do not graph this model")
-    unfused = [n for n, m in blocks.named_modules()
-               if isinstance(m, FP8Block) and m.recompute_mlp and not m.cfg.fused_mlp]
-    if unfused:
-        # TE's LayerNormMLP recomputes inside its own backward, which the graph captures; an
-        # unfused MLP (exact_gelu=True) would need activation checkpointing, refused above.
-        raise ValueError(f"make_graphed_blocks: MLP recompute is on in blocks {unfused[:4]} whose MLP is "
-                         "unfused (exact_gelu=True or MLP dropout), and that recompute uses activation "
-                         "checkpointing, which a captured graph cannot hold; "
-                         "fp8vit.set_mlp_recompute(model, False) for them, or do not graph this model")
-    targets = tuple(blocks) if per_block else (blocks,)  # the modules whose forward gets graphed
-    if any("forward" in vars(t) for t in targets):
-        raise ValueError("make_graphed_blocks: model.blocks is already graphed (or its forward is "
-                         "patched); call release() on the earlier result first")
+    why = _uncapturable(blocks, targets)
+    if why is not None:
+        raise ValueError(f"make_graphed_blocks: {why}")
+    old = [vars(t).get("forward") for t in targets if "forward" in vars(t)]
+    if old:
+        handle = old[0].handle if isinstance(old[0], _Dispatch) else None
+        if handle is None or handle._entries or len(old) != len(targets):
+            raise ValueError("make_graphed_blocks: model.blocks is already graphed (or its forward is "
+                             "patched); call release() on the earlier result first")
+        handle.release()  # set up, never captured (convert_to_te(cuda_graphs=True)): replaced
     te_recipe = None
-    if fp8:
+    if now and fp8:
         info = gpu_info()
         if not info.fp8.ok:
             raise FP8UnavailableError(f"make_graphed_blocks(fp8=True): FP8 cannot run here: {info.fp8.reason}; "
                                       "pass fp8=False to graph the blocks in bf16")
         te_recipe = resolve_recipe(recipe, info.recipes)
-    call_kwargs: dict = {}
-    if per_block:
-        # The model calls each block itself, with keyword inputs (EVA: rope=the RoPE table): see
-        # what it passes, on one image, and capture each block with those inputs.
-        seen_dtypes, x_seen, call_kwargs = _block_calls(model, blocks, param.device, dtype)
-        shape = (batch_size, *(x_seen.shape[1:] if tokens is None else (tokens, x_seen.shape[-1])))
-        in_dtype = seen_dtypes[0]
-    else:
-        if tokens is None:
-            tokens = model.patch_embed.num_patches + getattr(model, "num_prefix_tokens", 0)
-        shape = (batch_size, tokens, model.embed_dim)
-        in_dtype = model.pos_embed.dtype if getattr(model, "pos_embed", None) is not None else param.dtype
-    dtypes = seen_dtypes if per_block else (in_dtype,)
-    samples = tuple((torch.randn(shape, device=param.device, dtype=dt, requires_grad=True),) for dt in dtypes)
-    tensor_kwargs = tuple({k: v.clone() for k, v in call_kwargs.items() if isinstance(v, torch.Tensor)}
-                          for _ in targets)
-    call_spec = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for k, v in call_kwargs.items()}
-    was_training = blocks.training
-    blocks.train()
-    norm = _te.cudnn_norm(True) if cudnn_layernorm else contextlib.nullcontext()
-    # fp8vit's blocks only: their TE modules' weights are known to reach the GEMMs as is.
-    te_blocks = [m for m in blocks.modules() if isinstance(m, FP8Block)]
-    wgrad = _te.wgrad_into_main_grad(te_blocks) if fused_wgrad else contextlib.nullcontext(())
-    # no cached casts inside a graph:
-    with norm, wgrad as main_grad_weights, torch.autocast("cuda", dtype=dtype, cache_enabled=False):
+    if now:
+        if per_block:
+            # The model calls each block itself, with keyword inputs (EVA: rope=the RoPE table): see
+            # what it passes, on one image, and capture each block with those inputs.
+            dtypes, x_seen, call_kwargs = _block_calls(model, blocks, param.device, dtype)
+            shape = (batch_size, *(x_seen.shape[1:] if tokens is None else (tokens, x_seen.shape[-1])))
+        else:
+            if tokens is None:
+                tokens = model.patch_embed.num_patches + getattr(model, "num_prefix_tokens", 0)
+            shape = (batch_size, tokens, model.embed_dim)
+            in_dtype = model.pos_embed.dtype if getattr(model, "pos_embed", None) is not None else param.dtype
+            dtypes, call_kwargs = (in_dtype,), {}
+    handle = GraphedBlocks(blocks, per_block, max_shapes=max_shapes, num_warmup_iters=num_warmup_iters,
+                           cudnn_layernorm=cudnn_layernorm, fused_wgrad=fused_wgrad, fp8=fp8,
+                           amax_reduction_group=amax_reduction_group)
+    if now:
+        spec = handle._spec(call_kwargs)
+        odd = [f"{k}={v!r}" for k, v in spec if not (isinstance(v, tuple) and len(v) == 2
+                                                     and isinstance(v[1], torch.dtype))]
+        if odd:
+            raise ValueError(f"make_graphed_blocks: {type(model).__name__} passes its blocks {odd[0]}; a graph takes "
+                             "tensor keyword inputs, or the forward's defaults")
+    handle._install()
+    if now:
+        key = (tuple(shape), dtypes[0], dtype, recipe_name(te_recipe) if te_recipe is not None else None, spec)
+        was_training = blocks.training
+        blocks.train()
         try:
-            grads_alias = _te.make_graphed_callables(targets, samples, fp8=fp8, recipe=te_recipe,
-                                                     num_warmup_iters=num_warmup_iters,
-                                                     amax_reduction_group=amax_reduction_group,
-                                                     sample_kwargs=tensor_kwargs if per_block else None)
+            handle._capture(key, dtypes, call_kwargs, te_recipe, lazy=False, device=param.device)
         except BaseException:
-            _te.release_main_grad(main_grad_weights)
+            handle.release()
             raise
-    blocks.train(was_training)
-    graphed = [vars(t).pop("forward") for t in targets]  # TE installed them on the instances; ours wrap them
-    main_grad_weights = tuple(main_grad_weights)
-    handle = GraphedBlocks(shape=tuple(shape), input_dtype=in_dtype, autocast_dtype=dtype,
-                           recipe_name=recipe_name(te_recipe) if fp8 else None,
-                           fused_wgrad=bool(main_grad_weights), per_block=per_block, call_kwargs=call_spec,
-                           _blocks=blocks, _patched=targets, _switches=_switches(blocks),
-                           _main_grad_weights=main_grad_weights)
-    for t, g, dt in zip(targets, graphed, dtypes):
-        params = tuple(p for p in t.parameters() if p.requires_grad) if grads_alias or main_grad_weights else ()
-        mine = set(map(id, t.parameters()))
-        weights = tuple(w for w in main_grad_weights if id(w) in mine)
-        t.forward = _Dispatch(handle, g, t.forward, params, weights, grads_alias, dt)
+        finally:
+            blocks.train(was_training)
+        handle._met = 1
     return handle
 
 
@@ -426,7 +1073,9 @@ def _block_calls(model: nn.Module, blocks: nn.ModuleList, device, dtype: torch.d
     chans = getattr(model, "in_chans", 3)
     handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks]
     try:
-        with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        # FP8 off (an explicit fp8_context, so a model that carries FP8 calls through): the probe
+        # must not move the delayed-scaling amax history with a random image.
+        with torch.no_grad(), _fp8_context(None, False, dtype, False, None):
             model(torch.randn(1, chans, *size, device=device, dtype=next(model.parameters()).dtype))
     except _SeenCall:
         pass
