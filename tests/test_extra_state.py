@@ -137,13 +137,50 @@ def test_the_dict_of_fp8vit_0_1_still_loads():
 
 def test_a_damaged_state_is_refused():
     blob = _trained().get_extra_state()
+    used = int(blob.nonzero().max()) + 1  # the state ends with amax history: nonzero here
     with pytest.raises(ValueError, match="damaged"):
-        Module().set_extra_state(blob[:-4])
+        Module().set_extra_state(blob[:used - 4])  # cut into the state
+    bad = blob.clone()
+    bad[-1] = 7  # the padding is zeros
+    with pytest.raises(ValueError, match="damaged"):
+        Module().set_extra_state(bad)
 
 
-def test_module_that_never_ran_fp8_stores_nothing():
-    state = Module().get_extra_state()
-    assert isinstance(state, torch.Tensor) and state.numel() == 0
+def test_module_that_never_ran_fp8_stores_a_state_of_the_same_size_and_loads_it_as_nothing():
+    # Code that copies one model's state dict into another's tensor by tensor (timm's ModelEmaV3:
+    # ema_v.copy_(model_v)) needs one size whether the module ran FP8 or not.
+    empty, trained = Module().get_extra_state(), _trained().get_extra_state()
+    assert empty.dtype == torch.uint8 and empty.shape == trained.shape == (extra_state.state_bytes(1),)
+    assert extra_state.decode_state(empty) == {}
+    dst = _trained()
+    before = dst.fp8_meta["scaling_fwd"].scale.clone()
+    dst.set_extra_state(empty)  # nothing to load: the module keeps its state, TE's loader is not called
+    assert torch.equal(dst.fp8_meta["scaling_fwd"].scale, before) and dst.legacy_calls == []
+
+
+def test_the_size_is_the_same_for_any_history_up_to_te_default():
+    sizes = {_trained(DelayedScaling(amax_history_len=n)).get_extra_state().numel() for n in (1, 16, 1024)}
+    assert sizes == {extra_state.state_bytes(1)}
+    src = _trained(DelayedScaling(amax_history_len=2048))
+    longer = src.get_extra_state()
+    assert longer.numel() > extra_state.state_bytes(1)  # larger, and still loads
+    dst = Module()
+    dst.set_extra_state(longer)
+    _assert_same_state(dst, src)
+
+
+def test_timm_model_ema_updates_over_a_model_that_ran_fp8():
+    # timm's train.py --model-ema: the EMA copy is made before the first (FP8) step
+    from timm.utils import ModelEmaV3
+
+    model = nn.Sequential(Module(), Module())
+    ema = ModelEmaV3(model, decay=0.5)
+    for m in model:
+        m.fp8, m.fp8_meta = True, _trained().fp8_meta
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ema.update(model, step=10)  # raised "size of tensor a (0) must match ... b (20838)" before
+    assert torch.allclose(ema.module[0].weight, model[0].weight - 0.5)
 
 
 def test_legacy_te_state_goes_to_te_loader():

@@ -9,6 +9,12 @@ one uint8 tensor (:func:`encode_state`): a JSON header (the recipe's settings, T
 tensor, because every checkpoint writer takes one: ``torch.save`` read back with
 ``weights_only=True``, DCP (no unpickling on load) and safetensors (accelerate's ``save_state``,
 which refused the dict of fp8vit 0.1; that dict still loads).
+
+The tensor has one size per module, whether the module ran FP8 or not, with any recipe up to TE's
+default history of 1024 (:func:`state_bytes`; zero padding after the state): code that walks two
+models' state dicts side by side copies one into the other, and timm's ``ModelEmaV3`` does so with
+an EMA copy made before the first FP8 step (``ema_v.copy_(model_v)``). A ViT-B holds 48 such
+tensors of 20-41 KB.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 
 from .loader import te_module
 
-__all__ = ["EXTRA_STATE_FORMAT", "SafeExtraState", "encode_state", "decode_state"]
+__all__ = ["EXTRA_STATE_FORMAT", "SafeExtraState", "encode_state", "decode_state", "state_bytes"]
 
 # Format tag of the FP8 scaling state fp8vit writes: v2 is the tensor (encode_state), v1 the dict of
 # fp8vit 0.1 (still read).
@@ -28,22 +34,41 @@ EXTRA_STATE_FORMAT = "fp8vit.delayed_scaling.v2"
 _V1 = "fp8vit.delayed_scaling.v1"
 _MAGIC = (EXTRA_STATE_FORMAT + "\n").encode()
 _TENSORS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
+# The fixed size covers histories up to TE's default length and a header up to _HEADER_BYTES; a
+# longer one makes a larger tensor (still loaded; two such models' sizes may then differ).
+_HISTORY_CAP = 1024
+_HEADER_BYTES = 2048
+# GEMMs per TE module (TE sets fp8_meta["num_gemms"] only once FP8 has run): 3 FP8 tensors each
+# forward (input, weight, output), 2 backward (the gradients).
+_GEMMS = {"LayerNormMLP": 2, "DotProductAttention": 3}
 
 
-def encode_state(state: Dict[str, Any]) -> torch.Tensor:
+def state_bytes(gemms: int) -> int:
+    """Size of the state tensor of a module with ``gemms`` GEMMs (history up to 1024)."""
+    floats = 5 * gemms * (1 + _HISTORY_CAP)  # scales and histories, forward and backward
+    return len(_MAGIC) + _HEADER_BYTES + 1 + 4 * floats
+
+
+def encode_state(state: Optional[Dict[str, Any]], size: int = 0) -> torch.Tensor:
     """The scaling state (a dict: ``recipe``, ``extra_fp8_variables`` and the float tensors named in
-    ``_TENSORS``) as one uint8 tensor: the format tag and a newline, the JSON header and a newline,
-    then each tensor's float32 bytes (little-endian, as every CUDA host) in the header's order."""
-    tensors = [state[k].detach().to("cpu", torch.float32).contiguous() for k in _TENSORS]
-    header = {"recipe": state["recipe"], "extra_fp8_variables": state["extra_fp8_variables"],
-              "shapes": [list(t.shape) for t in tensors]}
+    ``_TENSORS``; None: no state) as one uint8 tensor: the format tag and a newline, the JSON header
+    and a newline, then each tensor's float32 bytes (little-endian, as every CUDA host) in the
+    header's order, then zeros up to ``size`` bytes where it is longer."""
+    if state is None:
+        header, parts = {"empty": True}, []
+    else:
+        tensors = [state[k].detach().to("cpu", torch.float32).contiguous() for k in _TENSORS]
+        header = {"recipe": state["recipe"], "extra_fp8_variables": state["extra_fp8_variables"],
+                  "shapes": [list(t.shape) for t in tensors]}
+        parts = [t.flatten().view(torch.uint8) for t in tensors]
     head = torch.frombuffer(bytearray(_MAGIC + json.dumps(header).encode() + b"\n"), dtype=torch.uint8)
-    return torch.cat([head] + [t.flatten().view(torch.uint8) for t in tensors])
+    used = len(head) + sum(len(p) for p in parts)
+    return torch.cat([head, *parts, torch.zeros(max(0, size - used), dtype=torch.uint8)])
 
 
 def decode_state(blob: Any) -> Optional[Dict[str, Any]]:
-    """The dict :func:`encode_state` encoded (also fp8vit 0.1's dict as it was saved), or None for
-    anything else (TE's own pickled state, an empty tensor)."""
+    """The dict :func:`encode_state` encoded (``{}`` for no state; also fp8vit 0.1's dict as it was
+    saved), or None for anything else (TE's own pickled state, an empty tensor)."""
     if isinstance(blob, dict):
         return blob if blob.get("format") == _V1 else None
     if not (isinstance(blob, torch.Tensor) and blob.dtype == torch.uint8 and blob.dim() == 1):
@@ -54,11 +79,14 @@ def decode_state(blob: Any) -> Optional[Dict[str, Any]]:
     data = bytes(raw.tolist())
     end = data.index(b"\n", len(_MAGIC))
     header = json.loads(data[len(_MAGIC):end])
+    if header.get("empty"):
+        return {}
     state = {"recipe": header["recipe"], "extra_fp8_variables": header["extra_fp8_variables"]}
     sizes = [4 * int(torch.Size(shape).numel()) for shape in header["shapes"]]
-    if end + 1 + sum(sizes) != len(data):
+    used = end + 1 + sum(sizes)
+    if used > len(data) or any(data[used:]):  # after the state: zero padding only
         raise ValueError(f"fp8vit FP8 scaling state: {len(data)} bytes where its header describes "
-                         f"{end + 1 + sum(sizes)}; the checkpoint is damaged")
+                         f"{used} and zero padding; the checkpoint is damaged")
     offset = end + 1
     for name, shape, n in zip(_TENSORS, header["shapes"], sizes):
         # clone: a slice at an offset that is not a multiple of 4 cannot be viewed as float32
@@ -71,17 +99,22 @@ class SafeExtraState:
     """Mixin for TE modules: FP8 delayed-scaling state as plain tensors, never a pickle; and
     modules that pickle whole (``torch.save(model)``).
 
-    The state is one uint8 tensor (:func:`encode_state`, see the module docstring). Stateless
-    recipes (current, block, mxfp8) and modules that never ran FP8 store TE's empty tensor as
-    before. Old TE pickles still go through TE's own (guarded) loader.
+    The state is one uint8 tensor of one size per module (:func:`encode_state`, see the module
+    docstring). Stateless recipes (current, block, mxfp8) and modules that never ran FP8 store a
+    header that says so. Old TE pickles and TE's empty tensor still go through TE's own (guarded)
+    loader.
     """
+
+    def _state_bytes(self) -> int:
+        gemms = next((_GEMMS[c.__name__] for c in type(self).__mro__ if c.__name__ in _GEMMS), 1)
+        return state_bytes(gemms)
 
     def get_extra_state(self):
         meta = self.fp8_meta
         recipe = meta.get("recipe")
         ran_fp8 = meta.get("fp8_checkpoint") or self.fp8 or self.fp8_calibration
         if not ran_fp8 or recipe is None or not recipe.delayed() or "scaling_fwd" not in meta:
-            return torch.empty(0, dtype=torch.uint8)
+            return encode_state(None, self._state_bytes())
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
             raise ValueError(
                 f"cannot checkpoint DelayedScaling with a custom callable ({recipe}); "
@@ -107,12 +140,14 @@ class SafeExtraState:
             "scale_bwd": meta["scaling_bwd"].scale.detach().cpu().clone(),
             "amax_history_bwd": meta["scaling_bwd"].amax_history.detach().cpu().clone(),
             "extra_fp8_variables": extra,
-        })
+        }, self._state_bytes())
 
     def set_extra_state(self, state):
         decoded = decode_state(state)
         if decoded is None:
             return super().set_extra_state(state)
+        if not decoded:  # saved by a module with no state (never ran FP8, or a stateless recipe)
+            return None
         state = decoded
         rec = te_module("transformer_engine.common.recipe")
         r = dict(state["recipe"])

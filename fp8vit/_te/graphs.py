@@ -85,8 +85,27 @@ def make_graphed_callables(modules, sample_args, *, fp8: bool, recipe: Any, num_
             graph.set_capture_end()
         if gc_was_enabled:
             gc.enable()
+        _unstick_generators()
         raise
     return grads_alias
+
+
+def _unstick_generators() -> None:
+    """After a capture that raised: give the CUDA generators a fresh copy of their state.
+
+    A capture marks each registered generator state as capturing and unmarks it when the capture
+    ends well; when ``cudaStreamEndCapture`` fails (the capture was invalidated) torch raises before
+    unmarking, and every later random op of the process (cuDNN attention's dropout seed included)
+    fails with "Offset increment outside graph capture encountered unexpectedly". A clone keeps the
+    seed and offset and is not marked.
+    """
+    if not torch.cuda.is_initialized():
+        return
+    gens = [torch.cuda.default_generators[torch.cuda.current_device()]]
+    gens += list(te_module("transformer_engine.pytorch.distributed").get_all_rng_states().values())
+    for gen in gens:
+        if isinstance(gen, torch.Generator) and hasattr(gen, "graphsafe_set_state"):
+            gen.graphsafe_set_state(gen.clone_state())
 
 
 def save_scaling(modules) -> list:
