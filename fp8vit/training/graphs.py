@@ -844,6 +844,9 @@ class _Dispatch:
                  graphed: Any = None, eager: Any = None):
         self.handle, self.index, self.target = handle, index, target
 
+    # torch.compile(model): dynamo must not trace a capture or a replay; the blocks run as graphs
+    # (or eagerly) between the compiled parts of the model.
+    @torch.compiler.disable
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return self.handle._forward(self.index, x, *args, **kwargs)
 
