@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import types
 from typing import Any, List
 
 import torch
@@ -65,14 +66,18 @@ def make_graphed_callables(modules, sample_args, *, fp8: bool, recipe: Any, num_
         kwargs["post_warmup_hook"] = post_warmup_hook
     if isinstance(modules, tuple) and len(modules) == 1 and sample_kwargs is None:
         modules, sample_args = modules[0], sample_args[0]
-    classes = {type(m) for m in (modules if isinstance(modules, tuple) else (modules,))}
+    mods = modules if isinstance(modules, tuple) else (modules,)
+    classes = {type(m) for m in mods}
     calls = {cls: cls.__dict__.get("__call__") for cls in classes}
     gc_was_enabled = gc.isenabled()
     try:
-        te.make_graphed_callables(
-            modules, sample_args, num_warmup_iters=num_warmup_iters, enabled=fp8,
-            recipe=recipe if fp8 else None, amax_reduction_group=amax_reduction_group,
-            cache_quantized_params=False, **kwargs)
+        with _fresh_leaves(mods) as originals:
+            te.make_graphed_callables(
+                modules, sample_args, num_warmup_iters=num_warmup_iters, enabled=fp8,
+                recipe=recipe if fp8 else None, amax_reduction_group=amax_reduction_group,
+                cache_quantized_params=False, **kwargs)
+            for m in mods:
+                _rebind_params(m, originals)
     except BaseException:
         for cls, call in calls.items():  # TE wraps the class's __call__ for the capture's duration
             if call is None:
@@ -88,6 +93,60 @@ def make_graphed_callables(modules, sample_args, *, fp8: bool, recipe: Any, num_
         _unstick_generators()
         raise
     return grads_alias
+
+
+@contextlib.contextmanager
+def _fresh_leaves(modules):
+    """While TE captures: each parameter of ``modules`` as a new leaf tensor (same storage, same
+    attributes: ``main_grad``), so that autograd makes it a new gradient accumulator on the capture
+    stream. Yields ``{id(new): original}``.
+
+    Why: autograd delivers a leaf's gradient on the stream its accumulator was made on. A capture
+    inside a training step (the shape cache) finds each parameter's accumulator alive from an
+    earlier step (the loss of the previous step, or DDP, holds it) and made on the default stream,
+    and the backward capture fails with "operation would make the legacy stream depend on a
+    capturing blocking stream" (H200, torch 2.11; torch added set_override_stale_capture_stream
+    later for this)."""
+    slots = [(m, name, p) for root in modules for m in root.modules()
+             for name, p in m._parameters.items() if p is not None]
+    originals = {}
+    try:
+        for m, name, p in slots:
+            q = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+            q.__dict__.update(p.__dict__)
+            m._parameters[name] = q
+            originals[id(q)] = p
+        yield originals
+    finally:
+        for m, name, p in slots:
+            m._parameters[name] = p
+
+
+def _rebind_params(module: nn.Module, originals: dict) -> None:
+    """Point the graphed forward TE installed on ``module`` at the original parameters: TE's replay
+    passes the parameters it saw at capture (its closure's ``module_params``) to autograd, which
+    sends their gradients there."""
+    found = []
+
+    def visit(fn, depth):
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if name == "module_params" and isinstance(value, tuple):
+                cell.cell_contents = tuple(originals.get(id(q), q) for q in value)
+                found.append(name)
+            elif isinstance(value, types.FunctionType) and depth < 3:
+                visit(value, depth + 1)
+
+    forward = vars(module).get("forward")
+    if isinstance(forward, types.FunctionType):
+        visit(forward, 0)
+    if not found:
+        raise RuntimeError(f"fp8vit: the graphed forward Transformer Engine "
+                           f"{getattr(load_te(), '__version__', '?')} installed on {type(module).__name__} "
+                           "has no 'module_params' fp8vit knows how to point at the model's parameters")
 
 
 def _unstick_generators() -> None:
