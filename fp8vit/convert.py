@@ -19,7 +19,7 @@ from torch import nn
 
 from ._validate import check_bool, check_choice, check_model, check_module_filter
 from .blocks.backend import check_backend, resolve_backend
-from .blocks.compiled import compile_block, is_compiled_block, uncompile_block
+from .blocks.compiled import allow_recompiles, compile_block, is_compiled_block, uncompile_block
 from .blocks.base import FP8Block
 from .blocks.families import FAMILIES, fp8vit_block_for
 from .blocks.linear import (holds_linear, is_block, is_swapped, restore_owner, swap_refusal, switch_owner, to_fp8_linear,
@@ -148,6 +148,8 @@ def convert_to_te(
         setattr(parent, name, new)
     for fqn in plan.compile:
         compile_block(model.get_submodule(fqn), fqn)
+    if plan.compile:
+        allow_recompiles(len(plan.compile))
     if summary.num_fused or summary.num_swapped:
         install_checkpointing(model)
     record_summary(model, summary)

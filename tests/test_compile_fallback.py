@@ -121,3 +121,20 @@ def test_compile_is_a_fallback_choice():
     assert "compile" in fp8vit.FALLBACKS
     with pytest.raises(ValueError, match=r"'compile'"):
         fp8vit.convert_to_te(_beit(), backend="reference", fallback="compiled")
+
+
+def test_every_compiled_block_compiles_past_dynamo_recompile_limit(monkeypatch):
+    # All compiled blocks share one code object (nn.Module._call_impl); blocks whose guards differ
+    # (a drop-path rate per block, a Swin shift, another stage's width) are recompilations of it,
+    # and dynamo stops at its recompile limit (8), running the rest eagerly.
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = timm.create_model("beit_base_patch16_224", depth=12, embed_dim=32, num_heads=2, img_size=32,
+                              patch_size=16, num_classes=5, drop_path_rate=0.2)  # 12 distinct rates
+    _convert(model)
+    assert fp8vit.conversion_summary(model).num_compiled == 12
+    torch._dynamo.utils.counters.clear()
+    model.train()(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 12  # 8 before the limit was raised

@@ -22,11 +22,13 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = ["compile_block", "is_compiled_block", "uncompile_block"]
+__all__ = ["compile_block", "is_compiled_block", "uncompile_block", "allow_recompiles"]
 
 # Marks the guard that compile_block installs, with the block's path (uncompile_block undoes
 # only these, not a user's own nn.Module.compile()).
 _MARK = "_fp8vit_compiled_block"
+# dynamo's default recompile limit per code object: kept free for other guards of the same blocks
+_DEFAULT_RECOMPILES = 8
 
 
 def _compiler_errors() -> tuple:
@@ -58,6 +60,21 @@ def compile_block(module: nn.Module, fqn: str) -> nn.Module:
     setattr(call, _MARK, fqn)
     module._compiled_call_impl = call
     return module
+
+
+def allow_recompiles(blocks: int) -> None:
+    """Let dynamo compile each of ``blocks`` compiled blocks: raise its recompile limit (process-wide,
+    never lowered) to ``blocks`` plus its default.
+
+    Every block compiled by :func:`compile_block` is one code object to dynamo
+    (``nn.Module._call_impl``), so blocks whose guards differ (another width, a Swin shift, a
+    drop-path rate per block) are recompilations of it; past ``recompile_limit`` (8) dynamo runs the
+    rest eagerly with a log warning: a 12-block BEiT with drop path compiled 8 of its blocks.
+    """
+    cfg = torch._dynamo.config
+    name = next((n for n in ("recompile_limit", "cache_size_limit") if hasattr(cfg, n)), None)
+    if name is not None:  # renamed in torch 2.6; both spell the per-code-object limit
+        setattr(cfg, name, max(int(getattr(cfg, name)), blocks + _DEFAULT_RECOMPILES))
 
 
 def is_compiled_block(module: nn.Module) -> bool:
