@@ -100,7 +100,7 @@ def test_the_vendored_script_is_timms_but_for_its_header_and_the_marked_lines():
     marked = [line for line in lines if "# fp8vit" in line and line not in header]
     assert [line.strip() for line in marked] == [
         "import fp8vit  # fp8vit",
-        "fp8vit.convert_to_te(model, autocast=True)  # fp8vit: FP8 blocks, run in FP8 by the model's forward"]
+        "fp8vit.convert_to_te(model, autocast=True, cuda_graphs=True)  # fp8vit: FP8 blocks, run in FP8 by the model's forward"]
     original = "".join(line for line in lines if line not in header and line not in marked)
     assert hashlib.sha256(original.encode()).hexdigest() == recorded
     assert "Apache License" in (TRAIN.parent / "TIMM_LICENSE").read_text()

@@ -540,7 +540,7 @@ def main():
         **factory_kwargs,
         **args.model_kwargs,
     )
-    fp8vit.convert_to_te(model, autocast=True)  # fp8vit: FP8 blocks, run in FP8 by the model's forward
+    fp8vit.convert_to_te(model, autocast=True, cuda_graphs=True)  # fp8vit: FP8 blocks, run in FP8 by the model's forward
     if args.head_init_scale is not None:
         with torch.no_grad():
             model.get_classifier().weight.mul_(args.head_init_scale)
