@@ -18,6 +18,9 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-delayed-blockcompile[-graphed]``  ``convert_to_te(fallback="compile")``: the blocks
                                    fp8vit cannot fuse are ``torch.compile``d one by one (the fused
                                    blocks are not; ``-graphed`` captures those)
+``fp8vit-fp8-delayed[-graphed]-compile``  ``convert_to_te(model)`` then ``torch.compile`` of the whole
+                                   model: everything but the fused blocks (which run outside dynamo,
+                                   as TE kernels or, ``-graphed``, CUDA graphs) is compiled
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` (``-cudnn-norm-graphed``:
@@ -61,6 +64,7 @@ VARIANTS = (
     *(f"fp8vit-fp8-{r}-cudnn-norm{g}" for g in ("", "-graphed") for r in RECIPE_NAMES),
     "fp8vit-fp8-delayed-linear", "fp8vit-fp8-current-linear",
     "fp8vit-fp8-delayed-blockcompile", "fp8vit-fp8-delayed-blockcompile-graphed",
+    "fp8vit-fp8-delayed-compile", "fp8vit-fp8-delayed-graphed-compile",
 )
 
 
@@ -95,7 +99,7 @@ class Variant:
             raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
         cudnn_norm = "-cudnn-norm" in name
         parts = name.replace("-cudnn-norm", "").split("-")
-        graphed = parts[-1] == "graphed"
+        graphed = "graphed" in parts
         compile_ = parts[-1] == "compile"
         if name.startswith("torchao"):
             return cls(name, "timm", "torchao", True, False)
