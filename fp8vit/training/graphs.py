@@ -34,9 +34,11 @@ Capturing inside a training step (at the forward of a repeating shape) leaves tr
 TE saves and restores the modules' delayed-scaling state and the CUDA RNG around its warm-up, runs
 no amax reduction while capturing (no collective: a rank may capture alone), and restores the
 parameters' ``.grad``; a gradient still pointing into buffers the warm-up rewrites (accumulation
-over micro-batches) is copied first. Under DDP the warm-up's backward fires DDP's gradient hooks,
-which return at once (DDP expects them only after its own forward has finished), so capture inside
-a DDP-wrapped forward works and graphs need not be made before DDP wraps the model. FSDP2 cannot
+over micro-batches) is copied first. TE captures with fresh leaf tensors standing in for the
+parameters (same storage; the replays hand gradients to the real ones): the previous step keeps the
+parameters' gradient accumulators alive on the default stream, which a backward capture cannot
+depend on; and DDP's gradient hooks, on the real parameters, do not fire in the warm-up. So capture
+inside a DDP-wrapped forward works and graphs need not be made before DDP wraps the model. FSDP2 cannot
 use graphs (:data:`WHY_NOT_WITH_FSDP2`): ``shard_model`` refuses a model with graphed blocks, and
 blocks found sharded by another ``fully_shard`` run eagerly with one warning.
 
