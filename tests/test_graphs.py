@@ -677,3 +677,38 @@ def test_a_failed_capture_restores_tes_process_wide_state(monkeypatch):
     import gc
     assert "__call__" not in Blocks.__dict__ and not flag["capturing"] and gc.isenabled()
     assert torch.equal(blocks(torch.ones(1)), torch.ones(1))
+
+
+def test_capture_sees_fresh_parameter_leaves_and_replays_hand_gradients_to_the_real_ones():
+    # TE's capture backward cannot reach a gradient accumulator made on the default stream (the
+    # previous step's loss keeps the parameters' alive): it captures with fresh leaves sharing the
+    # parameters' storage and attributes, and its graphed forward is pointed back at the real ones.
+    from fp8vit._te import graphs as seam
+
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    m[0].weight.main_grad = torch.zeros(2, 2)
+    real = list(m.parameters())
+
+    def te_like_install(module):  # the shape of TE's installed forward: new_fwd -> functionalized
+        module_params = tuple(module.parameters())
+
+        def functionalized(*args):
+            return module_params
+
+        def new_fwd(*args):
+            return functionalized(*args)
+
+        module.forward = new_fwd
+
+    with seam._fresh_leaves((m,)) as originals:
+        seen = list(m.parameters())
+        assert all(a is not b and a.data_ptr() == b.data_ptr() for a, b in zip(seen, real))
+        assert seen[0].main_grad is real[0].main_grad
+        te_like_install(m)
+        seam._rebind_params(m, originals)
+    assert all(a is b for a, b in zip(m.parameters(), real))
+    assert all(a is b for a, b in zip(m.forward(), real))
+    bare = torch.nn.Linear(2, 2)
+    bare.forward = lambda *a: None  # no module_params anywhere: a TE whose layout fp8vit does not know
+    with pytest.raises(RuntimeError, match="module_params"):
+        seam._rebind_params(bare, {})

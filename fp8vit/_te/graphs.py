@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import sys
 import types
 from typing import Any, List
 
@@ -144,8 +145,9 @@ def _rebind_params(module: nn.Module, originals: dict) -> None:
     if isinstance(forward, types.FunctionType):
         visit(forward, 0)
     if not found:
+        te = sys.modules.get("transformer_engine")
         raise RuntimeError(f"fp8vit: the graphed forward Transformer Engine "
-                           f"{getattr(load_te(), '__version__', '?')} installed on {type(module).__name__} "
+                           f"{getattr(te, '__version__', '?')} installed on {type(module).__name__} "
                            "has no 'module_params' fp8vit knows how to point at the model's parameters")
 
 
