@@ -1,0 +1,204 @@
+"""The sweep's table (docs/perf/sweep.sh): one markdown row per model from ``fp8vit-bench --json`` files.
+
+    python3 docs/perf/sweep_table.py                   # docs/results/bench/*_sweep_h200.json
+    python3 docs/perf/sweep_table.py A.json B.json     # those runs
+    python3 docs/perf/sweep_table.py --check           # exit 1 if a model misses the criterion
+
+What is measured: each variant's median synchronized step time (ms) of one bench process (timm bf16
+eager, timm + torch.compile and fp8vit's variants measured back to back on one GPU), its speedup
+over timm eager, and, for the variants that compile (``timm-bf16-compile``, fp8vit's
+``-blockcompile``), the compile time: what the warm-up steps took beyond ``warmup`` steps at the
+median step time (torch.compile compiles at the first call, so there). The bench's JSON does not
+record the model's build or a CUDA-graph capture (both before the warm-up), nor the variant's wall
+time (its log's progress line has it).
+
+The criterion (issue 34): fp8vit's best variant is not slower than torch.compile alone by more
+than 2%: best median <= 1.02 x timm-bf16-compile's median. Where timm's compile failed, eager is the
+reference; a model with no fp8vit result, or no reference, misses the criterion. The table reports;
+it exits 0 whatever it finds, unless ``--check`` is given: then 1 if any model misses it (or no run
+was found).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import sys
+
+TOLERANCE = 0.02  # issue 34: at most 2% slower than torch.compile alone
+EAGER, COMPILE = "timm-bf16", "timm-bf16-compile"
+DEFAULT_GLOB = "docs/results/bench/*_sweep_h200.json"
+# fp8vit's variants in the column order of docs/perf/sweep.sh's kinds; others follow by name
+FP8VIT_ORDER = ("fp8vit-fp8-delayed-graphed", "fp8vit-fp8-delayed-blockcompile-graphed",
+                "fp8vit-fp8-delayed-blockcompile", "fp8vit-fp8-delayed-linear")
+
+
+@dataclasses.dataclass
+class Row:
+    """One model at one batch: its bench results by variant, and the verdict.
+
+    Attributes:
+        model: the model's name (the JSON's ``model``).
+        batch: images per step.
+        warmup: untimed steps before the timed ones (for the compile time).
+        results: the bench's result dicts by variant name.
+    """
+
+    model: str
+    batch: int
+    warmup: int
+    results: dict[str, dict]
+
+    def ms(self, variant: str) -> float | None:
+        """The variant's median step (ms); None if it did not run or failed."""
+        return self.results.get(variant, {}).get("median_ms")
+
+    @property
+    def fp8vit(self) -> list[str]:
+        """fp8vit's variants in this run."""
+        return [v for v in self.results if v.startswith("fp8vit-")]
+
+    @property
+    def best(self) -> str | None:
+        """fp8vit's fastest variant that ran (None if none did)."""
+        ran = [v for v in self.fp8vit if self.ms(v) is not None]
+        return min(ran, key=self.ms) if ran else None
+
+    @property
+    def reference(self) -> str | None:
+        """What the best is held against: timm's compile, or eager where the compile failed."""
+        return COMPILE if self.ms(COMPILE) is not None else EAGER if self.ms(EAGER) is not None else None
+
+    @property
+    def change(self) -> float | None:
+        """(best - reference) / reference, step time: > 0 slower than the reference."""
+        if self.best is None or self.reference is None:
+            return None
+        return self.ms(self.best) / self.ms(self.reference) - 1.0
+
+    @property
+    def ok(self) -> bool:
+        """Within the criterion: the best is at most ``TOLERANCE`` slower than the reference."""
+        return self.change is not None and self.change <= TOLERANCE
+
+    def compile_s(self, variant: str) -> float | None:
+        """Seconds the warm-up took beyond its steps (None: the variant did not run)."""
+        r = self.results.get(variant, {})
+        if "median_ms" not in r or "warmup_s" not in r:
+            return None
+        return max(r["warmup_s"] - self.warmup * r["median_ms"] / 1e3, 0.0)
+
+
+def load(paths: list[str]) -> tuple[list[Row], list[str]]:
+    """The rows of these bench JSON files (one per model and batch, in the order given) and their
+    environments (each distinct one once). A file that does not read as a one-process bench JSON
+    (unreadable, or no ``results``: a ``--nproc`` run) is left out, with a note on stderr."""
+    rows, envs = [], []
+    for path in paths:
+        try:
+            with open(path) as f:
+                run = json.load(f)
+            results = run["results"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            print(f"sweep_table: {path} left out: not a one-process fp8vit-bench JSON "
+                  f"({type(err).__name__}: {err})", file=sys.stderr)
+            continue
+        by_batch: dict[int, dict[str, dict]] = {}
+        for r in results:
+            by_batch.setdefault(r["batch"], {})[r["variant"]] = r
+        rows += [Row(run["model"], b, run.get("warmup", 0), res) for b, res in by_batch.items()]
+        env = run.get("environment", {})
+        text = (f"{env.get('device', '?')}, torch {env.get('torch', '?')}, TE {env.get('transformer_engine', '?')}, "
+                f"timm {env.get('timm', '?')}; {run.get('steps', '?')} timed steps after {run.get('warmup', '?')} "
+                "warm-up")
+        if text not in envs:
+            envs.append(text)
+    return rows, envs
+
+
+def _short(variant: str) -> str:
+    """A column's name: the variant without ``fp8vit-``."""
+    return variant.replace("fp8vit-", "", 1)
+
+
+def _first_line(text: str, width: int = 90) -> str:
+    """An error's first line, cut to ``width``, made safe for a table cell."""
+    line = (text.strip().splitlines() or [""])[0]
+    line = line if len(line) <= width else line[:width - 3] + "..."
+    return line.replace("|", "\\|")  # a table cell
+
+
+def cell(row: Row, variant: str) -> str:
+    """``ms (speedup over eager[, compile s])``; ``failed: ...`` or ``skipped: ...``; ``-`` if not run."""
+    r = row.results.get(variant)
+    if r is None:
+        return "-"
+    if "median_ms" not in r:
+        return _first_line(r.get("skipped", "no result"))
+    extras = []
+    if row.ms(EAGER):
+        extras.append(f"{row.ms(EAGER) / r['median_ms']:.2f}x")
+    if "compile" in variant and row.compile_s(variant) is not None:  # compile time beside the step
+        extras.append(f"{row.compile_s(variant):.0f} s")
+    return f"{r['median_ms']:.1f}" + (f" ({', '.join(extras)})" if extras else "")
+
+
+def verdict(row: Row) -> str:
+    """``ok`` or the flag: **SLOWER** (by more than the tolerance) or **MISSES** (nothing to compare)."""
+    if row.best is None:
+        return "**MISSES**: no fp8vit variant ran"
+    if row.reference is None:
+        return "**MISSES**: no timm reference ran"
+    compiled = row.results.get(COMPILE, {}).get("skipped", "not run")
+    against = "" if row.reference == COMPILE else (
+        f" (vs eager: timm's compile {'failed' if compiled.startswith('failed') else compiled})")
+    return ("ok" if row.ok else "**SLOWER**") + against
+
+
+def table(rows: list[Row]) -> str:
+    """The markdown table and its summary lines."""
+    cols = [v for v in FP8VIT_ORDER if any(v in r.results for r in rows)]
+    cols += sorted({v for r in rows for v in r.fp8vit} - set(cols))
+    head = ["model", "batch", "timm eager ms", "timm compile ms (x, compile s)", *map(_short, cols),
+            "best fp8vit", "best vs compile", f"within {100 * TOLERANCE:.0f}%"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        change = f"{100 * r.change:+.1f}%" if r.change is not None else "n/a"
+        best = _short(r.best) if r.best else "none"
+        eager = f"{r.ms(EAGER):.1f}" if r.ms(EAGER) is not None else cell(r, EAGER)
+        lines.append("| " + " | ".join([r.model, str(r.batch), eager, cell(r, COMPILE), *(cell(r, v) for v in cols),
+                                        best, change, verdict(r)]) + " |")
+    missed = [r.model + ("" if len({x.model for x in rows}) == len(rows) else f" b{r.batch}")
+              for r in rows if not r.ok]
+    note = ("Median synchronized step, ms; (x): speedup over timm bf16 eager in the same run; compile s: "
+            "the warm-up beyond its steps (torch.compile's compile; the build and CUDA-graph capture are not "
+            "in the bench's JSON). best vs compile: fp8vit's fastest variant's step against "
+            "timm-bf16-compile's (+: slower).")
+    lines += ["", note,
+              f"{len(rows) - len(missed)} of {len(rows)} models within {100 * TOLERANCE:.0f}% of torch.compile "
+              "(or faster)" + (f"; missing it: {', '.join(missed)}" if missed else "")]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("json", nargs="*",
+                   help=f"fp8vit-bench JSON files (default: {DEFAULT_GLOB}, from the repository root)")
+    p.add_argument("--check", action="store_true", help="exit 1 if any model misses the criterion (or none ran)")
+    a = p.parse_args(argv)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = a.json or sorted(glob.glob(os.path.join(root, DEFAULT_GLOB)))
+    rows, envs = load(paths)
+    if not rows:
+        print(f"sweep_table: no sweep results ({' '.join(a.json) or DEFAULT_GLOB})")
+        return 1 if a.check else 0
+    print("; ".join(envs) + "\n")
+    print(table(rows))
+    return 1 if a.check and not all(r.ok for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
