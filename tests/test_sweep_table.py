@@ -267,7 +267,7 @@ def test_sweep_runs_past_a_failed_model(tmp_path):
         "resnet50_b256_sweep_h200.json", "resnet50_b256_sweep_h200.log"]
     log = (bench / "resnet50_b256_sweep_h200.log").read_text()
     assert ("--batch-size 256 --img-size 224 --steps 20 --warmup 8 --variants timm-bf16 timm-bf16-compile "
-            "fp8vit-fp8-delayed-blockcompile fp8vit-fp8-delayed-linear") in log
+            "fp8vit-fp8-delayed-blockcompile fp8vit-fp8-delayed-compile") in log
     assert "FAILED pit_b_224: fp8vit-fp8-delayed-blockcompile: failed: InductorError: stub" in res.stdout
     assert "| resnet50 | 256 |" in res.stdout and "| pit_b_224 | 128 |" in res.stdout  # the group's table
     assert "1 of 2 models ran every variant" in res.stdout
