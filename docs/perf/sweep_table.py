@@ -85,11 +85,13 @@ class Row:
         return self.change is not None and self.change <= TOLERANCE
 
     def compile_s(self, variant: str) -> float | None:
-        """Seconds the warm-up took beyond its steps (None: the variant did not run)."""
+        """Set-up seconds: the warm-up beyond its steps (torch.compile compiles at the first call)
+        plus, where the bench recorded it (``build_s``), the model's build and graph capture
+        (None: the variant did not run)."""
         r = self.results.get(variant, {})
         if "median_ms" not in r or "warmup_s" not in r:
             return None
-        return max(r["warmup_s"] - self.warmup * r["median_ms"] / 1e3, 0.0)
+        return max(r["warmup_s"] - self.warmup * r["median_ms"] / 1e3, 0.0) + r.get("build_s", 0.0)
 
 
 def load(paths: list[str]) -> tuple[list[Row], list[str]]:
@@ -141,7 +143,7 @@ def cell(row: Row, variant: str) -> str:
     extras = []
     if row.ms(EAGER):
         extras.append(f"{row.ms(EAGER) / r['median_ms']:.2f}x")
-    if "compile" in variant and row.compile_s(variant) is not None:  # compile time beside the step
+    if ("compile" in variant or "graphed" in variant) and row.compile_s(variant) is not None:  # set-up beside the step
         extras.append(f"{row.compile_s(variant):.0f} s")
     return f"{r['median_ms']:.1f}" + (f" ({', '.join(extras)})" if extras else "")
 

@@ -223,8 +223,10 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         free_gib = torch.cuda.mem_get_info()[0] / 2**30
+    built = Stopwatch(device).start()
     wl = build_workload(model, variant, batch_size=batch, img_size=img_size, device=device,
                         mlp_recompute=mlp_recompute, ddp=world > 1)
+    build_s = built.elapsed_ms() / 1e3  # the model's build and, for -graphed variants, the graph capture
     # Bench learning rates are small and fixed: the step time, not the training, is measured.
     opt = make_optimizer(wl.model.parameters(), optimizer, lr=1e-3 if optimizer == "sgd" else 1e-4,
                          device=device)
@@ -245,7 +247,7 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
     tflops = flops / (med * 1e-3) / 1e12 if flops is not None else None
     out = {"variant": variant, "batch": batch, "world": world, "median_ms": med, "p10_ms": q[0], "p90_ms": q[-1],
            "min_ms": min(times), "max_ms": max(times), "images_per_s": batch * world / med * 1e3,
-           "tflops": tflops, "loss": float(loss), "warmup_s": warm_s,
+           "tflops": tflops, "loss": float(loss), "build_s": build_s, "warmup_s": warm_s,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
            "free_gib_at_start": free_gib}
     if pipelined and device == "cuda":
@@ -704,8 +706,9 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
                 gc.collect()
                 if device == "cuda":
                     torch.cuda.empty_cache()
-            rows.append(r)
             took_s = watch.elapsed_ms() / 1e3  # build, warm-up and timing: the GPU has finished them
+            r["wall_s"] = took_s
+            rows.append(r)
             spent_s += took_s
             pending.remove((v, batch))
             estimate.record(v, batch, took_s, r.get("median_ms"))
