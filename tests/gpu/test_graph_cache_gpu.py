@@ -273,3 +273,29 @@ def test_per_block_graphs_capture_shapes_as_they_come():
     _assert_same_gradients(_grad_sequence(eager, data), _grad_sequence(graphed, data))
     assert [s.shape[0] for s in handle.shapes] == [16, 5] and handle.replays == 3 * 3
     assert handle.shapes[0].call_kwargs["rope"][0] == (256, 2 * 64)
+
+
+def test_a_capture_that_fails_inside_a_step_leaves_training_and_the_rng_working(monkeypatch):
+    # A capture inside a training step that CUDA invalidates (here: a host sync in a block while
+    # capturing) warns once and the blocks run eagerly; the CUDA generator, which torch leaves
+    # marked as capturing when the capture's end fails, works for every random op after it.
+    from fp8vit.blocks.vit import TE_Block
+    inner = TE_Block._forward
+
+    def syncing(self, *args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not allowed while capturing: invalidates the capture
+        return inner(self, *args, **kwargs)
+
+    monkeypatch.setattr(TE_Block, "_forward", syncing)
+    graphed, eager = _vit(), _vit()
+    handle = fp8vit.make_graphed_blocks(graphed, fused_wgrad=False)
+    data = _batches([16, 16, 16])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ge, gg = _grad_sequence(eager, data), _grad_sequence(graphed, data)
+    assert any("capturing the blocks for [16, 197, 768] failed" in str(w.message) for w in record), \
+        [str(w.message) for w in record]
+    assert handle.shapes == [] and handle.replays == 0
+    _assert_same_gradients(ge, gg)  # the failed capture changed nothing the step computes
+    torch.nn.functional.dropout(torch.ones(8, device="cuda"), 0.5)  # raised "Offset increment ..." before
