@@ -46,6 +46,8 @@ def test_prepare_train_save_state_load_state(accelerator, tmp_path):
             (active_fp8_state() is not None, torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, opt, loader = accelerator.prepare(model, opt, batches())
+    # accelerate wrapped the model's forward in its autocast: the summary still says FP8 runs inside
+    assert "inside the model's forward" in (fp8vit.conversion_summary(model).fp8_forward or "")
 
     def steps(n):
         losses = []

@@ -168,9 +168,17 @@ def set_own_forward(module: nn.Module, forward: Any) -> None:
 
 
 def describe_fp8_autocast(model: nn.Module) -> Optional[str]:
-    """Where FP8 runs, in words, if ``model`` carries it (:func:`set_fp8_autocast`); else None."""
-    forward = fp8_forward(model)
-    return None if forward is None else forward.describe()
+    """Where FP8 runs, in words, if ``model`` carries it (:func:`set_fp8_autocast`); else None.
+
+    A forward wrapped around it after the fact still counts: accelerate's ``prepare`` installs its
+    autocast wrapper as the instance ``forward`` and keeps the one beneath as ``_original_forward``;
+    ``functools.wraps`` wrappers keep it as ``__wrapped__``."""
+    forward, seen = vars(model).get("forward"), 0
+    while forward is not None and not isinstance(forward, FP8Forward) and seen < 8:
+        seen += 1
+        forward = (getattr(forward, "__wrapped__", None)
+                   or (vars(model).get("_original_forward") if seen == 1 else None))
+    return forward.describe() if isinstance(forward, FP8Forward) else None
 
 
 def remove_fp8_autocast(model: nn.Module) -> bool:
