@@ -6,6 +6,7 @@ import datetime
 import functools
 import importlib.util
 import os
+import sys
 import socket
 import traceback
 
@@ -117,13 +118,19 @@ def timm_block(dim=64, num_heads=4, **kw):
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
-def load_example(name: str):
-    """``examples/<name>.py`` imported as a module (its ``main`` not run), to test its functions."""
-    path = os.path.join(EXAMPLES, f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+def load_script(path, name: str):
+    """The script at ``path`` imported as module ``name`` (its ``main`` not run), to test its
+    functions; registered in ``sys.modules`` first, where its dataclasses look their module up."""
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_example(name: str):
+    """``examples/<name>.py`` imported as a module (its ``main`` not run), to test its functions."""
+    return load_script(os.path.join(EXAMPLES, f"{name}.py"), f"example_{name}")
 
 
 # SNR floors of an FP8 step against the same step in bf16 (docs/numerics.md). E4M3 (forward) keeps 3

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+import helpers
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "docs" / "perf" / "stacks_bench.py"
 HAVE = {name: importlib.util.find_spec(name) is not None for name in ("lightning", "accelerate")}
@@ -23,11 +25,7 @@ STACKS = ["plain"] + [s for s, need in (("lightning", "lightning"), ("lightning-
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("stacks_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return helpers.load_script(SCRIPT, "stacks_bench")
 
 
 def bench(tmp_path: Path, *args: str):

@@ -11,7 +11,6 @@ script) names its files as docs/perf/h200.sh does, keeps going past a failed mod
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+import helpers
+
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "docs" / "perf" / "sweep_table.py"
 SWEEP = ROOT / "docs" / "perf" / "sweep.sh"
@@ -29,11 +30,7 @@ ENV = {"torch": "2.11.0+cu130", "timm": "1.0.29", "python": "3.12.3", "transform
 
 
 def load_table():
-    spec = importlib.util.spec_from_file_location("sweep_table", TABLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return helpers.load_script(TABLE, "sweep_table")
 
 
 st = load_table()
