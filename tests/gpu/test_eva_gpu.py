@@ -14,7 +14,7 @@ from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 import fp8vit
 from fp8vit import _te
 from fp8vit.blocks.eva import TE_EvaBlock, rope_angles
-from helpers import fp8_step, max_rel_err, rel_l2_err, snr_db
+from helpers import fp8_step, max_rel_err, rel_l2_err, snr_db, train_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -160,18 +160,8 @@ def test_k_bias_stays_zero_under_fp8_training():
 
 
 def _eva_train(model, data, recipe):
-    import torch.nn.functional as F
-
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-    losses = []
-    for x, y in data:
-        with fp8vit.fp8_context(recipe):
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        losses.append(float(loss))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return losses
+    return train_steps(model, data, opt, lambda: fp8vit.fp8_context(recipe))
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8vit
-from helpers import snr_db
+from helpers import snr_db, train_steps
 from test_graphs_gpu import (_assert_same_gradients, _assert_same_parameters, _assert_same_scales,
                              _assert_same_training, _grad_sequence, _train, _vit)
 
@@ -48,23 +48,17 @@ def _shapes(handle):
 def _epochs(models, epochs, recipe, evals):
     """Train each model over ``epochs`` epochs of EPOCH (one SGD optimizer each, kept across
     epochs), an eval pass after each; returns per model the losses and the eval outputs."""
-    data = _batches(EPOCH * epochs)
+    data, n = _batches(EPOCH * epochs), len(EPOCH)
     out = []
     for model in models:
         opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
         losses, outputs = [], []
-        for i, (x, y) in enumerate(data):
-            with fp8vit.fp8_context(recipe):
-                loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            losses.append(float(loss))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if (i + 1) % len(EPOCH) == 0:
-                model.eval()
-                with torch.no_grad(), fp8vit.fp8_context(recipe):
-                    outputs.append([model(x).float() for x, _ in evals])
-                model.train()
+        for epoch in range(epochs):
+            losses += train_steps(model, data[epoch * n:(epoch + 1) * n], opt, lambda: fp8vit.fp8_context(recipe))
+            model.eval()
+            with torch.no_grad(), fp8vit.fp8_context(recipe):
+                outputs.append([model(x).float() for x, _ in evals])
+            model.train()
         out.append((losses, outputs))
     return out
 
