@@ -14,6 +14,7 @@ from torch import nn
 
 from ._validate import check_type
 from .training.autocast import describe_fp8_autocast
+from .training.graphs import GraphedBlocks
 
 __all__ = ["ConversionSummary", "conversion_summary", "record_summary", "forget_summary", "EXCLUDED"]
 
@@ -54,6 +55,9 @@ class ConversionSummary:
             fp8vit never converts.
         fp8_forward: where the model carries FP8 (:func:`fp8vit.set_fp8_autocast`), in words, as
             :func:`conversion_summary` reads it; None: FP8 runs only inside an ``fp8_context``.
+        cuda_graphs: the blocks' CUDA graphs (``cuda_graphs=True``, :func:`fp8vit.make_graphed_blocks`)
+            in words, as :func:`conversion_summary` reads them: shapes captured, replays, eager
+            calls by reason, memory; None: no graphs.
     """
 
     fallback: str
@@ -63,6 +67,7 @@ class ConversionSummary:
     compiled: Groups = ()
     outside: Tuple[str, ...] = ()
     fp8_forward: Optional[str] = None
+    cuda_graphs: Optional[str] = None
 
     @property
     def num_fused(self) -> int:
@@ -104,7 +109,7 @@ class ConversionSummary:
         return {"fallback": self.fallback, "fused": {k: list(p) for k, p in self.fused},
                 "swapped": {k: list(p) for k, p in self.swapped}, "kept": {k: list(p) for k, p in self.kept},
                 "compiled": {k: list(p) for k, p in self.compiled},
-                "outside": list(self.outside), "fp8_forward": self.fp8_forward}
+                "outside": list(self.outside), "fp8_forward": self.fp8_forward, "cuda_graphs": self.cuda_graphs}
 
     def short(self) -> str:
         """One line: the counts, and every reason for keeping something, with examples."""
@@ -118,6 +123,8 @@ class ConversionSummary:
                 f"{reason}: {len(p)} ({_examples(p, 2)})" for reason, p in self.kept)
         if self.fp8_forward:
             line += "; FP8 inside the model's forward"
+        if self.cuda_graphs:
+            line += "; CUDA-graphed blocks"
         return line
 
     def table(self) -> str:
@@ -138,6 +145,8 @@ class ConversionSummary:
         lines.append(f"  {'Linears outside blocks':24s} {len(self.outside):5d}"
                      + (f"  (never converted: {_examples(self.outside)})" if self.outside else ""))
         lines.append(f"  FP8: {self.fp8_forward or 'inside fp8_context() only (set_fp8_autocast: in the model)'}")
+        if self.cuda_graphs:
+            lines.append(f"  CUDA graphs: {self.cuda_graphs}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -157,7 +166,8 @@ def forget_summary(model: nn.Module) -> None:
 
 def conversion_summary(model: nn.Module) -> ConversionSummary:
     """The :class:`ConversionSummary` of the last :func:`fp8vit.convert_to_te` call on ``model``, with
-    where FP8 runs now (``fp8_forward``: inside the model, after :func:`fp8vit.set_fp8_autocast`).
+    where FP8 runs now (``fp8_forward``: inside the model, after :func:`fp8vit.set_fp8_autocast`) and
+    what its CUDA graphs did so far (``cuda_graphs``).
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
@@ -168,4 +178,6 @@ def conversion_summary(model: nn.Module) -> ConversionSummary:
     if summary is None:
         raise ValueError(f"conversion_summary: this {type(model).__name__} was not converted; run "
                          "fp8vit.convert_to_te(model) first (it returns the model and leaves the summary on it)")
-    return dataclasses.replace(summary, fp8_forward=describe_fp8_autocast(model))
+    graphs = GraphedBlocks.of(model)
+    return dataclasses.replace(summary, fp8_forward=describe_fp8_autocast(model),
+                               cuda_graphs=None if graphs is None else graphs.describe())

@@ -712,3 +712,22 @@ def test_capture_sees_fresh_parameter_leaves_and_replays_hand_gradients_to_the_r
     bare.forward = lambda *a: None  # no module_params anywhere: a TE whose layout fp8vit does not know
     with pytest.raises(RuntimeError, match="module_params"):
         seam._rebind_params(bare, {})
+
+
+def test_the_conversion_summary_says_what_the_graphs_did():
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=2)
+    plain = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fp8vit.convert_to_te(model, cuda_graphs=True)
+        fp8vit.convert_to_te(plain)
+    summary = fp8vit.conversion_summary(model)
+    assert summary.cuda_graphs == "model.blocks: 0 of at most 3 batch shapes captured, 0 replays, 0 eager calls, 0 MiB"
+    assert "; CUDA-graphed blocks" in summary.short() and f"  CUDA graphs: {summary.cuda_graphs}" in summary.table()
+    assert summary.to_dict()["cuda_graphs"] == summary.cuda_graphs
+    with fp8vit.fp8_context():
+        model(torch.randn(2, 3, 32, 32))  # on the CPU: eager, counted by reason
+    assert "1 eager calls (not on a GPU 1)" in fp8vit.conversion_summary(model).cuda_graphs
+    none = fp8vit.conversion_summary(plain)
+    assert none.cuda_graphs is None and "CUDA" not in none.short() and "CUDA graphs" not in none.table()

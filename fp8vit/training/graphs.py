@@ -385,6 +385,15 @@ class GraphedBlocks:
     recipe_name = property(lambda self: self._first("recipe_name"))
     call_kwargs = property(lambda self: self._first("call_kwargs"))
 
+    def describe(self) -> str:
+        """The graphs in words (``conversion_summary`` shows it)."""
+        shapes = ", ".join(str(list(e.shape)) for e in self._entries.values())
+        eager = ", ".join(f"{why} {n}" for why, n in self.eager_reasons.items())
+        return (f"{'per block' if self.per_block else 'model.blocks'}: {len(self._entries)} of at most "
+                f"{self.max_shapes} batch shapes captured{f' ({shapes})' if shapes else ''}, "
+                f"{self.replays} replays, {self.eager_calls} eager calls{f' ({eager})' if eager else ''}, "
+                f"{self.memory_bytes / 2**20:.0f} MiB")
+
     def __repr__(self) -> str:
         shapes = [(list(e.shape), e.recipe_name, e.memory_bytes, e.replays) for e in self._entries.values()]
         return (f"GraphedBlocks(shapes={shapes} (shape, recipe, memory_bytes, replays), max_shapes="
