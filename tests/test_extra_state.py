@@ -152,6 +152,7 @@ def test_module_that_never_ran_fp8_stores_a_state_of_the_same_size_and_loads_it_
     empty, trained = Module().get_extra_state(), _trained().get_extra_state()
     assert empty.dtype == torch.uint8 and empty.shape == trained.shape == (extra_state.state_bytes(1),)
     assert extra_state.decode_state(empty) == {}
+    assert extra_state.is_empty_state(empty) and not extra_state.is_empty_state(trained)
     dst = _trained()
     before = dst.fp8_meta["scaling_fwd"].scale.clone()
     dst.set_extra_state(empty)  # nothing to load: the module keeps its state, TE's loader is not called

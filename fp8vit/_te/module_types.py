@@ -15,7 +15,7 @@ import types
 import torch
 
 from .._warn import warn_once
-from .extra_state import SafeExtraState, decode_state
+from .extra_state import SafeExtraState, is_empty_state
 from .fp8 import active_fp8_recipe, autocast
 from .loader import load_te
 from .ops import gated_activation
@@ -106,7 +106,7 @@ class SwappedLinear:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         key = prefix + "_extra_state"
         state = destination.get(key)
-        if decode_state(state) == {} or (isinstance(state, torch.Tensor) and state.numel() == 0):  # no FP8 state
+        if is_empty_state(state):  # no FP8 scaling state
             del destination[key]
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,

@@ -173,12 +173,12 @@ def describe_fp8_autocast(model: nn.Module) -> Optional[str]:
     A forward wrapped around it after the fact still counts: accelerate's ``prepare`` installs its
     autocast wrapper as the instance ``forward`` and keeps the one beneath as ``_original_forward``;
     ``functools.wraps`` wrappers keep it as ``__wrapped__``."""
-    forward, seen = vars(model).get("forward"), 0
-    while forward is not None and not isinstance(forward, FP8Forward) and seen < 8:
-        seen += 1
-        forward = (getattr(forward, "__wrapped__", None)
-                   or (vars(model).get("_original_forward") if seen == 1 else None))
-    return forward.describe() if isinstance(forward, FP8Forward) else None
+    for forward in (vars(model).get("forward"), vars(model).get("_original_forward")):
+        for _ in range(8):  # a chain of wrappers, bounded
+            if isinstance(forward, FP8Forward):
+                return forward.describe()
+            forward = getattr(forward, "__wrapped__", None)
+    return None
 
 
 def remove_fp8_autocast(model: nn.Module) -> bool:
