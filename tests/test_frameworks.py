@@ -5,6 +5,8 @@ tests/test_timm_train.py, tests/test_lightning.py, tests/test_accelerate.py."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import timm
 import torch
@@ -64,6 +66,31 @@ def test_torch_compile_of_a_converted_model_trains_as_uncompiled(autocast):
     assert grads.keys() == eager_grads.keys()
     for name, g in grads.items():
         torch.testing.assert_close(g, eager_grads[name], rtol=5e-2, atol=1e-3, msg=name)
+
+
+def test_torch_compile_around_eager_blocks_says_to_capture_them(monkeypatch):
+    # Eager fused blocks between compiled regions made a ViT-B/16 FP8 step slower on the H200
+    # (docs/frameworks.md): the compiled model says so once and names cuda_graphs=True; the same
+    # model uncompiled says nothing.
+    from fp8vit._warn import _seen
+    from fp8vit.blocks import base
+
+    monkeypatch.setitem(base._COMPILED, "traced", False)
+    _seen.discard(base.COMPILED_EAGER_BLOCKS)
+    torch._dynamo.reset()
+    model = fp8vit.convert_to_te(tiny_vit(num_classes=2))
+    x = torch.randn(2, 3, 32, 32)
+
+    def said(run):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                run(x)
+        return [w for w in caught if str(w.message) == base.COMPILED_EAGER_BLOCKS]
+
+    assert not said(model)
+    compiled = said(torch.compile(model, backend="eager"))
+    assert len(compiled) == 1 and "cuda_graphs=True" in str(compiled[0].message)
 
 
 def test_torch_compile_leaves_the_fused_blocks_to_their_kernels():

@@ -17,12 +17,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._validate import check_bool, check_device, check_dtype
+from .._warn import warn_once
 from .backend import Backend, check_backend, get_backend, resolve_backend
 from .._te.kernels import layerscale_backward, triton_support
 from .._te.recipes import recipe_name, row_multiple
 
 __all__ = ["FP8Block", "check_block_args", "aligned_rows", "SplitQKV", "LayerScaleAdd", "additive_to_bool",
            "te_mask_kwargs"]
+
+
+# torch.compile(model) runs the fused blocks eagerly between compiled regions (their forward is
+# ``torch.compiler.disable``d), a graph break at each. With the blocks as CUDA graphs that is as fast
+# or faster than not compiling; with eager blocks the added per-block frames made a ViT-B/16 FP8
+# step slower (H200: 72.9 against 64.9 ms, docs/frameworks.md). Each block's forward pre-hook
+# (:func:`_note_compiled`), traced by dynamo, records that the blocks were reached from compiled
+# code; the first eager call after that says what to do.
+_COMPILED = {"traced": False}
+COMPILED_EAGER_BLOCKS = (
+    "fp8vit: torch.compile runs fp8vit's fused blocks eagerly, with a graph break around each; without "
+    "CUDA graphs that measured slower than not compiling (ViT-B/16 FP8, H200). Convert with "
+    "cuda_graphs=True (convert_to_te(model, cuda_graphs=True) or make_graphed_blocks), with which the "
+    "compiled model measured as fast or faster, or leave the model uncompiled (docs/frameworks.md)")
+
+
+def _note_compiled(block: nn.Module, args) -> None:
+    """Forward pre-hook of every fused block: set :data:`_COMPILED` when dynamo traces the call
+    (``is_compiling()`` is True only then; the store is replayed with the compiled code)."""
+    if torch.compiler.is_compiling():
+        _COMPILED["traced"] = True
 
 
 def check_block_args(fn: str, *, backend: Optional[str], fp32_residual: bool, device, dtype) -> None:
@@ -71,6 +93,7 @@ class FP8Block(nn.Module):
         self.fp8_enabled = True
         self.gelu_in_gemm = True
         self.fp32_residual = fp32_residual
+        self.register_forward_pre_hook(_note_compiled)
 
     @property
     def _impl(self) -> Backend:
@@ -80,6 +103,8 @@ class FP8Block(nn.Module):
         """``self._forward(x, *args, mult, gelu_gemm)`` under this block's FP8 setting, checkpointed
         if asked. Raises on a TE block given CPU input (TE's kernels are CUDA-only)."""
         impl = self._impl  # one backend lookup per forward: it is on the hot path
+        if _COMPILED["traced"]:
+            warn_once(COMPILED_EAGER_BLOCKS, RuntimeWarning, stacklevel=4)
         if impl.fp8 and x.device.type not in ("cuda", "meta"):
             # TE modules may be built on the CPU (timm.create_model -> convert_to_te -> .cuda()),
             # but their kernels are CUDA-only: say so instead of failing deep inside TE.

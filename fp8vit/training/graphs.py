@@ -265,6 +265,20 @@ class _AfterBackward:
             entry._node = None
 
 
+class _BeforeBackward:
+    """Pre-hook on the node of the last graphed module's replay (its backward runs first): copy
+    each ``.grad`` that is still a view of a ``weight.main_grad`` the backward graphs are about to
+    rewrite. A loop that sets gradients to None between forward and backward (Lightning's order:
+    forward, ``zero_grad()``, backward) leaves none to copy; copying before the forward instead
+    cloned every weight gradient there (ViT-H/16: 2.4 GiB a step)."""
+
+    def __init__(self, handle: "GraphedBlocks"):
+        self.handle = handle
+
+    def __call__(self, grad_outputs) -> None:
+        self.handle._copy_aliased_grads(only=self.handle._main_ptrs)
+
+
 class GraphedBlocks:
     """The CUDA graphs of a model's blocks (:func:`make_graphed_blocks`, ``convert_to_te(cuda_graphs=True)``):
     which call signatures are captured, their memory, and how often the graphs ran.
@@ -314,6 +328,7 @@ class GraphedBlocks:
         self._main_grad_weights: tuple = ()
         self._main_grads: tuple = ()
         self._static_ptrs: set = set()
+        self._main_ptrs: frozenset = frozenset()  # the weight.main_grad buffers among them
         self._defaults: Optional[dict] = None
 
     def _spec(self, kwargs: dict) -> tuple:
@@ -440,6 +455,7 @@ class GraphedBlocks:
         _te.release_main_grad(self._main_grad_weights)
         self._main_grad_weights, self._main_grads, self._params = (), (), ()
         self._static_ptrs, self._pool, self._fingerprint_at_capture = set(), None, None
+        self._main_ptrs = frozenset()
         if had:
             gc.collect()  # TE's graphed callables hold their graphs in reference cycles
             if torch.cuda.is_available():
@@ -669,7 +685,9 @@ class GraphedBlocks:
     # ------------------------------------------------------------------ replay and capture
     def _replay(self, entry: GraphShape, i: int, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         if i == 0 and self._static_ptrs:
-            self._copy_aliased_grads()
+            # TE's static gradient buffers live in the graphs' pool, which this forward may reuse;
+            # main_grad is written by the backward replay only: its views wait (see _BeforeBackward).
+            self._copy_aliased_grads(keep=self._main_ptrs)
         weights, grads = self._main_grads[i] if self._main_grads else ((), ())
         if grads and torch.is_grad_enabled():
             x = _MainGradsToAutograd.apply(x, grads, *weights)
@@ -680,6 +698,8 @@ class GraphedBlocks:
         node = out.grad_fn
         if node is not None and (i == 0 or not entry._recorded[i]):
             node.register_hook(_AfterBackward(self, entry, i))
+        if node is not None and i + 1 == len(self._targets) and self._main_ptrs:
+            node.register_prehook(_BeforeBackward(self))  # the first graphed backward to run
         if i == 0:
             entry._node = weakref.ref(node) if node is not None else None
         if i + 1 < len(self._targets):
@@ -689,10 +709,18 @@ class GraphedBlocks:
             entry._idle = _use_count(entry._storage) - 1  # all but ``out``
         return out
 
-    def _copy_aliased_grads(self) -> None:
+    def _copy_aliased_grads(self, keep: frozenset = frozenset(), only: Optional[set] = None) -> None:
         """Copy each ``.grad`` that is a view of a graph's gradient buffer, which the next replay or
-        capture rewrites; gradients elsewhere (DDP's bucket views, earlier copies) stay as they are."""
-        ptrs = self._static_ptrs
+        capture rewrites; gradients elsewhere (DDP's bucket views, earlier copies) stay as they are.
+
+        Args:
+            keep: buffers not to copy from now (``weight.main_grad``: only a backward replay
+                rewrites them, so their views are copied just before one).
+            only: copy views of these buffers only (None: of every graph gradient buffer).
+        """
+        ptrs = self._static_ptrs if only is None else only
+        if keep:
+            ptrs = ptrs - keep
         if not ptrs:
             return
         for p in self._params:
@@ -739,6 +767,7 @@ class GraphedBlocks:
             mains.append((ws, tuple(w.main_grad for w in ws)))
         self._main_grads = tuple(mains)
         self._static_ptrs.update(w.main_grad.data_ptr() for w in weights)
+        self._main_ptrs = frozenset(w.main_grad.data_ptr() for w in weights)
         self._params = tuple(p for p in (m._parameters[name] for m, name in self._slots) if p.requires_grad)
         if first:
             self._fingerprint_at_capture = self._fingerprint()
@@ -846,8 +875,9 @@ class _Dispatch:
     becomes ``p.grad`` without a copy when ``p.grad`` was None (the usual ``zero_grad()``; not
     copying them saves 1.65 ms per ViT-H step, docs/performance.md). The next replay rewrites
     those buffers (TE's live in the graphs' memory pool, which the forward replay may already
-    reuse). So before each replay or capture, a ``p.grad`` that is still such a view (accumulation
-    over micro-batches, ``zero_grad(set_to_none=False)``) is copied, and autograd adds to the copy.
+    reuse; ``main_grad`` only the backward replay writes). So a ``p.grad`` that is still such a view
+    (accumulation over micro-batches, ``zero_grad(set_to_none=False)``) is copied before the replay
+    that rewrites it (or a capture), and autograd adds to the copy.
     Gradients that are not views of the buffers (DDP's bucket views) are left alone.
     """
 
