@@ -45,22 +45,44 @@ def _shapes(handle):
     return [s.shape for s in handle.shapes]
 
 
-def _epochs(models, epochs, recipe, evals):
+def _scaling_state(model):
+    """Every TE module's forward and backward delayed-scaling scales, as one flat tensor (or None)."""
+    parts = [m.fp8_meta[k].scale.flatten() for m in model.modules()
+             if isinstance(getattr(m, "fp8_meta", None), dict) for k in ("scaling_fwd", "scaling_bwd")
+             if k in m.fp8_meta and hasattr(m.fp8_meta[k], "scale")]
+    return torch.cat(parts).clone() if parts else None
+
+
+def _epochs(models, epochs, recipe, evals, trail=None):
     """Train each model over ``epochs`` epochs of EPOCH (one SGD optimizer each, kept across
-    epochs), an eval pass after each; returns per model the losses and the eval outputs."""
+    epochs), an eval pass after each; returns per model the losses and the eval outputs. With
+    ``trail`` (a list), appends per model the scaling state after every step and eval, named."""
     data, n = _batches(EPOCH * epochs), len(EPOCH)
     out = []
     for model in models:
         opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-        losses, outputs = [], []
+        losses, outputs, states = [], [], []
         for epoch in range(epochs):
-            losses += train_steps(model, data[epoch * n:(epoch + 1) * n], opt, lambda: fp8vit.fp8_context(recipe))
+            for step, batch in enumerate(data[epoch * n:(epoch + 1) * n]):
+                losses += train_steps(model, [batch], opt, lambda: fp8vit.fp8_context(recipe))
+                states.append((f"epoch {epoch} step {step} (batch {len(batch[1])})", _scaling_state(model)))
             model.eval()
             with torch.no_grad(), fp8vit.fp8_context(recipe):
                 outputs.append([model(x).float() for x, _ in evals])
+            states.append((f"epoch {epoch} eval", _scaling_state(model)))
             model.train()
         out.append((losses, outputs))
+        if trail is not None:
+            trail.append(states)
     return out
+
+
+def _first_divergence(trail):
+    """The first step or eval after which two models' scaling states differ, with how many entries."""
+    for (name, a), (_, b) in zip(*trail):
+        if a is not None and not torch.equal(a, b):
+            return f"{name}: {int((a != b).sum())} of {a.numel()} scales differ"
+    return "none"
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
@@ -71,8 +93,10 @@ def test_shapes_captured_as_they_come_train_like_eager(recipe):
     eager, graphed = _vit(), _vit()
     handle = fp8vit.make_graphed_blocks(graphed, fused_wgrad=False)
     evals = _batches([7, 16], seed=2)
-    (le, oe), (lg, og) = _epochs([eager, graphed], 3, recipe, evals)
-    print(f"{recipe}: eager losses {le}\n graphed {lg}\n{handle}")
+    trail = []
+    (le, oe), (lg, og) = _epochs([eager, graphed], 3, recipe, evals, trail)
+    print(f"{recipe}: eager losses {le}\n graphed {lg}\n{handle}\n"
+          f"scaling state first differs after: {_first_divergence(trail)}")
     assert _shapes(handle) == [(16, TOKENS, DIM), (5, TOKENS, DIM)]
     steps = len(EPOCH) * 3
     assert handle.eager_reasons == {"new shape": 2, "eval": 2 * 3} and handle.replays == steps - 2
