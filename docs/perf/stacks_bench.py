@@ -2,6 +2,8 @@
 
     python docs/perf/stacks_bench.py --models vit_base_patch16_224,vit_huge_patch16_224 \\
         --stacks plain,lightning,lightning-plugin,accelerate,timm-train --batch-size 128 --steps 30 --warmup 10
+    python docs/perf/stacks_bench.py --models vit_base_patch16_224 --stacks plain,lightning,lightning-plugin \\
+        --repeats 3                                        # 3 interleaved rounds: see Repeats below
     python docs/perf/stacks_bench.py --device cpu          # the CI smoke run (tests/test_stacks_bench.py)
 
 What it measures: the training step time of a timm ViT, bf16 baseline against fp8vit FP8, inside each
@@ -48,6 +50,20 @@ model and stack the bf16 and fp8vit medians, the speed-up bf16/fp8vit (wall and 
 speed-up relative to the ``plain`` stack's (target >= 0.95, judged on the events where there are
 any). A run that fails, or an fp8vit run on a GPU whose blocks never ran under FP8, is a row of the
 table with its error, and the parent then exits 1. ``--json`` writes everything.
+
+Repeats: on the H200 the same configuration measures up to ~5% apart from one process to the next
+(clocks, placement, the CUDA context), as much as some gaps between stacks (lightning-plugin's ViT-B
+fp8vit step at 32.3 ms against lightning's 30.7 ms in one run each). ``--repeats N`` runs the whole
+plan N times in interleaved rounds (round 1 runs every configuration once in plan order, then round
+2, ...), so a drift over time hits every configuration alike rather than the ones that ran last.
+Per configuration the table then shows the median over the repeats of each run's median step (wall
+and events) and a ``runs spread %`` column, (max - min) / median of the per-run medians, bf16 /
+fp8vit: a gap between two stacks smaller than their spreads is within run-to-run noise. A repeat
+that fails is reported as a failed run (its progress line, the note of its rows, ``failures`` in the
+JSON, exit 1), and the configuration's numbers come from its successful repeats; it is a FAILED row
+only when no repeat succeeded. ``--repeats 1`` (the default) prints the table as without the option.
+The JSON keeps every RESULT (``results``, each with its ``repeat``) and, per configuration,
+``repeats``: the list of its per-run medians, the repeats that failed, and the median and spread.
 """
 
 from __future__ import annotations
@@ -507,6 +523,8 @@ def run_timm_train(cfg: Config, script: Path, data: Path, out: Path, workers: in
            "--seed", "0", "--checkpoint-hist", "1", "--output", str(out), "--experiment", cfg.variant]
     if kwargs:
         cmd += ["--model-kwargs", *(f"{k}={v}" for k, v in kwargs.items())]
+    # a failed earlier repeat may have left its checkpoint: this run's evidence must be its own
+    shutil.rmtree(out / cfg.variant, ignore_errors=True)
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, cwd=out,
                           env=child_env())
     log = proc.stdout + proc.stderr
@@ -612,18 +630,77 @@ def pair(wall: float | None, events: float | None, spec: str) -> str:
     return fmt(wall, spec) + ("" if events is None else " / " + fmt(events, spec))
 
 
-def table(models: list[str], stacks: list[str], results: dict, failures: dict) -> tuple[list[str], list[dict]]:
-    """The summary lines and rows: per model and stack, bf16 and fp8vit medians and speed-ups."""
+def runs_spread(xs: list[float]) -> float | None:
+    """(max - min) / median of the per-run medians, in %: how far apart the repeats of a run landed."""
+    return 100.0 * (max(xs) - min(xs)) / statistics.median(xs) if xs and statistics.median(xs) else None
+
+
+def combine(runs: list[dict]) -> dict:
+    """One configuration's result over its successful repeats (in round order).
+
+    The times are the median over the runs of each run's median (a run is one process: its steps
+    are not pooled with another's, whose clocks may sit ~5% apart); the evidence (fused blocks,
+    graphs, versions) is the first run's, as every run converts the same model the same way.
+    ``run_ms_*`` keep the per-run medians and ``runs_spread_pct_*`` their (max - min) / median.
+    """
+    out = dict(runs[0])
+    for kind in ("wall", "events"):
+        xs = [r[f"median_ms_{kind}"] for r in runs if r.get(f"median_ms_{kind}") is not None]
+        out[f"run_ms_{kind}"] = xs or None
+        out[f"median_ms_{kind}"] = statistics.median(xs) if xs else None
+        out[f"runs_spread_pct_{kind}"] = runs_spread(xs)
+    if "median_ms_data" in out:  # timm-train: the loader wait, judged again on the combined step
+        out["median_ms_data"] = statistics.median(r["median_ms_data"] for r in runs)
+        step = out["median_ms_wall"]
+        out["data_share"] = out["median_ms_data"] / step if step else None
+        out["bound"] = "input" if step and out["data_share"] > INPUT_BOUND else "GPU"
+    out["repeats"] = [r.get("repeat", 1) for r in runs]
+    return out
+
+
+def key_errors(variant: str, errors: list[tuple[int, str]], repeats: int) -> str:
+    """A key's failed repeats in one line: ``variant: error`` as without repeats; with repeats, each
+    distinct error once, followed by the repeats that gave it (a broken stack fails them all alike)."""
+    if repeats == 1:
+        return f"{variant}: " + "; ".join(e for _, e in errors)
+    by_error: dict[str, list[int]] = {}
+    for r, e in errors:
+        by_error.setdefault(e, []).append(r)
+    return f"{variant}: " + "; ".join(
+        f"{e} (repeat{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} of {repeats})" for e, rs in by_error.items())
+
+
+def table(models: list[str], stacks: list[str], results: dict, failures: dict,
+          repeats: int = 1) -> tuple[list[str], list[dict]]:
+    """The summary lines and rows: per model and stack, bf16 and fp8vit medians and speed-ups.
+
+    Args:
+        models: Model names, in the table's order.
+        stacks: Stack names, in the table's order.
+        results: ``run_key -> [RESULT, ...]``: each successful repeat's RESULT, in round order.
+        failures: ``run_key -> [(repeat, error), ...]``: each failed repeat.
+        repeats: Repeats asked for (``--repeats``). Above 1 the table gains a ``runs spread %``
+            column; at 1 it is the table of a single run per configuration.
+
+    Returns:
+        The printed lines and the rows (``--json``'s ``table``). A row FAILS when a key it needs
+        has no successful repeat; failed repeats of a key that has some are listed in its note.
+    """
+    many = repeats > 1
     head = (f"{'model':22s} {'stack':16s} {'bf16 ms':>15s} {'fp8vit ms':>15s} {'speed-up':>15s} "
-            f"{'vs plain':>15s}  note")
+            f"{'vs plain':>15s}" + (f" {'runs spread %':>15s}" if many else "") + "  note")
     lines, rows = [head, "-" * (len(head) + 20)], []
     for model in models:
         plain: dict[str, float | None] = {}
         for stack in stacks:
             keys = [run_key(stack, model, v) for v in VARIANTS]
-            errs = [f"{k[2]}: {failures[k]}" for k in keys if k in failures]
-            b, f = (results.get(k) for k in keys)
+            # a key fails when none of its repeats gave a result; otherwise its failed repeats are a note
+            errs = [key_errors(k[2], failures[k], repeats) for k in keys if failures.get(k) and not results.get(k)]
+            partial = [key_errors(k[2], failures[k], repeats) for k in keys if failures.get(k) and results.get(k)]
+            b, f = (combine(results[k]) if results.get(k) else None for k in keys)
             row = {"model": model, "stack": stack, "failed": errs or None}
+            if many:
+                row["failed_repeats"] = partial or None
             rows.append(row)
             if errs or b is None or f is None:
                 lines.append(f"{model:22s} {stack:16s} FAILED  " + "; ".join(errs or ["not run"]))
@@ -644,31 +721,62 @@ def table(models: list[str], stacks: list[str], results: dict, failures: dict) -
                 notes.append("no CUDA graph captured")
             if stack == "lightning-plugin":
                 notes.append("bf16 = lightning's")
+            if partial:
+                notes.append("failed " + "; ".join(partial))
             row.update(bf16_ms_wall=b["median_ms_wall"], bf16_ms_events=b["median_ms_events"],
                        fp8_ms_wall=f["median_ms_wall"], fp8_ms_events=f["median_ms_events"], ratio_wall=r_wall,
                        ratio_events=r_ev, vs_plain_wall=rel_wall, vs_plain_events=rel_ev, note="; ".join(notes))
+            spread_col = ""
+            if many:
+                row.update(repeats_ok={"bf16": len(b["repeats"]), "fp8vit": len(f["repeats"])},
+                           bf16_runs_spread_pct_wall=b["runs_spread_pct_wall"],
+                           bf16_runs_spread_pct_events=b["runs_spread_pct_events"],
+                           fp8_runs_spread_pct_wall=f["runs_spread_pct_wall"],
+                           fp8_runs_spread_pct_events=f["runs_spread_pct_events"])
+                # on the events where there are any, as the verdict is: the wall adds the host's jitter
+                sb, sf = (x["runs_spread_pct_events"] if x["median_ms_events"] is not None
+                          else x["runs_spread_pct_wall"] for x in (b, f))
+                spread_col = f" {fmt(sb, '.1f') + ' / ' + fmt(sf, '.1f'):>15s}"
             lines.append(f"{model:22s} {stack:16s} {pair(b['median_ms_wall'], b['median_ms_events'], '.1f'):>15s} "
                          f"{pair(f['median_ms_wall'], f['median_ms_events'], '.1f'):>15s} "
-                         f"{pair(r_wall, r_ev, '.3f'):>15s} {pair(rel_wall, rel_ev, '.3f'):>15s}  " + "; ".join(notes))
+                         f"{pair(r_wall, r_ev, '.3f'):>15s} {pair(rel_wall, rel_ev, '.3f'):>15s}{spread_col}  "
+                         + "; ".join(notes))
     return lines, rows
 
 
+def repeat_summary(results: dict, failures: dict) -> list[dict]:
+    """``--json``'s ``repeats``: per run key, its per-run medians, failed repeats, median and spread."""
+    out = []
+    for key in dict.fromkeys([*results, *failures]):
+        runs = results.get(key) or []
+        entry = {"stack": key[0], "model": key[1], "variant": key[2], "ok": [r.get("repeat", 1) for r in runs],
+                 "failed": [{"repeat": r, "error": e} for r, e in failures.get(key, [])]}
+        if runs:
+            c = combine(runs)
+            entry.update({k: c[k] for k in ("run_ms_wall", "run_ms_events", "median_ms_wall", "median_ms_events",
+                                            "runs_spread_pct_wall", "runs_spread_pct_events")})
+        out.append(entry)
+    return out
+
+
 def estimate_s(models: list[str], stacks: list[str], a: argparse.Namespace) -> float:
-    """Seconds the run should take on an H200 (the priors above; FLOPs place other models)."""
+    """Seconds the run should take on an H200 (the priors above; FLOPs place other models): every
+    run ``--repeats`` times, timm-train's image folder written once."""
     total = 0.0
     for stack, model, variant in plan(models, [s for s in stacks if s != "timm-train"]):
         ms = step_priors(model, a.batch_size)[variant == "fp8vit"]
         cpu_init = meta_model(model)[1] / CPU_INIT_PARAMS_S if stack.startswith("lightning") else 0.0
         total += STARTUP_S + cpu_init + (a.warmup + a.steps) * ms / 1e3 + (CAPTURE_S if variant == "fp8vit" else 0)
+    images_s = 0.0
     if "timm-train" in stacks:
-        total += 2 * timm_images(a)[0] / (300 * (os.cpu_count() or 1))  # ~300 JPEGs/s a core
+        images_s = 2 * timm_images(a)[0] / (300 * (os.cpu_count() or 1))  # ~300 JPEGs/s a core
         for model in models:
             bf16 = step_priors(model, a.batch_size)[0]
             params = meta_model(model)[1]
             for ms in (bf16, 0.6 * bf16):  # graphed FP8: about 0.6 of the bf16 step (docs/performance.md)
                 total += (STARTUP_S + TIMM_STARTUP_S + params / CPU_INIT_PARAMS_S + (a.warmup + a.steps + 1) * ms / 1e3
                           + params * 8 / CHECKPOINT_BYTES_S)  # the end-of-epoch checkpoint: weights + momentum
-    return total
+    return a.repeats * total + images_s
 
 
 @functools.cache
@@ -711,6 +819,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300, help="seconds per run (timm-train: twice that)")
     p.add_argument("--workers", type=int, default=12, help="timm-train: loader processes")
     p.add_argument("--timm-data", default=None, help="timm-train: an image folder to use (else one is generated)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every configuration N times, in interleaved rounds; the table shows the median of the "
+                   "runs' medians and their spread (cross-process drift is ~5%% on the H200)")
     p.add_argument("--json", default=None, help="write the config, every RESULT, the failures and the table here")
     p.add_argument("--child", nargs=3, metavar=("STACK", "MODEL", "VARIANT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -718,6 +829,8 @@ def main(argv: list[str] | None = None) -> int:
     a.lr = a.lr if a.lr is not None else (1e-3 if a.optimizer == "sgd" else 1e-4)
     if a.warmup < 1 or a.steps < 1:
         p.error("--warmup and --steps must be at least 1 (a step's time is measured from the previous step's end)")
+    if a.repeats < 1:
+        p.error("--repeats must be at least 1")
     if a.child:
         return child_main(a)
     models = (a.models or ("vit_base_patch16_224,vit_huge_patch16_224" if a.device == "cuda"
@@ -730,25 +843,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parent(a: argparse.Namespace, models: list[str], stacks: list[str]) -> int:
+    """Run the plan ``--repeats`` times in interleaved rounds, print each run and the table; 1 if any run failed."""
+    many = a.repeats > 1
     print(f"stacks_bench: {', '.join(models)} x {', '.join(stacks)} on {a.device}, batch {a.batch_size}, "
-          f"{a.warmup} warm-up + {a.steps} measured steps, optimizer {a.optimizer} lr {a.lr}")
+          f"{a.warmup} warm-up + {a.steps} measured steps, optimizer {a.optimizer} lr {a.lr}"
+          + (f", {a.repeats} interleaved rounds" if many else ""))
     print("data: 4 synthetic batches made once on the device, DataLoader(batch_size=None) over them: no collate, "
           "no copy, identical in every stack" + ("; timm-train: generated JPEGs through train.py's loader"
                                                  if "timm-train" in stacks else ""))
     if a.device == "cuda":
         try:
             est = estimate_s(models, stacks, a)
-            print(f"estimate: about {est / 60:.1f} min on an H200 (~{STARTUP_S:.0f} s start-up a run)")
+            print(f"estimate: about {est / 60:.1f} min on an H200 (~{STARTUP_S:.0f} s start-up a run"
+                  + (f", {a.repeats} runs of each)" if many else ")"))
         except Exception as err:  # noqa: BLE001 - an estimate must not stop the run
             print(f"estimate: none ({type(err).__name__}: {err})")
-    results: dict[tuple, dict] = {}
-    failures: dict[tuple, str] = {}
+    results: dict[tuple, list[dict]] = {}  # run key -> the RESULT of each successful repeat, in round order
+    failures: dict[tuple, list[tuple[int, str]]] = {}  # run key -> (repeat, error) of each failed repeat
     runs = plan(models, [s for s in stacks if s != "timm-train"])
     timm_runs = [("timm-train", m, v) for m in models for v in VARIANTS] if "timm-train" in stacks else []
-    n = len(runs) + len(timm_runs)
+    n = (len(runs) + len(timm_runs)) * a.repeats
     t0 = time.perf_counter()
+    done = 0
 
-    def record(i: int, key: tuple, fn: Callable[[], tuple[dict, str]]) -> None:
+    def record(key: tuple, repeat: int, fn: Callable[[], tuple[dict, str]]) -> None:
+        nonlocal done
+        done += 1
+        tag = f"[{done}/{n}] {' '.join(key)}" + (f" (repeat {repeat}/{a.repeats})" if many else "")
         start = time.perf_counter()
         try:
             res, _ = fn()
@@ -756,17 +877,18 @@ def parent(a: argparse.Namespace, models: list[str], stacks: list[str]) -> int:
             if why:
                 raise ChildFailed(why, "")
         except ChildFailed as err:
-            failures[key] = str(err)
-            print(f"[{i}/{n}] {' '.join(key)}: FAILED after {time.perf_counter() - start:.0f} s: {err}")
+            failures.setdefault(key, []).append((repeat, str(err)))
+            print(f"{tag}: FAILED after {time.perf_counter() - start:.0f} s: {err}")
             tail = "\n".join(err.log.strip().splitlines()[-25:])
             if tail:
                 print("    " + tail.replace("\n", "\n    "))
             return
         except Exception as err:  # noqa: BLE001 - the harness itself (timm-train's data, a parse): a row too
-            failures[key] = f"{type(err).__name__}: {err}"
-            print(f"[{i}/{n}] {' '.join(key)}: FAILED: {failures[key]}")
+            failures.setdefault(key, []).append((repeat, f"{type(err).__name__}: {err}"))
+            print(f"{tag}: FAILED: {failures[key][-1][1]}")
             return
-        results[key] = res
+        res["repeat"] = repeat
+        results.setdefault(key, []).append(res)
         extra = ""
         if res.get("graphs"):
             g = res["graphs"]
@@ -775,65 +897,93 @@ def parent(a: argparse.Namespace, models: list[str], stacks: list[str]) -> int:
             extra = f", data {res['median_ms_data']:.1f} ms ({res['bound']}-bound)"
         events = ("" if res["median_ms_events"] is None else
                   f", {res['median_ms_events']:.1f} ms events ({res['disagreement_pct']:+.1f}%)")
-        print(f"[{i}/{n}] {' '.join(key)}: {res['median_ms_wall']:.1f} ms wall{events}, {res['steps']} steps, "
+        print(f"{tag}: {res['median_ms_wall']:.1f} ms wall{events}, {res['steps']} steps, "
               f"fused {res.get('fused')}, FP8 calls {res.get('fp8_calls', '-')}/{res.get('block_calls', '-')}, "
               f"peak {fmt(res.get('peak_mem_gib'), '.1f')} GiB{extra} ({time.perf_counter() - start:.0f} s)",
               flush=True)
 
-    for i, key in enumerate(runs, 1):
-        record(i, key, lambda key=key: run_child(key, a))
-    if timm_runs:
-        run_timm_stack(a, timm_runs, len(runs), record, failures)
-    lines, rows = table(models, stacks, results, failures)
+    timm = TimmStack(a) if timm_runs else None
+    try:
+        # Interleaved rounds: every key once per round, in plan order, so that a drift of the GPU's speed
+        # over the session (~5% between processes on the H200) lands on every configuration alike.
+        for repeat in range(1, a.repeats + 1):
+            for key in runs:
+                record(key, repeat, lambda key=key: run_child(key, a))
+            for key in timm_runs:
+                record(key, repeat, lambda key=key: timm.run(key))
+    finally:
+        if timm is not None:
+            timm.close()
+    lines, rows = table(models, stacks, results, failures, a.repeats)
     print(f"\nmedian step times (ms) of {a.steps} steps after {a.warmup}, as 'wall / CUDA events' (events: GPU only, "
           f"not timm-train); speed-up = bf16 / fp8vit; vs plain = a stack's speed-up over the plain loop's "
           f"(target >= {TARGET})")
+    if many:
+        print(f"{a.repeats} runs of each configuration in interleaved rounds: each time is the median over the "
+              "successful runs of each run's median; runs spread % = (max - min) / median of those per-run medians, "
+              "bf16 / fp8vit, on the CUDA events where there are any (else wall): a gap between stacks within "
+              "their spreads is run-to-run noise")
     print("\n".join(lines))
-    print(f"done in {(time.perf_counter() - t0) / 60:.1f} min; {len(failures)} failed run(s)")
+    failed = sum(len(e) for e in failures.values())
+    print(f"done in {(time.perf_counter() - t0) / 60:.1f} min; {failed} failed run(s)"
+          + (f" of {n}" if many else ""))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({
             "config": {k: v for k, v in vars(a).items() if k != "child"} | {"models": models, "stacks": stacks},
-            "results": list(results.values()),
-            "failures": [{"stack": k[0], "model": k[1], "variant": k[2], "error": e} for k, e in failures.items()],
+            "results": [res for runs_ in results.values() for res in runs_],
+            "failures": [{"stack": k[0], "model": k[1], "variant": k[2], "repeat": r, "error": e}
+                         for k, errs in failures.items() for r, e in errs],
+            "repeats": repeat_summary(results, failures),
             "table": rows}, indent=1))
     return 1 if failures else 0
 
 
-def run_timm_stack(a: argparse.Namespace, runs: list, done: int, record: Callable, failures: dict) -> None:
-    """timm-train: make (or take) the image folder and both scripts, then run train.py per model and variant."""
-    tmp = Path(tempfile.mkdtemp(prefix="stacks_bench_timm_"))
-    try:
+class TimmStack:
+    """timm-train's runs: the image folder (made, or ``--timm-data``) and both scripts, made at the
+    first run and kept for every repeat; ``close()`` removes them."""
+
+    def __init__(self, a: argparse.Namespace):
+        self.a = a
+        self.tmp = Path(tempfile.mkdtemp(prefix="stacks_bench_timm_"))
+        self.scripts: dict[str, Path] | None = None
+        self.data: Path | None = None
+        self.error: str | None = None
+        self.workers = a.workers if a.device == "cuda" else 0
+
+    def setup(self) -> None:
+        """Both scripts and the image folder; once (a failure then fails every timm-train run)."""
+        a = self.a
         try:
-            original = tmp / "timm_original" / "train.py"
+            original = self.tmp / "timm_original" / "train.py"
             original.parent.mkdir()
             original.write_text(timm_original_train_py())
-            scripts = {"bf16": original, "fp8vit": TIMM_TRAIN}
-            data = Path(a.timm_data) if a.timm_data else tmp / "data"
+            self.data = Path(a.timm_data) if a.timm_data else self.tmp / "data"
             if not a.timm_data:
                 per_class, size = timm_images(a)
-                made = make_image_folder(data, per_class, size)
+                made = make_image_folder(self.data, per_class, size)
                 print(f"timm-train data: {made['images']} JPEGs {size}x{size} (mean {made['mean_kb']:.0f} KB; "
                       f"ImageNet's are ~110 KB at ~400x350, so the loader's work here is a lower bound), "
                       f"written in {made['seconds']:.0f} s")
+            self.scripts = {"bf16": original, "fp8vit": TIMM_TRAIN}
         except Exception as err:  # noqa: BLE001 - reported as the failure of every timm-train run
-            for key in runs:
-                failures[key] = f"timm-train setup: {type(err).__name__}: {err}"
-                print(f"{' '.join(key)}: FAILED: {failures[key]}")
-            return
-        workers = a.workers if a.device == "cuda" else 0
-        for i, key in enumerate(runs, done + 1):
-            cfg = Config(*key, a.device, a.batch_size, a.steps, a.warmup, a.optimizer, a.lr)
+            self.error = f"timm-train setup: {type(err).__name__}: {err}"
 
-            def go(cfg=cfg):
-                try:
-                    return run_timm_train(cfg, scripts[cfg.variant], data, tmp, workers, 2 * a.timeout)
-                except subprocess.TimeoutExpired:
-                    raise ChildFailed(f"timed out after {2 * a.timeout:.0f} s", "") from None
+    def run(self, key: tuple[str, str, str]) -> tuple[dict, str]:
+        """One train.py run of ``key`` (its RESULT and log), the setup done first if not yet."""
+        if self.scripts is None and self.error is None:
+            self.setup()
+        if self.error is not None:
+            raise ChildFailed(self.error, "")
+        a = self.a
+        cfg = Config(*key, a.device, a.batch_size, a.steps, a.warmup, a.optimizer, a.lr)
+        try:
+            return run_timm_train(cfg, self.scripts[cfg.variant], self.data, self.tmp, self.workers, 2 * a.timeout)
+        except subprocess.TimeoutExpired:
+            raise ChildFailed(f"timed out after {2 * a.timeout:.0f} s", "") from None
 
-            record(i, key, go)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    def close(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
