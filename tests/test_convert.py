@@ -587,11 +587,11 @@ def test_swapped_linear_runs_bf16_where_fp8_is_off_or_cannot_run(monkeypatch):
     assert entered == [False, False] and lin.seen[-1] == (3, 64)  # outside fp8_context: TE as is
 
 
-def test_swapped_linear_state_dict_is_nn_linears():
+def test_swapped_linear_state_dict_is_nn_linears_and_its_fp8_state():
     lin = _Swapped(32, 16)
-    assert list(lin.state_dict()) == ["weight", "bias"]  # empty FP8 state: not saved
+    assert list(lin.state_dict()) == ["weight", "bias", "_extra_state"]  # before any FP8 state too
     plain = torch.nn.Linear(32, 16)
-    lin.load_state_dict(plain.state_dict(), strict=True)  # no _extra_state in it: fine
+    lin.load_state_dict(plain.state_dict(), strict=True)  # a timm checkpoint, no _extra_state: fine
     assert torch.equal(lin.weight, plain.weight)
     lin.state = {"scale": torch.ones(2)}  # delayed scaling ran: its state is saved and restored
     sd = lin.state_dict()

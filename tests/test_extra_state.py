@@ -71,8 +71,8 @@ def fake_recipe_module(monkeypatch):
     monkeypatch.setattr(extra_state, "te_module", {"transformer_engine.common.recipe": recipe_module}.__getitem__)
 
 
-def _trained(recipe=None):
-    m = Module()
+def _trained(recipe=None, m=None):
+    m = Module() if m is None else m
     recipe = recipe or DelayedScaling(margin=1, amax_history_len=4)
     m.fp8, m.fp8_meta["recipe"], m.fp8_meta["num_gemms"] = True, recipe, 1
     m.init_fp8_meta_tensors(recipe)
@@ -152,7 +152,6 @@ def test_module_that_never_ran_fp8_stores_a_state_of_the_same_size_and_loads_it_
     empty, trained = Module().get_extra_state(), _trained().get_extra_state()
     assert empty.dtype == torch.uint8 and empty.shape == trained.shape == (extra_state.state_bytes(1),)
     assert extra_state.decode_state(empty) == {}
-    assert extra_state.is_empty_state(empty) and not extra_state.is_empty_state(trained)
     dst = _trained()
     before = dst.fp8_meta["scaling_fwd"].scale.clone()
     dst.set_extra_state(empty)  # nothing to load: the module keeps its state, TE's loader is not called
@@ -204,3 +203,29 @@ def test_callable_recipe_parts_are_refused():
     m = _trained(DelayedScaling(amax_compute_algo=lambda h: h.max(), amax_history_len=2))
     with pytest.raises(ValueError, match="custom callable"):
         m.state_dict()
+
+
+class SwappedModule(_te.SwappedLinear, extra_state.SafeExtraState, FakeTEModule):
+    """``fallback="linear"``'s FP8 Linear, over the fake TE module."""
+
+
+def test_a_swapped_linear_keeps_its_state_key_so_that_timm_model_ema_stays_aligned():
+    # timm's ModelEmaV3 pairs the EMA copy's state dict with the model's by position. The copy is
+    # made before the first FP8 step; a key that appeared once delayed scaling ran (an nn.Linear-like
+    # state dict until then) paired 1.weight with 0._extra_state.
+    from timm.utils import ModelEmaV3
+
+    model = nn.Sequential(SwappedModule(), SwappedModule())
+    assert list(model.state_dict()) == ["0.weight", "0._extra_state", "1.weight", "1._extra_state"]
+    ema = ModelEmaV3(model, decay=0.5)
+    before = [m.weight.detach().clone() for m in ema.module]
+    for m in model:
+        _trained(m=m)
+    ema.update(model, step=1000)
+    for e, m, w0 in zip(ema.module, model, before):
+        torch.testing.assert_close(e.weight, 0.5 * w0 + 0.5 * m.weight)
+        # ModelEmaV3 copies into the tensor state_dict() returned, so the EMA copy keeps scaling
+        # state of its own (from its own forwards, as a plain TE module's EMA does)
+        assert "scaling_fwd" not in e.fp8_meta
+    other = SwappedModule()
+    SwappedModule().load_state_dict({"weight": torch.randn(4)}, strict=True)  # a checkpoint without it loads

@@ -26,7 +26,7 @@ import torch
 
 from .loader import te_module
 
-__all__ = ["EXTRA_STATE_FORMAT", "SafeExtraState", "encode_state", "decode_state", "is_empty_state", "state_bytes"]
+__all__ = ["EXTRA_STATE_FORMAT", "SafeExtraState", "encode_state", "decode_state", "state_bytes"]
 
 # Format tag of the FP8 scaling state fp8vit writes: v2 is the tensor (encode_state), v1 the dict of
 # fp8vit 0.1 (still read).
@@ -49,16 +49,6 @@ def state_bytes(gemms: int) -> int:
     return len(_MAGIC) + _HEADER_BYTES + 1 + 4 * floats
 
 
-# How a tensor of encode_state(None) begins: "no state".
-_EMPTY_HEAD = _MAGIC + json.dumps({"empty": True}).encode() + b"\n"
-
-
-def is_empty_state(blob: Any) -> bool:
-    """Whether ``blob`` holds no FP8 scaling state: :func:`encode_state` of None (read from its
-    first bytes only), or TE's empty tensor."""
-    if not (isinstance(blob, torch.Tensor) and blob.dtype == torch.uint8 and blob.dim() == 1):
-        return False
-    return blob.numel() == 0 or bytes(blob[:len(_EMPTY_HEAD)].tolist()) == _EMPTY_HEAD
 
 
 def encode_state(state: Optional[Dict[str, Any]], size: int = 0) -> torch.Tensor:

@@ -15,7 +15,7 @@ import types
 import torch
 
 from .._warn import warn_once
-from .extra_state import SafeExtraState, is_empty_state
+from .extra_state import SafeExtraState
 from .fp8 import active_fp8_recipe, autocast
 from .loader import load_te
 from .ops import gated_activation
@@ -68,8 +68,11 @@ class SwappedLinear:
     * ``fp8_enabled = False`` runs it in the autocast dtype inside ``fp8_context``; so does a recipe
       whose multiple the features are not (MXFP8 needs 32; fp8vit swaps multiples of 16), with one
       warning.
-    * its state dict is ``nn.Linear``'s (``weight``, ``bias``), so a timm checkpoint loads as is:
-      ``_extra_state`` is saved only when it holds delayed-scaling state, and may be absent on load.
+    * its state dict is ``nn.Linear``'s (``weight``, ``bias``) plus ``_extra_state``, the FP8
+      scaling state as a tensor of one size whether FP8 ran or not, so that the keys never change
+      while training: helpers that pair two state dicts by position (timm's ``ModelEmaV3``: an EMA
+      copy made before the first FP8 step) stay aligned. It may be absent on load, so a timm
+      checkpoint loads as is.
     """
 
     def __init__(self, *args, **kwargs):
@@ -101,13 +104,6 @@ class SwappedLinear:
         out = super().forward(torch.nn.functional.pad(inp.reshape(rows, inp.shape[-1]), (0, 0, 0, pad)),
                               *args, **kwargs)
         return out[:rows].view(*inp.shape[:-1], out.shape[-1])
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        key = prefix + "_extra_state"
-        state = destination.get(key)
-        if is_empty_state(state):  # no FP8 scaling state
-            del destination[key]
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
