@@ -12,6 +12,7 @@ import timm
 import torch
 
 import fp8vit
+from fp8vit.blocks.linear import is_swapped
 from helpers import GRAD_DB, LOGITS_DB, fp8_step, snr_db
 
 pytestmark = pytest.mark.gpu
@@ -131,7 +132,8 @@ def test_weights_round_trip_and_training_resumes(recipe):
     buf.seek(0)
     sd = torch.load(buf, weights_only=True)  # no pickle anywhere in the checkpoint
     extra = [k for k in sd if k.endswith("_extra_state")]
-    assert bool(extra) == (recipe == "delayed")  # only delayed scaling has FP8 state to keep
+    n_swapped = sum(1 for m in model.modules() if is_swapped(m))
+    assert len(extra) == n_swapped > 0  # one key each, whatever the recipe (stateless: an empty state)
     resumed = _model().train()
     resumed.load_state_dict(sd)
     a, b = fp8_step(model, x, recipe), fp8_step(resumed, x, recipe)
