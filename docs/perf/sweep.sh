@@ -26,7 +26,10 @@
 #            the graphs take one tensor: a -graphed variant of either could only fail. ResNet-50, the
 #            control, holds nothing fp8vit converts: both fp8vit variants run it as timm eager does.
 # Logs and JSON under $OUT (default docs/results) by docs/perf/h200.sh's names:
-# bench/MODEL_bBATCH_sweep_h200.{log,json}. CrossViT runs at its own 240 px (--img-size 240; at 224
+# bench/MODEL_bBATCH_sweep_h200.{log,json}; at the end, also the run's logs and JSONs in one tarball,
+# sweep_N_h200.tgz under $OUT (N: the arguments joined by '_', the group's number for a group; paths
+# inside as under $OUT: bench/...), as the device machine returns at most 8 files of $OUT and a group
+# writes up to 10; nothing is removed. CrossViT runs at its own 240 px (--img-size 240; at 224
 # its two branches' token counts do not match); every other model at 224 px.
 #
 # Batches: what gives timm's bf16 eager step roughly 30-200 ms on an H200 (ViT-B/16 b128 49 ms,
@@ -138,7 +141,7 @@ echo "sweep $*: $(wc -l <<< "$rows") models, about $((total / 60)) min $((total 
   "(per-variant H200 guesses, not measurements; --list shows them); time budget ${budget} s"
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 
-failed=() rerun=() jsons=()
+failed=() rerun=() jsons=() packed=()  # packed: the run's files, relative to $out, for the tarball
 while read -r group model batch img kind est; do
   est=$(estimate_of $est)
   variants=$(variants_of "$kind")
@@ -158,6 +161,8 @@ while read -r group model batch img kind est; do
   timeout -k 10 "$limit" python3 -m fp8vit.tools.bench --model "$model" --batch-size "$batch" --img-size "$img" \
     --steps 20 --warmup 8 --variants ${variants//,/ } --json "$name.json" < /dev/null > "$name.log" 2>&1
   rc=$?
+  packed+=("bench/${name##*/}.log")
+  [ -f "$name.json" ] && packed+=("bench/${name##*/}.json")
   grep -E '^\[[0-9]+/[0-9]+\]|^estimate' "$name.log" | cut -c1-220
   if [ ! -f "$name.json" ]; then  # the bench writes its JSON last: a stopped run has none
     if [ "$budget" -gt 0 ] && [ "$SECONDS" -ge "$budget" ] && { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; }; then
@@ -187,6 +192,10 @@ fi
 echo
 n=$(wc -l <<< "$rows")
 echo "sweep $*: $((n - ${#failed[@]})) of $n models ran every variant, in ${SECONDS} s"
+if [ ${#packed[@]} -gt 0 ]; then  # one file for the device's 8 returned: every log and JSON of the run
+  tgz="$out/sweep_$(tr ' ' _ <<< "$*")_h200.tgz"
+  tar -czf "$tgz" -C "$out" "${packed[@]}" && echo "logs and JSONs: $tgz (${#packed[@]} files)"
+fi
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'FAILED %s\n' "${failed[@]}"
   [ ${#rerun[@]} -gt 0 ] && echo "rerun: bash docs/perf/sweep.sh ${rerun[*]}"

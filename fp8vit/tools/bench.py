@@ -132,6 +132,15 @@ _EAGER_PEAK_FRACTION = 0.33
 # compile 0.80-0.86, torchao 0.88-0.97, FP8 graphed 0.59-0.60, bf16 graphed 0.74-0.83).
 _STEP_RATIO = {("eager", False): 1.0, ("eager", True): 0.9, ("graphed", False): 0.8, ("graphed", True): 0.6,
                ("compile", False): 0.82, ("torchao", False): 0.9}
+# A FLOP count (workload.train_flops) is trusted up to this many tokens' worth per image, FLOPs / (6 x
+# parameters): ViTs at 224 px count 180-260 (ViT-B/16 203, ViT-L/16 202), a ViT-B/16 at 1024 px (4097
+# tokens, global attention) about 7,700. Past it the count is wrong, and the prior takes a ViT's 197
+# tokens instead: train_flops reads timm's HybridEmbed (ViTamin, R50+ViT) by its patch_size, (1, 1) on
+# the conv stem's 16x-reduced features, as 1-px patches of the image: 50,176 tokens at 224 px and
+# attention quadratic in them, about 3000x the FLOPs (ViTamin-B 663,000 tokens' worth, R50+ViT-B 514,000).
+# Its step at batch 128 then read 137 s, the bench's first estimate 6.3 h (measured: 127 ms, 2 min).
+_MAX_TOKENS_PER_IMAGE = 32768
+_FALLBACK_TOKENS = 197
 # Which measured setups correct which priors: the compiles correct each other; eager and graphed
 # runs (the model's build, and a capture of a few seconds) correct each other.
 _SETUP_CLASS = {"eager": "build", "graphed": "build", "compile": "compile", "torchao": "compile"}
@@ -156,6 +165,10 @@ class RunEstimate:
     setups, one ratio per class (a compile corrects compiles, an eager or graphed run corrects eager
     and graphed runs); a class with no run yet keeps its prior. Failed runs correct nothing.
 
+    The step's prior is the model's FLOPs at a third of the GPU's bf16 peak: the shape's count, or,
+    without one or past ``_MAX_TOKENS_PER_IMAGE`` tokens' worth per image (a miscount: the hybrids'
+    conv-stem embedding), a ViT's count at 197 tokens; :attr:`doubt` then says so.
+
     Args:
         shape: the model's (:func:`~fp8vit.tools.workload.model_shape`); None: a ViT-B's.
         steps_per_run: warm-up, timed and pipelined steps of each run.
@@ -168,14 +181,21 @@ class RunEstimate:
         self.peak = peak or DENSE_BF16_PEAK["H200"]
         self._step = [0.0, 0.0]  # measured, prior (ms)
         self._setup = {c: [0.0, 0.0] for c in set(_SETUP_CLASS.values())}  # measured, prior (s)
+        # model FLOPs of a step per image; without a count (not a ViT) or with an implausible one, a
+        # ViT's: 6 per parameter and token at 197 tokens
+        sh, fallback = self.shape, 6.0 * self.shape.params * _FALLBACK_TOKENS
+        tokens = sh.flops_per_image / (6.0 * sh.params) if sh.flops_per_image and sh.params > 0 else 0.0
+        #: why the model's FLOP count was set aside ("" when it was used or there was none)
+        self.doubt = (f"the model's FLOP count, {tokens:,.0f} tokens' worth per image, set aside as "
+                      f"implausible: {_FALLBACK_TOKENS} tokens assumed" if tokens > _MAX_TOKENS_PER_IMAGE else "")
+        self.flops_per_image = fallback if self.doubt or not sh.flops_per_image else sh.flops_per_image
 
     def prior(self, variant: str, batch: int) -> Tuple[float, float]:
         """``(setup seconds, step milliseconds)`` of ``variant`` at ``batch`` before any correction."""
         kind, sh = variant_kind(variant), self.shape
         a, b = _SETUP_S[kind]
         setup = _BUILD_S[0] + _BUILD_S[1] * sh.params + a + b * sh.depth
-        # model FLOPs; without a count (not a ViT), a ViT's: 6 per parameter and token at 197 tokens
-        flops = (sh.flops_per_image or 6 * sh.params * 197) * batch
+        flops = self.flops_per_image * batch
         eager_ms = flops / (_EAGER_PEAK_FRACTION * self.peak) * 1e3
         return setup, eager_ms * _STEP_RATIO.get((kind, Variant.parse(variant).te_fp8), 1.0)
 
@@ -680,7 +700,8 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
                            _peak(env["device"]) if device == "cuda" else None)
     if device == "cuda" and pending:
         print(f"estimate: about {format_duration(estimate.left(pending))} (H200 timings by variant kind: the "
-              "model's build, torch.compile or graph capture, the steps; corrected as variants finish)", flush=True)
+              "model's build, torch.compile or graph capture, the steps; corrected as variants finish"
+              + (f"; {estimate.doubt}" if estimate.doubt else "") + ")", flush=True)
     done = 0
     spent_s = 0.0
     results = []
