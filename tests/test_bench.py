@@ -30,6 +30,17 @@ def test_train_flops_matches_published_vit_b16_count():
     assert abs(fwd / 35.1e9 - 1) < 0.02
 
 
+def test_train_flops_counts_a_hybrid_vits_tokens_after_its_conv_stem():
+    # timm's HybridEmbed (R50+ViT, ViTamin) has patch_size 1 on the stem's features, 16x smaller
+    # than the image: counted per pixel, 224 px made 50176 tokens (3.5e14 FLOPs an image).
+    import timm
+    with torch.device("meta"):
+        hybrid = timm.create_model("vit_base_r50_s16_224")
+        plain = VisionTransformer(embed_dim=768, depth=12, num_heads=12)
+    blocks = train_flops(hybrid, 1, 224) / train_flops(plain, 1, 224)
+    assert 0.95 < blocks < 1.1, blocks  # the same 197 tokens and blocks; the conv stem is not counted
+
+
 def test_table_ratios_are_against_timm_eager():
     rows = [{"variant": "timm-bf16", "median_ms": 200.0, "p10_ms": 190, "p90_ms": 210, "images_per_s": 640.0,
              "tflops": 400.0, "peak_mem_gib": 40.0},

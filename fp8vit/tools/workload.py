@@ -346,7 +346,11 @@ def train_flops(model: nn.Module, batch: int, img_size: int) -> Optional[float]:
     if patch is None or not isinstance(dim, int) or not isinstance(blocks, (nn.Sequential, nn.ModuleList)) \
             or len(blocks) == 0:
         return None
-    n_patches = (img_size // patch[0]) * (img_size // patch[1])
+    # timm's HybridEmbed (ViTamin, R50+ViT): patch_size on the conv stem's features, feature_ratio
+    # (16, 16) the stem's reduction: a token per 16x16 pixels, not per pixel
+    ratio = getattr(model.patch_embed, "feature_ratio", (1, 1))
+    stride = (patch[0] * ratio[0], patch[1] * ratio[1]) if isinstance(ratio, (tuple, list)) else patch
+    n_patches = (img_size // stride[0]) * (img_size // stride[1])
     tokens = n_patches + getattr(model, "num_prefix_tokens", 1)
     per_token = sum(2 * _gemm_weights(blk) + 4 * tokens * dim for blk in blocks)
     fwd = batch * tokens * per_token
