@@ -31,6 +31,7 @@ from .training.diagnostics import BlockStats, DiagnosisReport, diagnose
 from .training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .training.distributed import default_mp_policy, fp8_weight_init, fp8_weight_optimizer, shard_model
 from .errors import Check, ConversionError, FP8UnavailableError, TEUnavailableError
+from .blocks.beit import TE_BeitBlock
 from .blocks.eva import TE_EvaBlock
 from .training.graphs import GraphedBlocks, make_graphed_blocks
 from .training.guards import NonFiniteEvent, NonFiniteGuard
@@ -48,6 +49,7 @@ __all__ = [
     "TE_Block",
     "BlockConfig",
     "TE_EvaBlock",
+    "TE_BeitBlock",
     "convert_to_te",
     "convert_from_te",
     "FALLBACKS",

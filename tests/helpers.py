@@ -259,6 +259,8 @@ FAMILY_MODELS = {
     # EvaBlockPostNorm: norms after the branches, a packed SwiGLU run unfused
     "eva_post_norm": ("eva02_tiny_patch14_224", dict(embed_dim=48, num_heads=3, use_post_norm=True),
                       "TE_EvaBlock"),
+    # BEiT: q/v biases, a relative position bias table per block, LayerScale, erf GELU
+    "beit": ("beit_base_patch16_224", dict(embed_dim=32, num_heads=2), "TE_BeitBlock"),
 }
 
 

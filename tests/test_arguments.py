@@ -19,11 +19,13 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import pytest
 import torch
+from timm.models.beit import Block as BeitBlock
 from timm.models.eva import EvaBlock
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 import fp8vit
+from fp8vit.blocks.beit import beit_config_from_timm
 from fp8vit.blocks.eva import eva_config_from_timm
 
 
@@ -57,6 +59,16 @@ def _eva_block(**bad) -> fp8vit.TE_EvaBlock:
     kw = dict(cfg=cfg, timm_skeleton=timm_block, backend="reference")
     kw.update(bad)
     return fp8vit.TE_EvaBlock(kw.pop("cfg"), **kw)
+
+
+def _beit_block(**bad) -> fp8vit.TE_BeitBlock:
+    timm_block = BeitBlock(64, 2, qkv_bias=True, window_size=(2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tanh-GELU note
+        cfg = beit_config_from_timm(timm_block)
+    kw = dict(cfg=cfg, timm_skeleton=timm_block, backend="reference")
+    kw.update(bad)
+    return fp8vit.TE_BeitBlock(kw.pop("cfg"), **kw)
 
 
 class Row(NamedTuple):
@@ -148,6 +160,13 @@ ROWS = [
     row("TE_EvaBlock", "fp32_residual", 1, lambda v: _eva_block(fp32_residual=v), TypeError, BOOL),
     row("TE_EvaBlock", "q_norm", "x", lambda v: _eva_block(q_norm=v), TypeError, "norm module"),
     row("TE_EvaBlock", "k_norm", 0, lambda v: _eva_block(k_norm=v), TypeError, "norm module"),
+    row("TE_BeitBlock", "cfg", _eva_block().cfg, lambda v: _beit_block(cfg=v), TypeError, "BeitBlockConfig",
+        shown="got EvaBlockConfig"),
+    row("TE_BeitBlock", "timm_skeleton", None, lambda v: _beit_block(timm_skeleton=v), TypeError, "timm block"),
+    row("TE_BeitBlock", "device", "gpu", lambda v: _beit_block(device=v), ValueError, "'cuda'"),
+    row("TE_BeitBlock", "dtype", torch.int64, lambda v: _beit_block(dtype=v), ValueError, "floating-point"),
+    row("TE_BeitBlock", "backend", "bogus", lambda v: _beit_block(backend=v), ValueError, *BACKEND),
+    row("TE_BeitBlock", "fp32_residual", 1, lambda v: _beit_block(fp32_residual=v), TypeError, BOOL),
     # BlockConfig itself (a frozen dataclass: every field checked in __post_init__) ...
     *[row("BlockConfig", field, bad, lambda v, f=field: dataclasses.replace(_block_config(), **{f: v}), err, *acc)
       for field, bad, err, acc in [

@@ -5,7 +5,6 @@ import copy
 import warnings
 
 import pytest
-import timm
 import torch
 from timm.models.vision_transformer import ResPostBlock, VisionTransformer
 
@@ -14,10 +13,10 @@ from fp8vit.blocks import compiled as compiled_mod
 from fp8vit.blocks.compiled import is_compiled_block
 
 
-def _beit():
-    torch.manual_seed(0)
-    return timm.create_model("beit_base_patch16_224", depth=2, embed_dim=64, num_heads=2, img_size=32,
-                             patch_size=16, num_classes=5, drop_path_rate=0.0)
+def _unfused():
+    torch.manual_seed(0)  # a ViT of ResPostBlocks (Swin V2's post-norm order): a block fp8vit does not fuse
+    return VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=2, num_classes=5,
+                             block_fn=ResPostBlock)
 
 
 def _convert(model, **kw):
@@ -28,7 +27,7 @@ def _convert(model, **kw):
 
 def test_compile_fallback_matches_eager_forward_and_backward():
     torch._dynamo.reset()
-    model = _beit()
+    model = _unfused()
     ref = copy.deepcopy(model)
     keys = list(model.state_dict())
     params = [id(p) for p in model.parameters()]
@@ -37,7 +36,7 @@ def test_compile_fallback_matches_eager_forward_and_backward():
     assert summary.fallback == "compile" and summary.num_compiled == 2 and summary.num_kept == 0
     assert summary.compiled_paths == ("blocks.0", "blocks.1")
     assert "compiled (torch.compile)" in summary.table() and "compiled 2 blocks" in summary.short()
-    assert summary.to_dict()["compiled"] == {"Block: no fp8vit block for this class": ["blocks.0", "blocks.1"]}
+    assert summary.to_dict()["compiled"] == {"ResPostBlock: no fp8vit block for this class": ["blocks.0", "blocks.1"]}
     assert all(is_compiled_block(b) for b in model.blocks)
     assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
 
@@ -75,7 +74,7 @@ def test_fused_blocks_stay_uncompiled_and_a_second_call_keeps_the_compilation():
 
 
 def test_module_filter_keeps_a_block_uncompiled():
-    model = _beit()
+    model = _unfused()
     _convert(model, module_filter_fn=lambda mod, fqn: fqn != "blocks.0")
     summary = fp8vit.conversion_summary(model)
     assert summary.compiled_paths == ("blocks.1",) and dict(summary.kept) == {fp8vit.summary.EXCLUDED: ("blocks.0",)}
@@ -90,11 +89,11 @@ def _failing_compile(fn, *args, **kwargs):
 
 def test_a_block_that_cannot_compile_warns_once_and_runs_eagerly(monkeypatch):
     monkeypatch.setattr(compiled_mod.torch, "compile", _failing_compile)
-    model = _beit().eval()
+    model = _unfused().eval()
     ref = copy.deepcopy(model)
     _convert(model)
     x = torch.randn(2, 3, 32, 32)
-    with pytest.warns(UserWarning, match=r"blocks\.\d \(Block\) could not be compiled.*TorchRuntimeError: "
+    with pytest.warns(UserWarning, match=r"blocks\.\d \(ResPostBlock\) could not be compiled.*TorchRuntimeError: "
                                          r"inductor could not lower.*eagerly from now on") as record:
         out = model(x)
     assert len([w for w in record if "could not be compiled" in str(w.message)]) == 2  # one per block
@@ -107,7 +106,7 @@ def test_a_block_that_cannot_compile_warns_once_and_runs_eagerly(monkeypatch):
 
 def test_the_models_own_errors_are_raised_not_taken_for_compile_failures(monkeypatch):
     monkeypatch.setattr(compiled_mod.torch, "compile", _failing_compile)
-    model = _beit().eval()
+    model = _unfused().eval()
     _convert(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -120,7 +119,7 @@ def test_the_models_own_errors_are_raised_not_taken_for_compile_failures(monkeyp
 def test_compile_is_a_fallback_choice():
     assert "compile" in fp8vit.FALLBACKS
     with pytest.raises(ValueError, match=r"'compile'"):
-        fp8vit.convert_to_te(_beit(), backend="reference", fallback="compiled")
+        fp8vit.convert_to_te(_unfused(), backend="reference", fallback="compiled")
 
 
 def test_every_compiled_block_compiles_past_dynamo_recompile_limit(monkeypatch):
@@ -131,8 +130,8 @@ def test_every_compiled_block_compiles_past_dynamo_recompile_limit(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = timm.create_model("beit_base_patch16_224", depth=12, embed_dim=32, num_heads=2, img_size=32,
-                              patch_size=16, num_classes=5, drop_path_rate=0.2)  # 12 distinct rates
+    model = VisionTransformer(img_size=32, patch_size=16, embed_dim=32, depth=12, num_heads=2, num_classes=5,
+                              block_fn=ResPostBlock, drop_path_rate=0.2)  # 12 distinct rates
     _convert(model)
     assert fp8vit.conversion_summary(model).num_compiled == 12
     torch._dynamo.utils.counters.clear()

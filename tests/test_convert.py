@@ -383,22 +383,26 @@ def test_linear_fallback_keeps_weights_keys_and_maths():
 
 
 def test_linear_fallback_round_trip_gives_nn_linears_back():
-    model = _beit().eval()
-    assert model.blocks[0].attn.qkv_bias_separate is False
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+    torch.manual_seed(0)
+    model = SwinTransformerV2(img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(1, 1),
+                              num_heads=(2, 4), num_classes=5).eval()
+    attn = model.layers[0].blocks[0].attn
+    assert attn.qkv_bias_separate is False
     x = torch.randn(2, 3, 32, 32)
     ref = model(x)
     params = dict(model.named_parameters())
     fp8vit.convert_to_te(model, backend="reference", fallback="linear")
-    # BEiT's attention calls F.linear on qkv.weight unless qkv_bias_separate: switched, so that the
-    # swapped qkv runs (a hook counts the calls)
+    # Swin V2's (and BEiT's) attention calls F.linear on qkv.weight unless qkv_bias_separate: switched,
+    # so that the swapped qkv runs (a hook counts the calls)
     calls = []
     for name in _swapped(model):
         model.get_submodule(name).register_forward_hook(lambda *a, n=name: calls.append(n))
     torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-6)
-    assert sorted(calls) == sorted(_swapped(model)) and "blocks.0.attn.qkv" in calls
-    assert model.blocks[0].attn.qkv_bias_separate is True
+    assert sorted(calls) == sorted(_swapped(model)) and "layers.0.blocks.0.attn.qkv" in calls
+    assert attn.qkv_bias_separate is True
     fp8vit.convert_from_te(model)
-    assert not _swapped(model) and model.blocks[0].attn.qkv_bias_separate is False
+    assert not _swapped(model) and attn.qkv_bias_separate is False
     assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.endswith(("qkv", "fc1")))
     assert all(p is params[n] for n, p in model.named_parameters())
     torch.testing.assert_close(model(x), ref)

@@ -135,12 +135,12 @@ class FP8Block(nn.Module):
         return attn_mask
 
     def _attention(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool, mult: int,
-                   rope: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   rope: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The attention branch of a timm block, on the backend's modules:
 
             x [B, N, C] -> qkv (norm1 + Linear, fused) -> [B, N, 3 * H * D], timm's row order
               -> :meth:`_split_qkv`: q, k, v [B, N, H, D] (TE's "bshd": views of the GEMM output)
-              -> q_norm/k_norm -> :meth:`_rope` -> DotProductAttention -> [B, N, H*D]
+              -> q_norm/k_norm -> :meth:`_rope` -> DotProductAttention (+ bias) -> [B, N, H*D]
               -> (gated: gate_norm(o) * sigmoid(gate)) -> proj -> proj_drop
 
         The family's block provides ``qkv``, ``q_norm``, ``k_norm`` (used if ``cfg.qk_norm``),
@@ -154,6 +154,8 @@ class FP8Block(nn.Module):
             is_causal: causal attention.
             mult: the token-row multiple of the FP8 GEMMs (:func:`aligned_rows`).
             rope: the family's position table, handed to :meth:`_rope` (None: no RoPE).
+            bias: an additive bias of the attention logits after scaling, ``[1, H, N, N]``
+                (BEiT's relative position bias; TE's ``post_scale_bias``), or None.
         """
         q, k, v, gate = self._split_qkv(aligned_rows(self.qkv, x, mult))
         if self.cfg.qk_norm:
@@ -161,7 +163,10 @@ class FP8Block(nn.Module):
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         if rope is not None:
             q, k = self._rope(q, k, rope)
-        o = self._impl.attention(self.attn, q, k, v, **te_mask_kwargs(attn_mask, is_causal))  # [B, N, H*D]
+        kwargs = te_mask_kwargs(attn_mask, is_causal)
+        if bias is not None:  # TE wants it in q's dtype (bf16 under autocast), one contiguous tensor
+            kwargs.update(core_attention_bias_type="post_scale_bias", core_attention_bias=bias.to(q.dtype).contiguous())
+        o = self._impl.attention(self.attn, q, k, v, **kwargs)  # [B, N, H*D]
         if gate is not None:  # timm's order: the (inner) norm, then the gate, then proj
             o = self.gate_norm(o) * torch.sigmoid(gate)
         return self.proj_drop(aligned_rows(self.proj, o, mult))

@@ -54,7 +54,8 @@ from .timm_layers import resolve_norm
 from .weights import (Part, Tie, copy_requires_grad, rename, te_requires_grad, te_to_timm, timm_requires_grad,
                       timm_to_te)
 
-__all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "rope_angles", "forward_rope_angles"]
+__all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "eva_like_config", "rope_angles",
+           "forward_rope_angles"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +70,8 @@ class EvaBlockConfig:
             (``AttentionRope``'s ``num_kv_heads``: query head ``h`` uses k/v head ``h // (H / Hkv)``).
         qkv_bias: ``"none"``, ``"qv"`` (EVA: q and v biases, k held at zero) or ``"qkv"``.
         qkv_fused: timm holds one ``qkv`` Linear (True) or ``q_proj``/``k_proj``/``v_proj``.
-        attn_type: ``"eva"`` (``EvaAttention``) or ``"rope"`` (``AttentionRope``).
+        attn_type: ``"eva"`` (``EvaAttention``), ``"rope"`` (``AttentionRope``) or ``"beit"``
+            (BEiT's ``Attention``: :mod:`fp8vit.blocks.beit`).
         proj_bias: the output projection has a bias.
         qk_norm: q and k are normalized per head (timm's ``q_norm``/``k_norm`` modules kept).
         inner_norm: a norm over ``H * D`` before proj (timm's ``scale_attn_inner``), fused into proj
@@ -156,14 +158,6 @@ def eva_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> EvaBl
     attn = block.attn
     if not isinstance(attn, (EvaAttention, AttentionRope)):
         _reject(block, f"attn of type {type(attn).__name__} (EvaAttention or AttentionRope)")
-    if not isinstance(attn.attn_drop, nn.Dropout) or not isinstance(attn.proj_drop, nn.Dropout):
-        _reject(block, "attention dropout modules other than nn.Dropout")
-    norm, eps = resolve_norm(lambda d, **kw: _same_norm(block.norm1), block.norm1.weight.shape[0])
-    for name in ("norm2",):
-        n2, e2 = resolve_norm(lambda d, **kw: _same_norm(getattr(block, name)), block.norm1.weight.shape[0])
-        if (n2, e2) != (norm, eps):
-            _reject(block, f"norm1 {norm}(eps={eps}) and {name} {n2}(eps={e2}) that differ")
-    dim = block.norm1.weight.shape[0]
     if attn.qkv is not None:
         fused = True
         if isinstance(attn, EvaAttention):
@@ -176,6 +170,9 @@ def eva_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> EvaBl
         qkv_bias = {(False, False, False): "none", (True, False, True): "qv", (True, True, True): "qkv"}.get(tuple(has))
         if qkv_bias is None:
             _reject(block, f"q/k/v biases {has}")
+    cfg = eva_like_config(block, num_heads=attn.num_heads, head_dim=attn.head_dim, qkv_bias=qkv_bias,
+                          exact_gelu=exact_gelu, post_norm=type(block) is EvaBlockPostNorm)
+    norm, eps = cfg.norm, cfg.norm_eps
     inner = not isinstance(attn.norm, nn.Identity)
     if inner:
         _check_norm(block, "attn.norm", attn.norm, norm, eps)
@@ -189,22 +186,43 @@ def eva_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> EvaBl
         _reject(block, f"a gated attention output whose gate is {type(gate).__name__}(bias="
                        f"{gate.bias is not None}) with q/k/v biases {qkv_bias!r}: the gate joins the fused "
                        "q/k/v GEMM, which has one bias flag (timm's gate is an nn.Linear with qkv_bias)")
-    post = type(block) is EvaBlockPostNorm
+    return dataclasses.replace(
+        cfg, qkv_fused=fused, attn_type="eva" if isinstance(attn, EvaAttention) else "rope", qk_norm=qk_norm,
+        inner_norm=inner, rotate_half=bool(getattr(attn, "rotate_half", False)),
+        num_prefix_tokens=int(attn.num_prefix_tokens),
+        num_kv_heads=int(getattr(attn, "num_kv_heads", attn.num_heads)),  # newer timm (Sapiens2) only
+        gated=gate is not None)
+
+
+def eva_like_config(block: nn.Module, *, num_heads: int, head_dim: int, qkv_bias: str, exact_gelu: bool = False,
+                    post_norm: bool = False) -> EvaBlockConfig:
+    """The settings an EVA-like timm block (EVA's, BEiT's) shares, read from ``block``: its norms,
+    attention dropouts and projection, MLP, LayerScale and drop path; the attention's specifics
+    as the simplest form (one fused q/k/v Linear, no RoPE, q/k norm, inner norm or gate), for the
+    family's reader to replace.
+
+    Raises:
+        ValueError: a part of the block these blocks do not implement, named.
+    """
+    attn = block.attn
+    if not isinstance(attn.attn_drop, nn.Dropout) or not isinstance(attn.proj_drop, nn.Dropout):
+        _reject(block, "attention dropout modules other than nn.Dropout")
+    norm, eps = resolve_norm(lambda d, **kw: _same_norm(block.norm1), block.norm1.weight.shape[0])
+    n2, e2 = resolve_norm(lambda d, **kw: _same_norm(block.norm2), block.norm1.weight.shape[0])
+    if (n2, e2) != (norm, eps):
+        _reject(block, f"norm1 {norm}(eps={eps}) and norm2 {n2}(eps={e2}) that differ")
     # EvaBlockPostNorm has no norm before its MLP, and TE's LayerNormMLP always normalizes its input:
     # the MLP runs unfused (TE Linear fc1, the activation exactly: TE's gated kernel where it has an
     # exact one, else torch's, erf GELU included; TE Linear fc2).
-    mlp = mlp_config_from_timm(block.mlp, exact_gelu=exact_gelu, block_norm=not post)
+    mlp = mlp_config_from_timm(block.mlp, exact_gelu=exact_gelu, block_norm=not post_norm)
     g1, g2 = getattr(block, "gamma_1", None), getattr(block, "gamma_2", None)
     dp = block.drop_path1.drop_prob if isinstance(block.drop_path1, DropPath) else 0.0
     return EvaBlockConfig(
-        dim=dim, num_heads=attn.num_heads, head_dim=attn.head_dim, qkv_bias=qkv_bias, qkv_fused=fused,
-        attn_type="eva" if isinstance(attn, EvaAttention) else "rope",
-        proj_bias=attn.proj.bias is not None, qk_norm=qk_norm, inner_norm=inner,
-        rotate_half=bool(getattr(attn, "rotate_half", False)), num_prefix_tokens=int(attn.num_prefix_tokens),
-        attn_drop=float(attn.attn_drop.p), proj_drop=float(attn.proj_drop.p), drop_path=float(dp),
-        layer_scale=(g1 is not None, g2 is not None), norm=norm, norm_eps=eps, mlp=mlp,
-        num_kv_heads=int(getattr(attn, "num_kv_heads", attn.num_heads)),  # newer timm (Sapiens2) only
-        gated=gate is not None, post_norm=post)
+        dim=block.norm1.weight.shape[0], num_heads=num_heads, head_dim=head_dim, qkv_bias=qkv_bias,
+        qkv_fused=True, attn_type="beit", proj_bias=attn.proj.bias is not None, qk_norm=False, inner_norm=False,
+        rotate_half=False, num_prefix_tokens=0, attn_drop=float(attn.attn_drop.p),
+        proj_drop=float(attn.proj_drop.p), drop_path=float(dp), layer_scale=(g1 is not None, g2 is not None),
+        norm=norm, norm_eps=eps, mlp=mlp, num_kv_heads=num_heads, gated=False, post_norm=post_norm)
 
 
 def _same_norm(module: nn.Module) -> nn.Module:
@@ -460,7 +478,7 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         if x.dim() != 3 or x.shape[-1] != self.cfg.dim:
             raise ValueError(f"TE_EvaBlock expects x of shape [B, N, {self.cfg.dim}], got {tuple(x.shape)}")
         self._hook_k_bias()
-        return self._dispatch(x, rope, self._bool_mask(attn_mask, is_causal), is_causal)
+        return self._dispatch(x, rope, self._bool_mask(attn_mask, is_causal), is_causal, None)
 
     def _hook_k_bias(self) -> None:
         # Checked on the parameter in use now, every call: .to() and load_state_dict keep the
@@ -471,10 +489,11 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
                 isinstance(h, _ZeroKBiasGrad) for h in (bias._backward_hooks or {}).values()):
             bias.register_hook(_ZeroKBiasGrad(self.cfg.attn_dim))
 
-    def _forward(self, x, rope, attn_mask, is_causal, mult: int, gelu_gemm: bool):
+    def _forward(self, x, rope, attn_mask, is_causal, bias, mult: int, gelu_gemm: bool):
+        # bias: the attention logits' additive bias [1, H, N, N] (BEiT's relative position bias), or None
         x = self._stream(x)
         post = self.cfg.post_norm  # EvaBlockPostNorm: each branch's norm follows it
-        a = self._attention(x, attn_mask, is_causal, mult, rope)
+        a = self._attention(x, attn_mask, is_causal, mult, rope, bias)
         if post:
             a = norm_in_dtype(self.post_norm1, a)
         x = self._add_branch(x, a, self.gamma_1, self.drop_path1)

@@ -161,7 +161,8 @@ class LayerNormMLP(_NormParams):
 class DotProductAttention(nn.Module):
     """``te.DotProductAttention`` for ``qkv_format="bshd"``: q ``[B, N, H, D]``, k, v ``[B, N, G, D]``
     -> ``[B, N, H*D]``; ``G = num_gqa_groups`` k/v heads (default ``H``), query head ``h`` attending
-    with k/v head ``h // (H / G)``, as TE's grouped-query attention."""
+    with k/v head ``h // (H / G)``, as TE's grouped-query attention; an additive bias of the scaled
+    logits as TE's ``post_scale_bias``."""
 
     def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
                  qkv_format="bshd", attn_mask_type="no_mask", softmax_scale=None):
@@ -177,7 +178,11 @@ class DotProductAttention(nn.Module):
         self.softmax_scale = softmax_scale
 
     def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
-                attn_mask_type=None, qkv_layer=None, qkv_interleave_dim=-3):
+                attn_mask_type=None, qkv_layer=None, qkv_interleave_dim=-3, core_attention_bias_type="no_bias",
+                core_attention_bias=None):
+        if core_attention_bias_type not in ("no_bias", "post_scale_bias"):
+            raise ValueError(f"only core_attention_bias_type 'no_bias' and 'post_scale_bias' are mirrored here, "
+                             f"got {core_attention_bias_type!r}")
         mask_type = attn_mask_type or self.attn_mask_type
         if qkv_layer is not None:  # packed [B, N, 3, H, D]
             query_layer, key_layer, value_layer = qkv_layer.unbind(qkv_interleave_dim)
@@ -185,6 +190,9 @@ class DotProductAttention(nn.Module):
         if self.heads_per_group > 1:
             k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
         keep = None if attention_mask is None else ~attention_mask  # TE: True = masked out
+        if core_attention_bias_type == "post_scale_bias":  # added to the scaled logits, as TE's
+            bias = core_attention_bias.to(q.dtype)
+            keep = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=keep, is_causal=mask_type == "causal",
             dropout_p=self.attention_dropout if self.training else 0.0, scale=self.softmax_scale)
