@@ -51,24 +51,23 @@ def _block_config() -> fp8vit.BlockConfig:
     return fp8vit.BlockConfig.from_timm_kwargs(dim=64, num_heads=4, exact_gelu=True)
 
 
-def _eva_block(**bad) -> fp8vit.TE_EvaBlock:
-    timm_block = EvaBlock(64, 2)
+def _family_block(cls, timm_block, read_config, **bad):
+    """``cls`` (a block family's class) built from ``timm_block``'s config, with ``bad`` arguments."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tanh-GELU note
-        cfg = eva_config_from_timm(timm_block)
+        cfg = read_config(timm_block)
     kw = dict(cfg=cfg, timm_skeleton=timm_block, backend="reference")
     kw.update(bad)
-    return fp8vit.TE_EvaBlock(kw.pop("cfg"), **kw)
+    return cls(kw.pop("cfg"), **kw)
+
+
+def _eva_block(**bad) -> fp8vit.TE_EvaBlock:
+    return _family_block(fp8vit.TE_EvaBlock, EvaBlock(64, 2), eva_config_from_timm, **bad)
 
 
 def _beit_block(**bad) -> fp8vit.TE_BeitBlock:
-    timm_block = BeitBlock(64, 2, qkv_bias=True, window_size=(2, 2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the tanh-GELU note
-        cfg = beit_config_from_timm(timm_block)
-    kw = dict(cfg=cfg, timm_skeleton=timm_block, backend="reference")
-    kw.update(bad)
-    return fp8vit.TE_BeitBlock(kw.pop("cfg"), **kw)
+    return _family_block(fp8vit.TE_BeitBlock, BeitBlock(64, 2, qkv_bias=True, window_size=(2, 2)),
+                         beit_config_from_timm, **bad)
 
 
 class Row(NamedTuple):
