@@ -99,3 +99,23 @@ def test_refusals_are_named():
     block.norm2 = nn.LayerNorm(64, eps=1e-3)
     with pytest.raises(ValueError, match=r"norm1 .* and norm2 .* that differ"):
         _te(block)
+
+
+def test_set_input_size_resizes_the_tables_as_timm_does():
+    # timm's Beit.set_input_size calls blk.attn.set_window_size on every block: the converted model
+    # resamples its tables as timm's does, and converts back at the new size
+    torch.manual_seed(0)
+    model = Beit(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=5,
+                 use_rel_pos_bias=True, init_values=0.1).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    te = fp8vit.convert_to_te(copy.deepcopy(model), backend="reference", exact_gelu=True)
+    for net in (model, te):
+        net.set_input_size(img_size=(48, 48))
+    x = torch.randn(2, 3, 48, 48)
+    assert te.blocks[0].cfg.window_size == (6, 6)
+    assert max_rel_err(model(x), te(x)) < 1e-5
+    back = fp8vit.convert_from_te(te)
+    for k, v in model.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k

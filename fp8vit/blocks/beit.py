@@ -28,6 +28,7 @@ import torch
 from timm.models.beit import Attention as BeitAttention
 from timm.models.beit import Block as BeitBlock
 from timm.models.beit import gen_relative_position_index
+from timm.layers import resize_rel_pos_bias_table, to_2tuple
 from torch import nn
 
 try:
@@ -124,6 +125,9 @@ class TE_BeitBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
             # [N, N] rows of the table per (query, key) token pair; rebuilt, not saved (as timm's)
             self.register_buffer("relative_position_index",
                                  gen_relative_position_index(cfg.window_size, device=ref.device), persistent=False)
+        # timm's Beit.set_input_size calls blk.attn.set_window_size on every block: here attn is TE's
+        # attention module, so it gets the block's (a bound method: deep copies and pickles rebind it)
+        object.__setattr__(self.attn, "set_window_size", self.set_window_size)
 
     @classmethod
     def from_timm(cls, block: nn.Module, *, exact_gelu: bool = False, backend: Optional[str] = None,
@@ -141,6 +145,24 @@ class TE_BeitBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
         new.load_timm_state_dict(block.state_dict())
         copy_requires_grad(block, new, te_requires_grad, cfg.ties())
         return new.train(block.training)
+
+    def set_window_size(self, window_size) -> None:
+        """Resize the relative position bias table to a new window of patches (timm's
+        ``Attention.set_window_size``: the table resampled, the index rebuilt), for another input
+        size (``Beit.set_input_size``). No table: nothing to do."""
+        window = tuple(int(w) for w in to_2tuple(window_size))
+        old = self.relative_position_bias_table
+        if old is None or window == self.cfg.window_size:
+            return
+        cfg = dataclasses.replace(self.cfg, window_size=window)
+        with torch.no_grad():
+            table = resize_rel_pos_bias_table(old, new_window_size=window, old_window_size=self.cfg.window_size,
+                                              new_bias_shape=(cfg.num_relative_distance, cfg.num_heads))
+        self.relative_position_bias_table = nn.Parameter(table, requires_grad=old.requires_grad)
+        self.register_buffer("relative_position_index", gen_relative_position_index(window, device=old.device),
+                             persistent=False)
+        self.cfg = cfg
+        self._timm_skeleton.attn.set_window_size(window)  # to_timm builds the block at this window
 
     # ------------------------------------------------------------------ forward
     @torch.compiler.disable  # as TE_Block.forward: the blocks run outside dynamo
