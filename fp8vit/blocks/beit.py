@@ -146,6 +146,12 @@ class TE_BeitBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
         copy_requires_grad(block, new, te_requires_grad, cfg.ties())
         return new.train(block.training)
 
+    @property
+    def window_size(self) -> Optional[Tuple[int, int]]:
+        """The table's window (timm's ``Attention.window_size``, which ``beit.checkpoint_filter_fn``
+        reads on the module that holds a table)."""
+        return self.cfg.window_size
+
     def set_window_size(self, window_size) -> None:
         """Resize the relative position bias table to a new window of patches (timm's
         ``Attention.set_window_size``: the table resampled, the index rebuilt), for another input

@@ -52,7 +52,7 @@ MODEL_GLOBS = [g.strip() for g in os.environ.get("FP8VIT_TIMM_MODELS", "").split
 # byobnet's MobileViT, vitamin and naflexvit; naflexvit is covered by CI_EXTRA_TESTS, its registered
 # models being 86M parameters and up), and the smallest of each kind of eva.Eva model (EvaBlock:
 # EVA02, fixed and mixed RoPE ViT, Perception Encoder; the RoPE angle cache of fp8vit/eva.py once
-# crashed test_model_forward_fx's inference mode on mixed RoPE only).
+# crashed test_model_forward_fx's inference mode on mixed RoPE only), and BEiT's smallest.
 CONVERTED_MODELS = [
     "test_vit",                          # VisionTransformer, class token       (0.4M params)
     "test_vit2",                         # no class token, 1 register, avg pool, LayerScale
@@ -73,6 +73,9 @@ CONVERTED_MODELS = [
     "vit_small_patch16_rope_mixed_224",  # mixed RoPE: learnable per-head table, timm's RoPE path (22M)
     "vit_pe_core_tiny_patch16_384",      # Perception Encoder, attention pooling (6.1M; fixed 384 px:
                                          # timm skips its FX/backward tests above 256 px, forward runs)
+    "beit_base_patch16_224",             # beit.Beit: Block -> TE_BeitBlock, relative position bias
+                                         # tables, set_input_size, checkpoint_filter_fn (86M, the
+                                         # smallest BEiT: about 1 min here)
 ]
 # Models without a timm Block: convert_to_te must leave them alone.
 PASSTHROUGH_MODELS = [
