@@ -91,6 +91,8 @@ def test_torch_compile_around_eager_blocks_says_to_capture_them(monkeypatch):
     assert not said(model)
     compiled = said(torch.compile(model, backend="eager"))
     assert len(compiled) == 1 and "cuda_graphs=True" in str(compiled[0].message)
+    _seen.discard(base.COMPILED_EAGER_BLOCKS)
+    assert not said(model), "the compiled run's mark leaked into a later uncompiled one"
 
 
 def test_torch_compile_leaves_the_fused_blocks_to_their_kernels():

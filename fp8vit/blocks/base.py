@@ -30,8 +30,9 @@ __all__ = ["FP8Block", "check_block_args", "aligned_rows", "SplitQKV", "LayerSca
 # ``torch.compiler.disable``d), a graph break at each. With the blocks as CUDA graphs that is as fast
 # or faster than not compiling; with eager blocks the added per-block frames made a ViT-B/16 FP8
 # step slower (H200: 72.9 against 64.9 ms, docs/frameworks.md). Each block's forward pre-hook
-# (:func:`_note_compiled`), traced by dynamo, records that the blocks were reached from compiled
-# code; the first eager call after that says what to do.
+# (:func:`_note_compiled`), traced by dynamo, records that the block is called from compiled code
+# (the compiled code replays the store before each such call); the block's eager forward takes the
+# mark back and says what to do, once per process.
 _COMPILED = {"traced": False}
 COMPILED_EAGER_BLOCKS = (
     "fp8vit: torch.compile runs fp8vit's fused blocks eagerly, with a graph break around each; without "
@@ -103,7 +104,8 @@ class FP8Block(nn.Module):
         """``self._forward(x, *args, mult, gelu_gemm)`` under this block's FP8 setting, checkpointed
         if asked. Raises on a TE block given CPU input (TE's kernels are CUDA-only)."""
         impl = self._impl  # one backend lookup per forward: it is on the hot path
-        if _COMPILED["traced"]:
+        if _COMPILED["traced"]:  # consumed here: an uncompiled model run later says nothing
+            _COMPILED["traced"] = False
             warn_once(COMPILED_EAGER_BLOCKS, RuntimeWarning, stacklevel=4)
         if impl.fp8 and x.device.type not in ("cuda", "meta"):
             # TE modules may be built on the CPU (timm.create_model -> convert_to_te -> .cuda()),
