@@ -172,6 +172,25 @@ def test_hooks_on_the_graphed_modules_are_set_aside_for_the_capture_and_run_arou
     assert handle.replays == 6 and calls == [(2, 17, 64)] * 3
 
 
+def test_a_keyword_input_that_requires_grad_is_captured_requiring_grad(fake):
+    # Mixed RoPE's tables are made from learnable frequencies every forward: captured as constants,
+    # the graphs would give the frequencies no gradient (silently). A fixed table stays a constant.
+    torch.manual_seed(0)
+    mixed = timm.create_model("vit_small_patch16_rope_mixed_224", pretrained=False, img_size=64, embed_dim=64,
+                              num_heads=4, depth=3, num_classes=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fp8vit.convert_to_te(mixed, backend="reference", exact_gelu=True)
+    for model, grad in ((mixed, True), (_eva(), False)):
+        fake.captures.clear()
+        handle = fp8vit.make_graphed_blocks(model)
+        size = 64 if model is mixed else 56
+        _step(model, 2, size=size), _step(model, 2, size=size)
+        cap, = fake.captures
+        assert [k["rope"].requires_grad for k in cap["kwargs"]] == [grad] * 3
+        assert handle.shapes[0].call_kwargs["rope"][2] is grad
+
+
 # --------------------------------------------------------------------------- the shape cache
 def test_a_shape_is_captured_at_its_second_training_step_and_replayed_from_then_on(fake):
     model = _vit()

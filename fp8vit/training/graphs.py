@@ -138,14 +138,16 @@ def graphed_modules(model: nn.Module) -> list:
 
 
 def _spec(kwargs: dict, defaults: dict) -> tuple:
-    """A call's keyword inputs as a hashable signature: ``(shape, dtype)`` of a tensor, else the
-    value, left out where it is the forward's default (``is_causal=False`` passed or not: one call)."""
+    """A call's keyword inputs as a hashable signature: ``(shape, dtype, requires_grad)`` of a
+    tensor, else the value, left out where it is the forward's default (``is_causal=False`` passed
+    or not: one call). ``requires_grad``: a graph captured for a constant input computes no gradient
+    for it (mixed RoPE's table, made from learnable frequencies, needs one)."""
     if not kwargs:
         return ()
     out = []
     for k, v in kwargs.items():
         if isinstance(v, torch.Tensor):
-            out.append((k, (tuple(v.shape), v.dtype)))
+            out.append((k, (tuple(v.shape), v.dtype, v.requires_grad)))
         else:
             d = defaults.get(k, inspect.Parameter.empty)
             if not (v is d or (type(v) is type(d) and v == d)):
@@ -153,9 +155,14 @@ def _spec(kwargs: dict, defaults: dict) -> tuple:
     return tuple(sorted(out, key=lambda kv: kv[0]))
 
 
+def _is_tensor_spec(value: Any) -> bool:
+    """Whether a value of :func:`_spec`'s signature stands for a tensor input."""
+    return isinstance(value, tuple) and len(value) == 3 and isinstance(value[1], torch.dtype)
+
+
 def _show(value: Any) -> str:
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype):
-        return f"{list(value[0])} {value[1]}"
+    if _is_tensor_spec(value):
+        return f"{list(value[0])} {value[1]}" + (" requiring grad" if value[2] else "")
     return repr(value)
 
 
@@ -213,7 +220,7 @@ class GraphShape:
             block before it returns).
         autocast_dtype: torch autocast dtype of the capture.
         recipe_name: the FP8 recipe captured (None: FP8 off).
-        call_kwargs: the keyword inputs: ``(shape, dtype)`` for a tensor (replayed with the caller's
+        call_kwargs: the keyword inputs: ``(shape, dtype, requires_grad)`` for a tensor (replayed with the caller's
             values), the value itself otherwise (must match).
         memory_bytes: GPU memory the capture added (reserved after minus before, caches emptied):
             its static buffers, and the shared pool's growth if this batch was the largest so far.
@@ -585,7 +592,7 @@ class GraphedBlocks:
         if why is not None:
             return why
         for k, v in self._spec(kwargs):
-            if not (isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.dtype)):
+            if not _is_tensor_spec(v):
                 # Only tensor inputs enter a graph; the others are the forward's defaults at capture.
                 return f"the blocks get {k}={v!r}, and a graph takes only tensors or the forward's defaults"
         return None
@@ -735,7 +742,9 @@ class GraphedBlocks:
         targets, n, first = self._targets, len(self._targets), not self._entries
         samples = tuple((torch.randn(key[0], device=device, dtype=dt, requires_grad=True),) for dt in dtypes)
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        sample_kwargs = tuple({k: v.detach().clone() for k, v in tensors.items()} for _ in range(n)) \
+        # as the call's: TE computes the gradient of an input that requires grad at capture
+        sample_kwargs = tuple({k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in tensors.items()}
+                              for _ in range(n)) \
             if self.per_block else None
         if first:
             self._slots = tuple((m, name) for t in targets for m in t.modules()
@@ -1070,8 +1079,7 @@ def make_graphed_blocks(
                            amax_reduction_group=amax_reduction_group)
     if now:
         spec = handle._spec(call_kwargs)
-        odd = [f"{k}={v!r}" for k, v in spec if not (isinstance(v, tuple) and len(v) == 2
-                                                     and isinstance(v[1], torch.dtype))]
+        odd = [f"{k}={v!r}" for k, v in spec if not _is_tensor_spec(v)]
         if odd:
             raise ValueError(f"make_graphed_blocks: {type(model).__name__} passes its blocks {odd[0]}; a graph takes "
                              "tensor keyword inputs, or the forward's defaults")

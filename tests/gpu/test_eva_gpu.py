@@ -210,3 +210,30 @@ def test_per_block_graphs_fall_back_on_another_rope_table():
     with fp8vit.fp8_context(), pytest.warns(RuntimeWarning, match="rope is"):
         model.blocks[0](x, rope=rope)
     assert handle.eager_calls == 1
+
+
+def test_mixed_rope_frequencies_train_through_per_block_graphs():
+    # Mixed RoPE's per-block tables come from learnable frequencies every forward: the graphs must
+    # return the tables' gradient (captured requiring grad), or the frequencies silently stop training.
+    g = torch.Generator("cuda").manual_seed(1)
+    data = [(torch.randn(16, 3, 224, 224, device="cuda", generator=g),
+             torch.randint(0, 100, (16,), device="cuda", generator=g)) for _ in range(3)]
+
+    def build():
+        torch.manual_seed(0)
+        m = timm.create_model("vit_small_patch16_rope_mixed_224", depth=2, embed_dim=256, num_heads=4,
+                              num_classes=100).cuda()
+        return _convert(m).train()
+
+    eager, graphed = build(), build()
+    start = {n: p.detach().clone() for n, p in graphed.named_parameters() if "rope" in n}
+    handle = fp8vit.make_graphed_blocks(graphed, 16, recipe="delayed", fused_wgrad=False)
+    le, lg = _eva_train(eager, data, "delayed"), _eva_train(graphed, data, "delayed")
+    print(f"mixed RoPE: eager losses {le}, graphed {lg}")
+    assert handle.per_block and handle.replays == len(data) * 2 and handle.eager_calls == 0
+    assert start, "no RoPE parameters found"
+    ref = dict(eager.named_parameters())
+    for n, p in graphed.named_parameters():
+        if n in start:
+            assert not torch.equal(p, start[n]), f"{n} did not train through the graphs"
+            assert snr_db(ref[n], p) > 40, n
