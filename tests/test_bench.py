@@ -508,6 +508,18 @@ def test_cudnn_norm_variants_parse(name, fp8, graphed):
     assert not Variant.parse(name.replace("-cudnn-norm", "")).cudnn_norm
 
 
+def test_fp8_attention_variants_parse_and_give_the_capture_and_steps_one_recipe_object(monkeypatch):
+    from fp8vit.tools import workload
+    made = []
+    monkeypatch.setattr(workload, "make_recipe", lambda name, **kw: made.append((name, kw)) or object())
+    v = Variant.parse("fp8vit-fp8-delayed-fp8attn-graphed")
+    assert (v.blocks, v.fp8, v.graphed, v.compile, v.fp8_attention) == ("fp8vit", "delayed", True, False, True)
+    assert v.recipe() is not None and made == [("delayed", {"fp8_attention": True})]
+    plain = Variant.parse("fp8vit-fp8-delayed-graphed")
+    assert not plain.fp8_attention and plain.recipe() == "delayed" and len(made) == 1  # a name: no TE needed
+    assert Variant.parse("fp8vit-bf16").recipe() is None
+
+
 def test_unknown_variant_lists_the_known_ones():
     with pytest.raises(ValueError, match="'fp8vit-fp9'.*timm-bf16"):
         Variant.parse("fp8vit-fp9")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Optional, Tuple
 
-from .._validate import check_choice, show
+from .._validate import check_bool, check_choice, show
 from .loader import te_module
 
 __all__ = ["RecipeName", "RECIPE_NAMES", "check_recipe_name", "check_recipe", "make_recipe", "recipe_name",
@@ -79,26 +79,36 @@ def check_recipe(fn: str, recipe: Any, arg: str = "recipe") -> Any:
     return recipe
 
 
-def make_recipe(name: str) -> Any:
+def make_recipe(name: str, *, fp8_attention: bool = False) -> Any:
     """Build the TE recipe object for ``name`` (TE's defaults, HYBRID format: E4M3 fwd, E5M2 bwd).
 
     Args:
         name: one of :data:`RECIPE_NAMES`.
+        fp8_attention: also run the attention's two matmuls in FP8 (TE's ``fp8_dpa``, a beta
+            feature of TE; cuDNN's FP8 attention, for the head widths it has kernels for; TE falls
+            back to bf16 attention where it has none). Not with ``"block"``, which TE refuses it
+            for. Off by default: measure it (``fp8vit-bench`` variant ``fp8vit-fp8-delayed-fp8attn-graphed``)
+            and check its numerics (SNR against bf16) before relying on it.
 
     Raises:
-        TypeError: ``name`` is not a str.
-        ValueError: an unknown name (checked before TE is loaded).
+        TypeError: ``name`` is not a str, ``fp8_attention`` not a bool.
+        ValueError: an unknown name, or ``fp8_attention`` with ``"block"`` (checked before TE is loaded).
         TEUnavailableError: TE cannot be imported; the message says why.
     """
     name = check_recipe_name(name, "make_recipe")
+    check_bool("make_recipe", "fp8_attention", fp8_attention)
+    if fp8_attention and name == "block":
+        raise ValueError("make_recipe('block', fp8_attention=True): TE's block scaling recipe has no FP8 "
+                         "attention; use 'delayed', 'current' or 'mxfp8'")
     rec = te_module("transformer_engine.common.recipe")
+    dpa = {"fp8_dpa": True} if fp8_attention else {}
     if name == "delayed":
-        return rec.DelayedScaling(fp8_format=rec.Format.HYBRID)
+        return rec.DelayedScaling(fp8_format=rec.Format.HYBRID, **dpa)
     if name == "current":
-        return rec.Float8CurrentScaling(fp8_format=rec.Format.HYBRID)
+        return rec.Float8CurrentScaling(fp8_format=rec.Format.HYBRID, **dpa)
     if name == "block":
         return rec.Float8BlockScaling()
-    return rec.MXFP8BlockScaling()
+    return rec.MXFP8BlockScaling(**dpa)
 
 
 def recipe_name(recipe: Any) -> str:

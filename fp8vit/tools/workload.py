@@ -21,6 +21,8 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-delayed[-graphed]-compile``  ``convert_to_te(model)`` then ``torch.compile`` of the whole
                                    model: everything but the fused blocks (which run outside dynamo,
                                    as TE kernels or, ``-graphed``, CUDA graphs) is compiled
+``fp8vit-fp8-delayed-fp8attn[-graphed]``  the attention's matmuls in FP8 too
+                                   (``make_recipe("delayed", fp8_attention=True)``: TE's ``fp8_dpa``)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` (``-cudnn-norm-graphed``:
@@ -31,7 +33,7 @@ for what it runs eagerly: cuDNN for an eager ``-cudnn-norm`` variant, else TE's 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +47,7 @@ from ..convert import convert_to_te
 from ..training.switches import set_mlp_recompute
 from ..training.graphs import GraphedBlocks, make_graphed_blocks
 from ..blocks.linear import is_block
-from .._te.recipes import RECIPE_NAMES
+from .._te.recipes import RECIPE_NAMES, make_recipe
 
 __all__ = ["SIZES", "VARIANTS", "Variant", "Workload", "build_workload", "make_optimizer", "train_step_fn",
            "synthetic_batch", "train_flops", "te_layer_block_fn", "ModelShape", "model_shape"]
@@ -65,6 +67,7 @@ VARIANTS = (
     "fp8vit-fp8-delayed-linear", "fp8vit-fp8-current-linear",
     "fp8vit-fp8-delayed-blockcompile", "fp8vit-fp8-delayed-blockcompile-graphed",
     "fp8vit-fp8-delayed-compile", "fp8vit-fp8-delayed-graphed-compile",
+    "fp8vit-fp8-delayed-fp8attn", "fp8vit-fp8-delayed-fp8attn-graphed",
 )
 
 
@@ -82,6 +85,7 @@ class Variant:
         linear: the blocks fp8vit cannot fuse get FP8 Linears (``convert_to_te(fallback="linear")``).
         block_compile: the blocks fp8vit cannot fuse are compiled one by one
             (``convert_to_te(fallback="compile")``).
+        fp8_attention: the attention's matmuls run in FP8 too (TE's ``fp8_dpa``).
     """
 
     name: str
@@ -92,6 +96,7 @@ class Variant:
     cudnn_norm: bool = False
     linear: bool = False
     block_compile: bool = False
+    fp8_attention: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -107,12 +112,19 @@ class Variant:
             return cls(name, "te-layer", "delayed", False, graphed)
         fp8 = parts[2] if name.startswith("fp8vit-fp8") else None
         return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm, linear=parts[-1] == "linear",
-                   block_compile="blockcompile" in parts)
+                   block_compile="blockcompile" in parts, fp8_attention="fp8attn" in parts)
 
     @property
     def te_fp8(self) -> bool:
         """Runs TE's FP8 (inside ``fp8_context``)."""
         return self.fp8 not in (None, "torchao")
+
+    def recipe(self):
+        """What ``fp8_context`` and the capture get: the recipe name, a TE recipe object where the
+        name alone does not say it (``-fp8attn``), None without TE's FP8."""
+        if not self.te_fp8:
+            return None
+        return make_recipe(self.fp8, fp8_attention=True) if self.fp8_attention else self.fp8
 
 
 @dataclasses.dataclass
@@ -125,6 +137,8 @@ class Workload:
         net: what the step calls: ``model``, or it wrapped in DDP and/or compiled.
         img_size, num_classes: input resolution and classifier width.
         graphs: the CUDA-graph handle of ``-graphed`` variants.
+        recipe: what ``fp8_context`` gets (:meth:`Variant.recipe`: one object for the capture and
+            every step).
     """
 
     model: nn.Module
@@ -133,6 +147,7 @@ class Workload:
     img_size: int
     num_classes: int
     graphs: Optional[GraphedBlocks] = None
+    recipe: Any = None
 
 
 def te_layer_block_fn() -> type:
@@ -198,6 +213,7 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
             ``mlp_recompute`` for a variant that does not run fp8vit's blocks.
     """
     v = Variant.parse(variant)
+    recipe = v.recipe()
     if mlp_recompute and v.blocks != "fp8vit":
         raise ValueError(f"mlp_recompute={mlp_recompute} needs fp8vit's blocks; variant {variant!r} runs "
                          f"{v.blocks}'s: pass mlp_recompute=0 for it")
@@ -218,13 +234,14 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if v.graphed:
         if batch_size is None:
             raise ValueError(f"variant {variant!r} captures CUDA graphs: pass batch_size")
-        graphs = make_graphed_blocks(net.train(), batch_size, recipe=v.fp8 if v.te_fp8 else None, fp8=v.te_fp8,
+        graphs = make_graphed_blocks(net.train(), batch_size, recipe=recipe, fp8=v.te_fp8,
                                      cudnn_layernorm=v.cudnn_norm)
     step_net = net
     if ddp:
         ids = [torch.cuda.current_device()] if device == "cuda" else None
         step_net = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids)
-    return Workload(net, v, torch.compile(step_net) if v.compile else step_net, img_size, num_classes, graphs)
+    return Workload(net, v, torch.compile(step_net) if v.compile else step_net, img_size, num_classes, graphs,
+                    recipe)
 
 
 def _timm_model(model: str, img_size: int, num_classes: int, **kw) -> nn.Module:
@@ -301,7 +318,7 @@ def synthetic_batch(batch: int, wl: Workload, device: str = "cuda", seed: int = 
 
 def train_step_fn(wl: Workload, optimizer: torch.optim.Optimizer) -> Callable:
     """``step(x, y) -> loss``: forward in the variant's precision, backward, optimizer step."""
-    recipe = wl.variant.fp8 if wl.variant.te_fp8 else None
+    recipe = wl.recipe
 
     def step(x, y):
         with fp8_context(recipe, enabled=wl.variant.te_fp8):

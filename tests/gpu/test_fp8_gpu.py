@@ -73,6 +73,30 @@ def test_fp8_step_snr_vs_bf16(recipe):
     assert logits >= LOGITS_DB and worst_grad >= GRAD_DB
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_fp8_attention_snr_vs_bf16(recipe):
+    # make_recipe(..., fp8_attention=True): TE's fp8_dpa, attention's matmuls in FP8 (ViT-B's head
+    # width 64). Against bf16 by the same floors; against the same recipe with bf16 attention, the
+    # logits must differ (else TE fell back to bf16 attention and nothing was measured).
+    _need(recipe)
+    fp8_attn = fp8vit.make_recipe(recipe, fp8_attention=True)
+    x = torch.randn(16, 3, 224, 224, device="cuda")
+    out = {}
+    for name, rec in (("bf16 attention", recipe), ("fp8 attention", fp8_attn)):
+        model = _vit().train()
+        ref = fp8_step(model, x, recipe, enabled=False)
+        for _ in range(2):
+            fp8_step(model, x, rec)
+        out[name] = fp8_step(model, x, rec)
+    snrs = _snrs(ref, out["fp8 attention"])
+    worst = min(snrs, key=snrs.get)
+    same = snr_db(out["bf16 attention"][0], out["fp8 attention"][0])
+    print(f"{recipe} + FP8 attention: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB; "
+          f"against bf16 attention {same:.1f} dB")
+    assert snrs["logits"] >= LOGITS_DB and snrs[worst] >= GRAD_DB
+    assert not torch.equal(out["bf16 attention"][0], out["fp8 attention"][0]), "FP8 attention did not run"
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("batch", [1, 3, 8, 63])
 def test_any_batch_size_under_fp8(recipe, batch):
