@@ -100,10 +100,7 @@ class TE_BeitBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
 
     Args:
         cfg: the block's settings (:func:`beit_config_from_timm`).
-        timm_skeleton: the timm block on the meta device, kept to rebuild it in :meth:`to_timm`.
-        device, dtype: where and how parameters are built.
-        backend: ``"te"``, ``"reference"`` or None (automatic).
-        fp32_residual: keep the residual stream in fp32 under autocast (timm's behaviour).
+        timm_skeleton, device, dtype, backend, fp32_residual: as ``TE_EvaBlock``'s.
 
     Raises:
         TypeError: ``cfg`` is not a :class:`BeitBlockConfig`; the rest as ``TE_EvaBlock``.
@@ -198,8 +195,8 @@ class TE_BeitBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
             idx = self.relative_position_index
             if idx.shape[0] != n:
                 raise ValueError(f"TE_BeitBlock: x has {n} tokens, its relative position bias table covers "
-                                 f"{idx.shape[0]} (window {self.cfg.window_size} + the class token); timm's "
-                                 "Beit.set_input_size resizes the table before conversion")
+                                 f"{idx.shape[0]} (window {self.cfg.window_size} + the class token); for another input "
+                                 "size, model.set_input_size(img_size=...) resizes the tables (timm's Beit)")
             # [N*N, H] rows -> [1, H, N, N]
             bias = self.relative_position_bias_table[idx.view(-1)].view(n, n, -1).permute(2, 0, 1).unsqueeze(0)
         if shared is not None:
