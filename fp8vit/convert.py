@@ -66,7 +66,7 @@ def convert_to_te(
     ``TE_EvaBlock``) becomes that family's fused block: weights
     copied exactly (timm's QKV layout kept), as are training mode, device, dtype and frozen
     parameters (``requires_grad``). A block fp8vit cannot fuse, because it has no family for its
-    class (Swin, BEiT, CaiT, ``ResPostBlock``, ``DiffAttention`` blocks, ...) or the block uses an
+    class (Swin, CaiT, XCiT, ``ResPostBlock``, ``DiffAttention`` blocks, ...) or the block uses an
     option its family cannot honour, goes to ``fallback``. Also makes
     ``model.set_grad_checkpointing()`` use TE's FP8-aware checkpointing. Everything is built
     before anything is swapped: a failure leaves the model unchanged. Calling it again, or on a

@@ -69,7 +69,7 @@ def allow_recompiles(blocks: int) -> None:
     Every block compiled by :func:`compile_block` is one code object to dynamo
     (``nn.Module._call_impl``), so blocks whose guards differ (another width, a Swin shift, a
     drop-path rate per block) are recompilations of it; past ``recompile_limit`` (8) dynamo runs the
-    rest eagerly with a log warning: a 12-block BEiT with drop path compiled 8 of its blocks.
+    rest eagerly with a log warning: 12 blocks with drop-path rates of their own compiled 8.
     """
     cfg = torch._dynamo.config
     name = next((n for n in ("recompile_limit", "cache_size_limit") if hasattr(cfg, n)), None)

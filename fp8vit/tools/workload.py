@@ -13,7 +13,7 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-RECIPE[-graphed]``    fp8vit ``TE_Block``s in ``fp8_context(RECIPE)``
 ``fp8vit-fp8-RECIPE-cudnn-norm[-graphed]``  the same with :func:`fp8vit.set_cudnn_layernorm` on
 ``fp8vit-fp8-RECIPE-linear``       ``convert_to_te(fallback="linear")``: blocks fp8vit has no fused
-                                   block for (Swin, BEiT, ...) get FP8 Linears (the generic path);
+                                   block for (Swin, CaiT, ...) get FP8 Linears (the generic path);
                                    on a model of fused blocks only, the same as without ``-linear``
 ``fp8vit-fp8-delayed-blockcompile[-graphed]``  ``convert_to_te(fallback="compile")``: the blocks
                                    fp8vit cannot fuse are ``torch.compile``d one by one (the fused
