@@ -166,8 +166,9 @@ class FP8Block(nn.Module):
         if rope is not None:
             q, k = self._rope(q, k, rope)
         kwargs = te_mask_kwargs(attn_mask, is_causal)
-        if bias is not None:  # TE wants it in q's dtype (bf16 under autocast), one contiguous tensor
-            kwargs.update(core_attention_bias_type="post_scale_bias", core_attention_bias=bias.to(q.dtype).contiguous())
+        if bias is not None:  # TE wants it in q's dtype (bf16 under autocast), contiguous: one copy for both
+            bias = bias.to(q.dtype, memory_format=torch.contiguous_format)
+            kwargs.update(core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
         o = self._impl.attention(self.attn, q, k, v, **kwargs)  # [B, N, H*D]
         if gate is not None:  # timm's order: the (inner) norm, then the gate, then proj
             o = self.gate_norm(o) * torch.sigmoid(gate)
