@@ -189,6 +189,10 @@ def test_a_keyword_input_that_requires_grad_is_captured_requiring_grad(fake):
         cap, = fake.captures
         assert [k["rope"].requires_grad for k in cap["kwargs"]] == [grad] * 3
         assert handle.shapes[0].call_kwargs["rope"][2] is grad
+        # captured up front (make_graphed_blocks(model, batch_size), CUDA only): the probe of what
+        # the model passes its blocks sees the table as a training step makes it
+        _, _, kwargs = G._block_calls(model, model.blocks, torch.device("cpu"), torch.bfloat16)
+        assert kwargs["rope"].requires_grad is grad
 
 
 # --------------------------------------------------------------------------- the shape cache

@@ -38,6 +38,9 @@ def _model(key="relpos", **kw):
     torch.manual_seed(0)
     # No DropPath (Swin's default is 0.1): runs compared here must draw the same (no) masks.
     model = timm.create_model(name, pretrained=False, num_classes=100, drop_path_rate=0.0, **cfg, **kw)
+    for m in model.modules():  # nor dropout: the relative-position ViT's bias MLP has p=0.125, fixed
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
     return fp8vit.convert_to_te(model.cuda(), fallback="linear")
 
 
@@ -153,7 +156,9 @@ def test_weights_round_trip_and_training_resumes(recipe):
 def test_outside_fp8_context_matches_timm_bf16():
     model = _model().eval()
     ref = timm.create_model(MODELS["relpos"][0], pretrained=False, num_classes=100, **MODELS["relpos"][1]).cuda().eval()
-    ref.load_state_dict(model.state_dict(), strict=True)
+    # the swapped Linears' FP8 scaling state (always saved, see the round-trip test) has no timm key
+    ref.load_state_dict({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")},
+                        strict=True)
     x = torch.randn(4, 3, 224, 224, device="cuda")
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         a, b = model(x).float(), ref(x).float()
