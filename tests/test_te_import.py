@@ -1,9 +1,11 @@
 """The TE import boundary explains failures; import fp8vit works without TE."""
 
 import subprocess
+import types
 import sys
 
 import pytest
+import torch
 
 import fp8vit
 from fp8vit import _te
@@ -91,3 +93,40 @@ def test_cudnn_layernorm_switch_names_bad_input_and_missing_support(monkeypatch)
     with pytest.raises(fp8vit.TEUnavailableError, match="Transformer Engine 9.9 does not expose nvte_enable_cudnn_norm"):
         fp8vit.set_cudnn_layernorm(True)
     assert not _te.cudnn_norm_enabled()  # a refused switch changes nothing
+
+
+class _NoKernel(torch.nn.Module):
+    """A DotProductAttention stand-in that fails as TE's does when no backend takes the call."""
+
+    def __init__(self, message):
+        super().__init__()
+        self.message = message
+
+    def forward(self, **kwargs):
+        raise ValueError(self.message)
+
+
+TE_NO_BACKEND = ("No dot product attention backend is available for the provided inputs. Please run with "
+                 "NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 to find out the reasons for disabling all backends.")
+
+
+@pytest.mark.parametrize("fp8_dpa", [True, False])
+def test_no_attention_kernel_names_the_shapes_and_the_fix(monkeypatch, fp8_dpa):
+    # TE's message names neither the shapes nor that FP8 attention (fp8_dpa) is what it turned down
+    # (on the H200, TE 2.20: head dim 128 only; ViT-B's is 64)
+    monkeypatch.setattr(ops, "active_fp8_recipe", lambda: types.SimpleNamespace(fp8_dpa=fp8_dpa))
+    qkv = torch.randn(2, 197, 3, 12, 64)
+    q, k, v = qkv.unbind(2)
+    with pytest.raises(ValueError) as info:
+        ops.packed_attention(_NoKernel(TE_NO_BACKEND), q, k, v, attn_mask_type="no_mask")
+    msg = str(info.value)
+    assert "q [B=2, N=197, H=12, D=64] torch.float32, k/v 12 heads, mask no_mask" in msg
+    assert ("fp8_attention" in msg and "this block's is 64" in msg) is fp8_dpa
+    assert "NVTE_DEBUG=1" in msg and isinstance(info.value.__cause__, ValueError)
+
+
+def test_other_attention_errors_pass_through(monkeypatch):
+    monkeypatch.setattr(ops, "active_fp8_recipe", lambda: None)
+    q = k = v = torch.randn(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="^something else 7$"):
+        ops.packed_attention(_NoKernel("something else 7"), q, k, v)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import TEUnavailableError
+from .fp8 import active_fp8_recipe
 from .loader import te_module, te_version
 
 __all__ = ["packed_attention", "fused_rope", "gated_activation", "cudnn_norm_enabled", "set_cudnn_norm", "cudnn_norm"]
@@ -28,7 +29,30 @@ def packed_attention(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Relying on pointer-based detection", category=DeprecationWarning)
-        return attn(query_layer=q, key_layer=k, value_layer=v, **kwargs)
+        try:
+            return attn(query_layer=q, key_layer=k, value_layer=v, **kwargs)
+        except ValueError as err:
+            if "No dot product attention backend" not in str(err):
+                raise
+            raise ValueError(no_attention_kernel(q, k, kwargs)) from err
+
+
+def no_attention_kernel(q: torch.Tensor, k: torch.Tensor, kwargs: dict) -> str:
+    """What to say when TE finds no attention kernel for a call: its shapes, and the likely fix."""
+    b, n, h, d = q.shape
+    bias = kwargs.get("core_attention_bias")
+    what = (f"q [B={b}, N={n}, H={h}, D={d}] {q.dtype}, k/v {k.shape[2]} heads"
+            + (f", bias {list(bias.shape)}" if bias is not None else "")
+            + (f", mask {kwargs.get('attn_mask_type')}" if kwargs.get("attn_mask_type") else ""))
+    recipe = active_fp8_recipe()
+    if getattr(recipe, "fp8_dpa", False):
+        return (f"fp8vit: Transformer Engine has no FP8 attention kernel for this block ({what}). FP8 "
+                f"attention (make_recipe(..., fp8_attention=True), TE's fp8_dpa) is on: on the H200 "
+                f"(TE 2.20, cuDNN 9.19) TE's FP8 attention takes head dim 128 only, this block's is {d}. "
+                "Use the recipe without fp8_attention (the attention then runs in bf16, as by default); "
+                "NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 prints TE's reasons")
+    return (f"fp8vit: Transformer Engine has no attention kernel for this block ({what}); "
+            "NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 prints why TE turned down each of its backends")
 
 
 

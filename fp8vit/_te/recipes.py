@@ -85,8 +85,9 @@ def make_recipe(name: str, *, fp8_attention: bool = False) -> Any:
     Args:
         name: one of :data:`RECIPE_NAMES`.
         fp8_attention: also run the attention's two matmuls in FP8 (TE's ``fp8_dpa``, a beta
-            feature of TE; cuDNN's FP8 attention, for the head widths it has kernels for; TE falls
-            back to bf16 attention where it has none). Not with ``"block"``, which TE refuses it
+            feature of TE: cuDNN's FP8 attention). On the H200 with TE 2.20.2 and cuDNN 9.19 it has
+            kernels for head dim 128 only: not ViT-B/L (64) nor ViT-H (80), whose blocks then raise
+            naming their head dim (docs/performance.md). Not with ``"block"``, which TE refuses it
             for. Off by default: measure it (``fp8vit-bench`` variant ``fp8vit-fp8-delayed-fp8attn-graphed``)
             and check its numerics (SNR against bf16) before relying on it.
 
