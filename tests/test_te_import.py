@@ -2,6 +2,7 @@
 
 import subprocess
 import types
+import warnings
 import sys
 
 import pytest
@@ -130,3 +131,32 @@ def test_other_attention_errors_pass_through(monkeypatch):
     q = k = v = torch.randn(1, 4, 2, 16)
     with pytest.raises(ValueError, match="^something else 7$"):
         ops.packed_attention(_NoKernel("something else 7"), q, k, v)
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, query_layer, key_layer, value_layer, **kwargs):
+        return query_layer.flatten(2)
+
+
+@pytest.mark.parametrize("chosen, name", [
+    ({"attention_params": None, "use_fused_attention": True}, None),  # no call yet
+    ({"attention_params": object(), "use_flash_attention": False, "use_fused_attention": 1,
+      "use_unfused_attention": True}, "fused"),
+    ({"attention_params": object(), "use_flash_attention": False, "use_fused_attention": False,
+      "use_unfused_attention": True}, "unfused"),
+    (None, None),  # a TE without the record
+])
+def test_attention_backend_reads_tes_choice_and_warns_when_unfused(monkeypatch, chosen, name):
+    from fp8vit import _warn
+    monkeypatch.setattr(ops, "_te_backends", lambda: chosen)
+    monkeypatch.setattr(ops, "active_fp8_recipe", lambda: None)
+    monkeypatch.setattr(_warn, "_seen", set())
+    assert ops.attention_backend() == name
+    q, k, v = torch.randn(2, 197, 3, 12, 64, dtype=torch.bfloat16).unbind(2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ops.packed_attention(_Attention(), q, k, v)
+        ops.packed_attention(_Attention(), q.float(), k.float(), v.float())  # fp32: unfused is expected
+    said = [str(w.message) for w in seen if "unfused" in str(w.message)]
+    assert len(said) == (name == "unfused")
+    assert all("q [B, N=197, H=12, D=64] torch.bfloat16" in m and "NVTE_DEBUG=1" in m for m in said)

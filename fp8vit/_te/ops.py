@@ -7,15 +7,17 @@ import contextlib
 import functools
 import os
 import warnings
+from typing import Optional
 
 import torch
 from torch import nn
 
 from ..errors import TEUnavailableError
+from .._warn import warn_once
 from .fp8 import active_fp8_recipe
 from .loader import te_module, te_version
 
-__all__ = ["packed_attention", "fused_rope", "gated_activation", "cudnn_norm_enabled", "set_cudnn_norm", "cudnn_norm"]
+__all__ = ["packed_attention", "attention_backend", "fused_rope", "gated_activation", "cudnn_norm_enabled", "set_cudnn_norm", "cudnn_norm"]
 
 
 def packed_attention(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -30,11 +32,45 @@ def packed_attention(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Relying on pointer-based detection", category=DeprecationWarning)
         try:
-            return attn(query_layer=q, key_layer=k, value_layer=v, **kwargs)
+            out = attn(query_layer=q, key_layer=k, value_layer=v, **kwargs)
         except ValueError as err:
             if "No dot product attention backend" not in str(err):
                 raise
             raise ValueError(no_attention_kernel(q, k, kwargs)) from err
+    if q.dtype in (torch.bfloat16, torch.float16) and attention_backend() == "unfused":
+        # bf16 attention that TE runs in its unfused backend ([B, H, N, N] probabilities in memory,
+        # bmm + softmax): slower and larger than cuDNN's, and nothing else would say so
+        warn_once(f"fp8vit: Transformer Engine runs attention unfused (UnfusedDotProductAttention: slower, "
+                  f"and [B, H, N, N] probabilities in memory) for q [B, N={q.shape[1]}, H={q.shape[2]}, D={q.shape[3]}] {q.dtype}: its fused (cuDNN) "
+                  "and flash backends turned the call down. NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 prints why (e.g. a "
+                  "cuDNN other than the one TE was built for on LD_LIBRARY_PATH, or deterministic mode with a bias)",
+                  RuntimeWarning, stacklevel=3)
+    return out
+
+
+def attention_backend() -> Optional[str]:
+    """The backend TE's ``DotProductAttention`` chose for its last call: ``"flash"``, ``"fused"``
+    (cuDNN), ``"unfused"``, or None (no call yet, or a TE that does not say). One selection is
+    process-wide in TE, kept until a call with other parameters."""
+    chosen = _te_backends()
+    if not chosen or chosen.get("attention_params") is None:
+        return None
+    for key, name in (("use_flash_attention", "flash"), ("use_fused_attention", "fused"),
+                      ("use_unfused_attention", "unfused")):
+        if chosen.get(key):
+            return name
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _te_backends() -> Optional[dict]:
+    """TE's module-level record of its attention backend selection (updated in place)."""
+    try:
+        mod = te_module("transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention")
+    except Exception:  # noqa: BLE001 - an older or newer TE lays this out otherwise: no answer
+        return None
+    chosen = getattr(mod, "_attention_backends", None)
+    return chosen if isinstance(chosen, dict) else None
 
 
 def no_attention_kernel(q: torch.Tensor, k: torch.Tensor, kwargs: dict) -> str:

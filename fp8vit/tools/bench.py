@@ -281,6 +281,9 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
         piped = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
         pq = _deciles(piped)
         out.update(pipelined_median_ms=statistics.median(piped), pipelined_p10_ms=pq[0], pipelined_p90_ms=pq[-1])
+    if device == "cuda" and wl.variant.blocks in ("fp8vit", "te-layer"):
+        # TE's attention backend ("fused": cuDNN; "unfused" is a slow fallback a setup problem causes)
+        out["attention"] = _te.attention_backend()
     if wl.graphs is not None:
         out["graph_replays"], out["graph_eager_calls"] = wl.graphs.replays, wl.graphs.eager_calls
         wl.graphs.release()
@@ -739,6 +742,10 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
         print(f"\n{model}, batch {batch}{' per process' if world > 1 else ''}, {env['device']}{recompute}{ddp}:")
         # img/s counts every process's images: the price is that of all their GPUs
         print(_table(rows, _peak(env["device"]), a.price_per_hour * world if a.price_per_hour else None))
+        unfused = [r["variant"] for r in rows if r.get("attention") == "unfused"]
+        if unfused:
+            print(f"note: Transformer Engine ran attention unfused (slow: not cuDNN's kernels) in {', '.join(unfused)}; "
+                  "these times are not fp8vit's (NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 says why)")
         results.extend(rows)
     if extra:
         print(f"\nlargest batch that fits, {model}{recompute}:")
