@@ -161,6 +161,11 @@ def convert_to_te(
         warnings.warn(f"fp8vit.convert_to_te(cuda_graphs=True): {not_graphed}", UserWarning, stacklevel=2)
     no_forward = ("; autocast=True installed no FP8 forward: nothing in the model runs FP8"
                   if autocast and not holds_fp8 else "")
+    if not holds_fp8 and not summary.compiled and summary.kept and not plan.empty:
+        # Swin, ConvNeXt-like or CaiT blocks only: nothing of fp8vit runs, so nothing gets faster
+        no_forward += ("; nothing runs in FP8, so this model is not faster converted: torch.compile(model) "
+                       "is the way to a faster step here (fallback='linear' swaps the kept blocks' Linears for "
+                       "FP8 ones: for memory, 0.90x timm bf16 at Swin-B on the H200, docs/performance.md)")
     if plan.empty:
         warnings.warn(f"fp8vit.convert_to_te: {type(model).__name__} holds nothing fp8vit can convert: "
                       f"{_NOTHING}; it is unchanged{no_forward}", UserWarning, stacklevel=2)

@@ -624,3 +624,15 @@ def test_swapped_linear_output_may_be_modified_in_place(monkeypatch):
     out += 1
     out.sum().backward()
     torch.testing.assert_close(x.grad, lin.weight.sum(0).expand_as(x))
+
+
+@pytest.mark.parametrize("fallback", ["keep", "linear"])
+def test_a_model_with_nothing_in_fp8_says_convert_does_not_make_it_faster(fallback):
+    # Swin's blocks kept as they are: the conversion changes nothing of the step, and says so
+    # (with the way that does: torch.compile); with its Linears swapped, FP8 runs and it does not
+    model = _swin()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fp8vit.convert_to_te(model, backend="reference", fallback=fallback)
+    said = " ".join(str(w.message) for w in seen)
+    assert ("not faster converted: torch.compile(model)" in said) is (fallback == "keep"), said
