@@ -11,10 +11,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
-import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from ._validate import check_bool, check_choice, check_model, check_module_filter

@@ -229,3 +229,23 @@ def test_a_swapped_linear_keeps_its_state_key_so_that_timm_model_ema_stays_align
         assert "scaling_fwd" not in e.fp8_meta
     other = SwappedModule()
     SwappedModule().load_state_dict({"weight": torch.randn(4)}, strict=True)  # a checkpoint without it loads
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_registers_its_own_scaling_state_with_te(how):
+    # TE enters a module into its process-wide delayed-scaling buffers once, keyed by positions it
+    # writes into fp8_meta; a copy that kept them would never be entered, its scales frozen as
+    # copied (an EMA or teacher copy made after FP8 steps). The original keeps its positions.
+    import copy
+    import pickle
+    m = _trained()
+    m.fp8_meta["buffer_index_and_autocast_key"] = [0, "forward_key", 0, "backward_key"]
+    m.fp8_meta["global_fp8_buffer_pos_fwd_recompute"] = 3
+    c = copy.deepcopy(m) if how == "deepcopy" else pickle.loads(pickle.dumps(m))
+    assert "buffer_index_and_autocast_key" not in c.fp8_meta
+    assert "global_fp8_buffer_pos_fwd_recompute" not in c.fp8_meta
+    assert m.fp8_meta["buffer_index_and_autocast_key"] == [0, "forward_key", 0, "backward_key"]
+    assert m.fp8_meta["global_fp8_buffer_pos_fwd_recompute"] == 3
+    for which in ("scaling_fwd", "scaling_bwd"):  # the scaling tensors themselves are copied
+        assert torch.equal(c.fp8_meta[which].scale, m.fp8_meta[which].scale)
+        assert c.fp8_meta[which].scale is not m.fp8_meta[which].scale

@@ -193,10 +193,17 @@ class SafeExtraState:
                     owner.mask_func = _attention_mask_func
 
     def __getstate__(self):
+        # Also what copy.deepcopy reads (ModelEmaV3, a teacher copied from its student).
         state = super().__getstate__()
         inits = state.get("param_init_meta")
         if isinstance(inits, dict):
             state = dict(state, param_init_meta={n: m.fp8_meta_index for n, m in inits.items()})
+        meta = state.get("fp8_meta")
+        if isinstance(meta, dict) and any(k in meta for k in _PROCESS_POSITIONS):
+            # The copy's scaling tensors are its own: it must enter TE's process-wide
+            # delayed-scaling buffers itself. With the original's positions it never would (TE
+            # registers a module once, when the key is absent), and its scales would stay as copied.
+            state = dict(state, fp8_meta={k: v for k, v in meta.items() if k not in _PROCESS_POSITIONS})
         return state
 
     def __setstate__(self, state):
@@ -207,6 +214,12 @@ class SafeExtraState:
                 n: meta_cls(init_fn=_UnpickledInit(type(self).__name__, n), fp8_meta_index=i)
                 for n, i in inits.items()})
         super().__setstate__(state)
+
+
+# fp8_meta keys that hold a module's positions in TE's process-wide state (TE 2.x): its slot in the
+# delayed-scaling amax/scale buffers (``FP8GlobalStateManager.get_buffer_info()``) and in the stash
+# of scaling tensors for activation recompute.
+_PROCESS_POSITIONS = ("buffer_index_and_autocast_key", "global_fp8_buffer_pos_fwd_recompute")
 
 
 def _is_local(fn, name: str) -> bool:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Union
 
-import torch
 from torch import nn
 from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, get_act_layer
 from timm.models.vision_transformer import Attention

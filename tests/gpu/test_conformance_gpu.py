@@ -73,6 +73,43 @@ def test_whole_model_pickles_with_te_modules_after_fp8_steps():
     assert back.blocks[0].proj.weight.std() > 0
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_made_after_fp8_steps_updates_its_own_scales(how):
+    # ModelEmaV3, a teacher copied from its student, a pickled model: the copy's delayed-scaling
+    # state must keep updating. TE enters a module into its process-wide buffers once, by a key it
+    # keeps in fp8_meta; a copy with the original's key was never entered and froze its scales.
+    import copy
+    model = fp8vit.convert_to_te(_timm_vit().cuda()).train()
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    for _ in range(3):
+        with fp8vit.fp8_context("delayed"):
+            model(x).float().square().mean().backward()
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+
+    def scales(m):
+        return torch.cat([b.fp8_meta["scaling_fwd"].scale.flatten() for b in m.modules()
+                          if isinstance(getattr(b, "fp8_meta", None), dict) and "scaling_fwd" in b.fp8_meta])
+
+    before = scales(twin)
+    with torch.no_grad():  # 4x the GEMM weights: their amaxes grow, their scales must come down
+        for p in twin.blocks.parameters():
+            if p.dim() == 2:
+                p.mul_(4)
+    for _ in range(3):
+        with fp8vit.fp8_context("delayed"):
+            twin(x).float().square().mean().backward()
+    after = scales(twin)
+    print(f"{how}: copy's forward scales {float(before.min()):.3g}..{float(before.max()):.3g} -> "
+          f"{float(after.min()):.3g}..{float(after.max()):.3g}, {int((after != before).sum())} of {after.numel()} moved")
+    assert torch.isfinite(after).all() and (after < before).any()
+
+
 def test_broken_te_raises_on_a_gpu_machine(tmp_path):
     # A transformer_engine package that is installed but fails to import (as a build against
     # another torch does): fp8vit must refuse instead of quietly training without FP8.
