@@ -18,15 +18,16 @@ from torch import nn
 from ._validate import check_bool, check_choice, check_model, check_module_filter
 from .blocks.backend import check_backend, resolve_backend
 from .blocks.compiled import allow_recompiles, compile_block, is_compiled_block, uncompile_block
-from .blocks.base import FP8Block
+from .blocks.base import COMPILED_EAGER_BLOCKS, FP8Block
 from .blocks.families import FAMILIES, fp8vit_block_for
 from .blocks.linear import (holds_linear, is_block, is_swapped, restore_owner, swap_refusal, switch_owner, to_fp8_linear,
                             to_torch_linear)
 from .blocks.weights import is_sharded
+from ._warn import warn_once
 from .errors import ConversionError
 from .summary import EXCLUDED, ConversionSummary, forget_summary, record_summary
 from .training.autocast import remove_fp8_autocast, set_fp8_autocast
-from .training.graphs import install_graphs, remove_graphs
+from .training.graphs import GraphedBlocks, install_graphs, remove_graphs
 from .training.switches import (ModuleFilter, checkpointing_on, install_checkpointing, remove_checkpointing,
                                 set_grad_checkpointing)
 
@@ -56,6 +57,7 @@ def convert_to_te(
     fallback: str = "keep",
     autocast: bool = False,
     cuda_graphs: bool = False,
+    compile: bool = False,  # noqa: A002 - torch.compile's name, what it does
 ) -> nn.Module:
     """Give ``model`` FP8, in place: fp8vit's fused blocks where it has them, else (optionally) FP8 Linears.
 
@@ -104,15 +106,25 @@ def convert_to_te(
             training step (:func:`fp8vit.make_graphed_blocks` with no batch size: at most 3 shapes,
             the rest and eval eager), so that an unchanged loop gets them. Needs no GPU yet; warns
             and installs nothing where the model has no ``blocks``.
+        compile: True: the model is compiled in place (``nn.Module.compile()``, ``torch.compile``'s
+            defaults: the same module object, parameters and state dict keys) around its fused
+            blocks, which run outside dynamo (TE kernels, or CUDA graphs with ``cuda_graphs=True``):
+            patch embedding, conv stages, the blocks fp8vit keeps, heads. Compiled at the first
+            call; a model that fails to compile warns once, naming the error, and runs eagerly.
+            With fused blocks but no CUDA graphs it warns: that measured slower than not
+            compiling (ViT-B/16, H200). Not with ``fallback="compile"`` (it compiles blocks one by
+            one) nor on a block itself. Opt-in: measured fastest with ``cuda_graphs=True`` on the
+            7 models of docs/performance.md's compile sweep.
 
     Returns:
         ``model`` (or the fused block replacing it, if ``model`` is a block of a family).
 
     Raises:
         TypeError: ``model`` is not a module, ``module_filter_fn`` not callable, ``exact_gelu`` or
-            ``fp32_residual``, ``autocast`` or ``cuda_graphs`` not a bool, ``backend`` or ``fallback`` not a str; nothing
-            is changed.
-        ValueError: an unknown ``backend`` or ``fallback``; nothing is changed.
+            ``fp32_residual``, ``autocast``, ``cuda_graphs`` or ``compile`` not a bool, ``backend`` or ``fallback``
+            not a str; nothing is changed.
+        ValueError: an unknown ``backend`` or ``fallback``, or ``compile=True`` with
+            ``fallback="compile"`` or on a block; nothing is changed.
         ConversionError: with ``fallback="error"``: a block (chosen by the filter) cannot be
             fused, named with its path and the reason, or ``model`` holds nothing to convert.
     """
@@ -127,12 +139,20 @@ def convert_to_te(
     check_choice(fn, "fallback", fallback, FALLBACKS)
     check_bool(fn, "autocast", autocast)
     check_bool(fn, "cuda_graphs", cuda_graphs)
+    check_bool(fn, "compile", compile)
+    if compile and fallback == "compile":
+        raise ValueError("convert_to_te(compile=True, fallback='compile'): fallback='compile' compiles the blocks "
+                         "fp8vit cannot fuse one by one, compile=True the whole model, them included: pass one")
     kw = dict(exact_gelu=exact_gelu, backend=backend, fp32_residual=fp32_residual)
     plan = _Plan(model, module_filter_fn, fallback, kw)
     plan.walk(model, "", None)
     summary = plan.decide()
     if fallback == "error" and plan.empty:
         raise ConversionError(f"{type(model).__name__} holds nothing fp8vit can convert: {_NOTHING}")
+    if compile and ("" in plan.fuse or isinstance(model, FP8Block)):
+        raise ValueError(f"convert_to_te(compile=True): the {type(model).__name__} passed is a block itself; compile=True "
+                         "compiles a model around its fused blocks (whose forward runs outside dynamo): convert "
+                         "the model that holds the block")
     # Everything is built: swap it all in.
     linear_backend = resolve_backend(backend) if plan.swap else None
     linears = {fqn: to_fp8_linear(lin, linear_backend) for fqn, lin in plan.swap.items()}
@@ -157,16 +177,25 @@ def convert_to_te(
     not_graphed = install_graphs(model) if cuda_graphs else None
     if not_graphed:
         warnings.warn(f"fp8vit.convert_to_te(cuda_graphs=True): {not_graphed}", UserWarning, stacklevel=2)
+    if compile:
+        if not is_compiled_block(model):
+            compile_block(model, "", origin="convert_to_te(compile=True)")
+        if summary.num_fused and not cuda_graphs and GraphedBlocks.of(model) is None:
+            warn_once(COMPILED_EAGER_BLOCKS, RuntimeWarning, stacklevel=2)  # the same words as at a call: once
     no_forward = ("; autocast=True installed no FP8 forward: nothing in the model runs FP8"
                   if autocast and not holds_fp8 else "")
-    if not holds_fp8 and not summary.compiled and summary.kept and not plan.empty:
+    if compile and not holds_fp8:
+        if not plan.empty:
+            no_forward += "; compile=True compiled it, nothing runs in FP8"
+    elif not holds_fp8 and not summary.compiled and summary.kept and not plan.empty:
         # Swin, ConvNeXt-like or CaiT blocks only: nothing of fp8vit runs, so nothing gets faster
         no_forward += ("; nothing runs in FP8, so this model is not faster converted: torch.compile(model) "
                        "is the way to a faster step here (fallback='linear' swaps the kept blocks' Linears for "
                        "FP8 ones: for memory, 0.90x timm bf16 at Swin-B on the H200, docs/performance.md)")
     if plan.empty:
         warnings.warn(f"fp8vit.convert_to_te: {type(model).__name__} holds nothing fp8vit can convert: "
-                      f"{_NOTHING}; it is unchanged{no_forward}", UserWarning, stacklevel=2)
+                      f"{_NOTHING}; it is {'compiled only' if compile else 'unchanged'}{no_forward}", UserWarning,
+                      stacklevel=2)
     elif summary.unasked_kept:
         warnings.warn(f"{summary.short()}. fp8vit.conversion_summary(model) lists them{no_forward}", UserWarning,
                       stacklevel=2)

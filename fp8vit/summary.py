@@ -13,6 +13,7 @@ from typing import Iterable, Optional, Tuple
 from torch import nn
 
 from ._validate import check_type
+from .blocks.compiled import is_compiled_block
 from .training.autocast import describe_fp8_autocast
 from .training.graphs import GraphedBlocks
 
@@ -58,6 +59,8 @@ class ConversionSummary:
         cuda_graphs: the blocks' CUDA graphs (``cuda_graphs=True``, :func:`fp8vit.make_graphed_blocks`)
             in words, as :func:`conversion_summary` reads them: shapes captured, replays, eager
             calls by reason, memory; None: no graphs.
+        model_compiled: the model is compiled around its fused blocks (``compile=True``), as
+            :func:`conversion_summary` finds it (False again after a failed compile).
     """
 
     fallback: str
@@ -68,6 +71,7 @@ class ConversionSummary:
     outside: Tuple[str, ...] = ()
     fp8_forward: Optional[str] = None
     cuda_graphs: Optional[str] = None
+    model_compiled: bool = False
 
     @property
     def num_fused(self) -> int:
@@ -109,7 +113,8 @@ class ConversionSummary:
         return {"fallback": self.fallback, "fused": {k: list(p) for k, p in self.fused},
                 "swapped": {k: list(p) for k, p in self.swapped}, "kept": {k: list(p) for k, p in self.kept},
                 "compiled": {k: list(p) for k, p in self.compiled},
-                "outside": list(self.outside), "fp8_forward": self.fp8_forward, "cuda_graphs": self.cuda_graphs}
+                "outside": list(self.outside), "fp8_forward": self.fp8_forward, "cuda_graphs": self.cuda_graphs,
+                "model_compiled": self.model_compiled}
 
     def short(self) -> str:
         """One line: the counts, and every reason for keeping something, with examples."""
@@ -125,6 +130,8 @@ class ConversionSummary:
             line += "; FP8 inside the model's forward"
         if self.cuda_graphs:
             line += "; CUDA-graphed blocks"
+        if self.model_compiled:
+            line += "; the model compiled around them"
         return line
 
     def table(self) -> str:
@@ -147,6 +154,8 @@ class ConversionSummary:
         lines.append(f"  FP8: {self.fp8_forward or 'inside fp8_context() only (set_fp8_autocast: in the model)'}")
         if self.cuda_graphs:
             lines.append(f"  CUDA graphs: {self.cuda_graphs}")
+        if self.model_compiled:
+            lines.append("  torch.compile: the model, around the fused blocks (compile=True)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -180,4 +189,5 @@ def conversion_summary(model: nn.Module) -> ConversionSummary:
                          "fp8vit.convert_to_te(model) first (it returns the model and leaves the summary on it)")
     graphs = GraphedBlocks.of(model)
     return dataclasses.replace(summary, fp8_forward=describe_fp8_autocast(model),
-                               cuda_graphs=None if graphs is None else graphs.describe())
+                               cuda_graphs=None if graphs is None else graphs.describe(),
+                               model_compiled=is_compiled_block(model))

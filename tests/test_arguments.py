@@ -111,6 +111,7 @@ ROWS = [
     row("convert_to_te", "fallback", None, lambda v: fp8vit.convert_to_te(_vit(), fallback=v), TypeError, "'keep'"),
     row("convert_to_te", "autocast", "yes", lambda v: fp8vit.convert_to_te(_vit(), autocast=v), TypeError, BOOL),
     row("convert_to_te", "cuda_graphs", 1, lambda v: fp8vit.convert_to_te(_vit(), cuda_graphs=v), TypeError, BOOL),
+    row("convert_to_te", "compile", 1, lambda v: fp8vit.convert_to_te(_vit(), compile=v), TypeError, BOOL),
     row("convert_from_te", "model", "model", lambda v: fp8vit.convert_from_te(v), TypeError, MODULE),
     row("conversion_summary", "model", None, lambda v: fp8vit.conversion_summary(v), TypeError, MODULE),
     row("set_block_fp8", "model", None, lambda v: fp8vit.set_block_fp8(v, "blocks.0", False), TypeError, MODULE),
@@ -406,7 +407,8 @@ def _snapshot(model: nn.Module) -> tuple:
 @pytest.mark.parametrize("bad", [dict(backend="bogus"), dict(backend="cuda"), dict(fallback="lin"),
                                  dict(exact_gelu=1), dict(fp32_residual="yes"),
                                  dict(module_filter_fn="blocks.0"), dict(autocast=1),
-                                 dict(cuda_graphs="yes")], ids=str)
+                                 dict(cuda_graphs="yes"), dict(compile="yes"),
+                                 dict(compile=True, fallback="compile")], ids=str)
 def test_a_refused_conversion_leaves_the_model_unchanged(bad):
     model = _vit()
     modules, state, attrs = _snapshot(model)

@@ -137,3 +137,96 @@ def test_every_compiled_block_compiles_past_dynamo_recompile_limit(monkeypatch):
     torch._dynamo.utils.counters.clear()
     model.train()(torch.randn(2, 3, 32, 32)).sum().backward()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 12  # 8 before the limit was raised
+
+
+# ---------------------------------------------------------------- compile=True: the whole model
+def _vit():
+    torch.manual_seed(0)  # timm's Block: fused
+    return VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=2, num_classes=5)
+
+
+def _whole(model, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fp8vit.convert_to_te(model, backend="reference", exact_gelu=True, **kw)
+
+
+def test_compile_true_compiles_the_model_around_its_fused_blocks():
+    torch._dynamo.reset()
+    model, plain = _vit().train(), _vit().train()
+    _whole(plain)
+    _whole(model, compile=True)
+    assert is_compiled_block(model) and not any(is_compiled_block(b) for b in model.blocks)
+    assert list(model.state_dict()) == list(plain.state_dict())  # in place: the same keys
+    x = torch.randn(2, 3, 32, 32)
+    out, ref = model(x), plain(x)
+    torch.testing.assert_close(out, ref)
+    out.square().mean().backward(), ref.square().mean().backward()
+    for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+    summary = fp8vit.conversion_summary(model)
+    assert summary.model_compiled and "the model compiled around them" in summary.short()
+    impl = model._compiled_call_impl
+    _whole(model, compile=True)  # converting again keeps the compilation (and dynamo's cache)
+    assert model._compiled_call_impl is impl
+    fp8vit.convert_from_te(model)
+    assert model._compiled_call_impl is None
+
+
+def test_compile_true_without_graphs_warns_once_that_eager_blocks_measured_slower():
+    from fp8vit import _warn
+    _warn._seen.clear()
+    torch._dynamo.reset()
+    model = _vit()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fp8vit.convert_to_te(model, backend="reference", exact_gelu=True, compile=True)
+        model(torch.randn(2, 3, 32, 32))
+    said = [str(w.message) for w in seen if "cuda_graphs=True" in str(w.message)]
+    assert len(said) == 1 and "measured slower than not compiling" in said[0]
+
+
+def test_compile_true_on_a_model_with_nothing_fused_compiles_it_only():
+    torch._dynamo.reset()
+    model = _unfused().eval()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fp8vit.convert_to_te(model, backend="reference", compile=True)
+    said = " ".join(str(w.message) for w in seen)
+    assert "compile=True compiled it, nothing runs in FP8" in said and "not faster converted" not in said
+    assert is_compiled_block(model)
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(model(x), ref(x))
+
+
+def test_a_model_that_cannot_compile_warns_once_and_runs_eagerly(monkeypatch):
+    monkeypatch.setattr(compiled_mod.torch, "compile", _failing_compile)
+    model = _vit().eval()
+    ref = copy.deepcopy(model)
+    _whole(ref)
+    _whole(model, compile=True)
+    x = torch.randn(2, 3, 32, 32)
+    with pytest.warns(UserWarning, match=r"<model> \(VisionTransformer\) could not be compiled "
+                                         r"\(convert_to_te\(compile=True\)\): TorchRuntimeError"):
+        out = model(x)
+    torch.testing.assert_close(out, ref(x))
+    assert not is_compiled_block(model) and not fp8vit.conversion_summary(model).model_compiled
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(compile=1), TypeError, "compile"),
+    (dict(compile=True, fallback="compile"), ValueError, "pass one"),
+])
+def test_compile_true_refusals_change_nothing(kw, err, match):
+    model = _vit()
+    before = [type(b) for b in model.blocks]
+    with pytest.raises(err, match=match):
+        fp8vit.convert_to_te(model, backend="reference", **kw)
+    assert [type(b) for b in model.blocks] == before and not is_compiled_block(model)
+
+
+def test_compile_true_on_a_block_is_refused():
+    block = _vit().blocks[0]
+    with pytest.raises(ValueError, match="is a block itself"):
+        fp8vit.convert_to_te(block, backend="reference", compile=True)

@@ -1,4 +1,5 @@
-"""``convert_to_te(fallback="compile")``: the blocks fp8vit cannot fuse, compiled in place.
+"""``convert_to_te(fallback="compile")``: the blocks fp8vit cannot fuse, compiled in place;
+``convert_to_te(compile=True)``: the whole model around the fused blocks, the same way.
 
 :func:`compile_block` does what ``nn.Module.compile()`` does (``module._compiled_call_impl =
 torch.compile(module._call_impl)``: the same module object, parameters and state dict keys; the
@@ -39,9 +40,10 @@ def _compiler_errors() -> tuple:
     return (TorchDynamoException,)
 
 
-def compile_block(module: nn.Module, fqn: str) -> nn.Module:
+def compile_block(module: nn.Module, fqn: str, origin: str = "convert_to_te(fallback='compile')") -> nn.Module:
     """Compile ``module`` in place (``torch.compile``'s defaults), with the guard of the module
-    docstring; ``fqn`` names it in the warning. Returns ``module``."""
+    docstring; ``fqn`` names it in the warning (``""``: the model), ``origin`` the option that asked
+    for it. Returns ``module``."""
     compiled = torch.compile(module._call_impl)
     errors = _compiler_errors()
 
@@ -52,7 +54,7 @@ def compile_block(module: nn.Module, fqn: str) -> nn.Module:
             out = module._call_impl(*args, **kwargs)  # raises the model's own error, if it is one
             first = str(err).strip().splitlines()
             warnings.warn(f"fp8vit: {fqn or '<model>'} ({type(module).__name__}) could not be compiled "
-                          f"(convert_to_te(fallback='compile')): {type(err).__name__}: "
+                          f"({origin}): {type(err).__name__}: "
                           f"{first[0] if first else ''}; it runs eagerly from now on", UserWarning, stacklevel=3)
             module._compiled_call_impl = None
             return out

@@ -127,13 +127,16 @@ def test_torch_compile_of_a_converted_model_is_not_slower_or_says_so(capsys, mon
     x = torch.randn(128, 3, 224, 224, device="cuda")
     y = torch.randint(0, 1000, (128,), device="cuda")
     ms, said = {}, {}
-    for name in ("uncompiled", "compiled"):
+    for name in ("uncompiled", "compiled", "compile=True"):  # the last: convert_to_te(compile=True)
+        _seen.discard(base.COMPILED_EAGER_BLOCKS)
+        base._COMPILED["traced"] = False
         torch.manual_seed(0)
-        model = fp8vit.convert_to_te(timm.create_model("vit_base_patch16_224").cuda(), cuda_graphs=cuda_graphs)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
-        run = torch.compile(model) if name == "compiled" else model
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            model = fp8vit.convert_to_te(timm.create_model("vit_base_patch16_224").cuda(), cuda_graphs=cuda_graphs,
+                                         compile=name == "compile=True")
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
+            run = torch.compile(model) if name == "compiled" else model
             ms[name] = _median_step_ms(run, opt, x, y)
         said[name] = [w for w in caught if str(w.message) == base.COMPILED_EAGER_BLOCKS]
         if cuda_graphs:
@@ -142,10 +145,12 @@ def test_torch_compile_of_a_converted_model_is_not_slower_or_says_so(capsys, mon
         torch.cuda.empty_cache()
     with capsys.disabled():
         print(f"\nViT-B/16 b128 FP8 step, cuda_graphs={cuda_graphs}: uncompiled {ms['uncompiled']:.1f} ms, "
-              f"torch.compile {ms['compiled']:.1f} ms; compile warning: {len(said['compiled'])}")
+              f"torch.compile {ms['compiled']:.1f} ms, convert_to_te(compile=True) {ms['compile=True']:.1f} ms; "
+              f"compile warnings: {len(said['compiled'])}, {len(said['compile=True'])}")
     assert not said["uncompiled"]
     if cuda_graphs:
-        assert not said["compiled"]
-        assert ms["compiled"] <= 1.03 * ms["uncompiled"], ms
+        assert not said["compiled"] and not said["compile=True"]
+        assert ms["compiled"] <= 1.03 * ms["uncompiled"] and ms["compile=True"] <= 1.03 * ms["uncompiled"], ms
     else:
         assert len(said["compiled"]) == 1, "torch.compile around eager blocks must say so, once"
+        assert len(said["compile=True"]) == 1, "convert_to_te(compile=True) with eager blocks must say so, once"
