@@ -27,7 +27,7 @@ from ._warn import warn_once
 from .errors import ConversionError
 from .summary import EXCLUDED, ConversionSummary, forget_summary, record_summary
 from .training.autocast import remove_fp8_autocast, set_fp8_autocast
-from .training.graphs import GraphedBlocks, install_graphs, remove_graphs
+from .training.graphs import graphed_handles, install_graphs, remove_graphs
 from .training.switches import (ModuleFilter, checkpointing_on, install_checkpointing, remove_checkpointing,
                                 set_grad_checkpointing)
 
@@ -180,7 +180,7 @@ def convert_to_te(
     if compile:
         if not is_compiled_block(model):
             compile_block(model, "", origin="convert_to_te(compile=True)")
-        if summary.num_fused and not cuda_graphs and GraphedBlocks.of(model) is None:
+        if summary.num_fused and not cuda_graphs and not graphed_handles(model):
             warn_once(COMPILED_EAGER_BLOCKS, RuntimeWarning, stacklevel=2)  # the same words as at a call: once
     no_forward = ("; autocast=True installed no FP8 forward: nothing in the model runs FP8"
                   if autocast and not holds_fp8 else "")

@@ -15,7 +15,7 @@ from torch import nn
 from ._validate import check_type
 from .blocks.compiled import is_compiled_block
 from .training.autocast import describe_fp8_autocast
-from .training.graphs import GraphedBlocks
+from .training.graphs import graphed_handles
 
 __all__ = ["ConversionSummary", "conversion_summary", "record_summary", "forget_summary", "EXCLUDED"]
 
@@ -187,7 +187,7 @@ def conversion_summary(model: nn.Module) -> ConversionSummary:
     if summary is None:
         raise ValueError(f"conversion_summary: this {type(model).__name__} was not converted; run "
                          "fp8vit.convert_to_te(model) first (it returns the model and leaves the summary on it)")
-    graphs = GraphedBlocks.of(model)
+    graphs = graphed_handles(model)
     return dataclasses.replace(summary, fp8_forward=describe_fp8_autocast(model),
-                               cuda_graphs=None if graphs is None else graphs.describe(),
+                               cuda_graphs="; ".join(g.describe() for g in graphs) or None,
                                model_compiled=is_compiled_block(model))

@@ -16,6 +16,7 @@ import pytest
 import timm
 import torch
 from timm.models.vision_transformer import VisionTransformer
+from torch import nn
 
 import fp8vit
 from fp8vit.training import graphs as G
@@ -754,3 +755,26 @@ def test_the_conversion_summary_says_what_the_graphs_did():
     assert "1 eager calls (not on a GPU 1)" in fp8vit.conversion_summary(model).cuda_graphs
     none = fp8vit.conversion_summary(plain)
     assert none.cuda_graphs is None and "CUDA" not in none.short() and "CUDA graphs" not in none.table()
+
+
+def test_cuda_graphs_on_a_wrapper_graph_the_vits_inside_and_nothing_else():
+    # A LightningModule (self.model), a CLIP-like model: no blocks of its own. The ViT inside gets
+    # the graphs; a ConvNeXt stage's `blocks` (no fp8vit block in it) is left alone.
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=2)
+    cnn = timm.create_model("convnext_atto", num_classes=2)
+    wrapper = nn.ModuleDict({"vit": vit, "cnn": cnn})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fp8vit.convert_to_te(wrapper, backend="reference", exact_gelu=True, cuda_graphs=True)
+    assert not [w for w in seen if "not graphed" in str(w.message) or "cuda_graphs=True:" in str(w.message)]
+    assert fp8vit.GraphedBlocks.of(vit) is not None
+    assert all(fp8vit.GraphedBlocks.of(stage) is None for stage in cnn.stages)
+    assert "CUDA-graphed" in fp8vit.conversion_summary(wrapper).short()
+    fp8vit.convert_from_te(wrapper)
+    assert fp8vit.GraphedBlocks.of(vit) is None
+
+
+def test_cuda_graphs_on_a_module_with_no_vit_inside_says_why():
+    cnn = timm.create_model("convnext_atto", num_classes=2)
+    with pytest.warns(UserWarning, match=r"cuda_graphs=True\): .*has no nn.Sequential or nn.ModuleList 'blocks'"):
+        fp8vit.convert_to_te(cnn, backend="reference", cuda_graphs=True)

@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("lightning", reason="Lightning is not installed (pip install '.[lightning]')")
 
+import fp8vit  # noqa: E402
 from fp8vit.integrations.lightning import FP8VitPrecision  # noqa: E402
 from lightning_child import RESUMED_STEPS, STEPS, run  # noqa: E402
 
@@ -70,10 +71,24 @@ def test_convert_module_converts_in_place_and_keeps_converted_blocks():
     assert model.blocks[0] is block
 
 
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_convert_module_graphs_the_vit_inside_unless_told_not_to(cuda_graphs):
+    # Lightning hands the plugin the LightningModule; its ViT is inside (self.model). Eager FP8
+    # blocks are slower than bf16 at ViT-B, so the plugin graphs them by default.
+    import timm
+
+    plugin = FP8VitPrecision() if cuda_graphs else FP8VitPrecision(cuda_graphs=False)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, num_classes=2)
+    fp8vit.convert_to_te(model)  # as configure_model does, without graphs
+    plugin.convert_module(torch.nn.ModuleDict({"model": model}))
+    assert (fp8vit.GraphedBlocks.of(model) is not None) is cuda_graphs
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(recipe="nope"), ValueError, "nope"),
     (dict(recipe=3), TypeError, "recipe"),
     (dict(amax_reduction_group="world"), TypeError, "amax_reduction_group"),
+    (dict(cuda_graphs="yes"), TypeError, "cuda_graphs"),
 ])
 def test_plugin_refuses_a_bad_argument_at_the_call(kwargs, error, match):
     with pytest.raises(error, match=match):

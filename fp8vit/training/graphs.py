@@ -104,7 +104,7 @@ from .detect import resolve_recipe
 from ..blocks.weights import is_sharded
 
 __all__ = ["make_graphed_blocks", "GraphedBlocks", "GraphShape", "graphed_modules", "install_graphs",
-           "remove_graphs", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES"]
+           "remove_graphs", "graphed_handles", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES"]
 
 # Why make_graphed_blocks and FSDP2 (fully_shard) are refused together, from the sources (not
 # measured: it needs a GPU). Said by make_graphed_blocks and by fp8vit.training.distributed.shard_model.
@@ -918,14 +918,43 @@ def _blocks_of(model: nn.Module, fn: str) -> Tuple[nn.Module, bool, tuple]:
     return blocks, per_block, (tuple(blocks) if per_block else (blocks,))
 
 
+def _vits_inside(model: nn.Module) -> list:
+    """The outermost modules below ``model`` whose ``blocks`` hold fp8vit blocks: the ViTs of a
+    wrapper (a LightningModule's ``self.model``, a CLIP model's ``visual.trunk``)."""
+    found, prefixes = [], []
+    for name, m in model.named_modules():
+        if any(name.startswith(p) for p in prefixes):
+            continue
+        blocks = getattr(m, "blocks", None)
+        if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and any(isinstance(b, FP8Block) for b in blocks):
+            found.append(m)
+            prefixes.append(name + "." if name else "")
+    return found
+
+
+def graphed_handles(model: nn.Module) -> list:
+    """The :class:`GraphedBlocks` of ``model`` (:meth:`GraphedBlocks.of`), or else those of the ViTs
+    inside it that :func:`install_graphs` graphed."""
+    own = GraphedBlocks.of(model)
+    if own is not None:
+        return [own]
+    return [h for h in (GraphedBlocks.of(m) for m in _vits_inside(model)) if h is not None]
+
+
 def install_graphs(model: nn.Module) -> Optional[str]:
     """``convert_to_te(cuda_graphs=True)``: graphs for ``model.blocks``, each shape captured as it
     comes (:func:`make_graphed_blocks` with no batch size, its defaults). Nothing needs a GPU yet.
+    A model without ``blocks`` that holds ViTs (a LightningModule's ``self.model``): theirs.
 
     Returns:
-        None, or why nothing was installed (no ``blocks``, sharded, ``forward`` patched by someone
-        else). Already installed: None, unchanged.
+        None, or why nothing was installed (no ``blocks`` and no ViT of fp8vit blocks inside,
+        sharded, ``forward`` patched by someone else). Already installed: None, unchanged.
     """
+    if not isinstance(getattr(model, "blocks", None), (nn.Sequential, nn.ModuleList)):
+        inner = _vits_inside(model)
+        if inner:
+            why = [w for w in (install_graphs(m) for m in inner) if w is not None]
+            return "; ".join(why) or None
     try:
         blocks, per_block, targets = _blocks_of(model, "cuda_graphs=True")
     except ValueError as err:
@@ -942,9 +971,8 @@ def install_graphs(model: nn.Module) -> Optional[str]:
 
 
 def remove_graphs(model: nn.Module) -> None:
-    """Release the graphs of ``model``'s blocks, if any (``convert_from_te``)."""
-    handle = GraphedBlocks.of(model)
-    if handle is not None:
+    """Release the graphs of ``model``'s blocks, or of the ViTs inside it, if any (``convert_from_te``)."""
+    for handle in graphed_handles(model):
         handle.release()
 
 
