@@ -1,5 +1,5 @@
 """HF accelerate: ``Accelerator(mixed_precision="bf16")`` with a model converted by
-``convert_to_te(model, autocast=True)``: ``prepare``, steps in FP8 (bf16 on the CPU), ``save_state`` /
+``convert_to_te(model, autocast=True, cuda_graphs=True)``: ``prepare``, steps in FP8 (bf16 on the CPU), ``save_state`` /
 ``load_state`` resuming exactly (CPU: reference modules; the GPU twin is
 tests/gpu/test_frameworks_gpu.py). ``save_state``'s default, safetensors, holds fp8vit's FP8 scaling
 state: one uint8 tensor per TE module."""
@@ -39,7 +39,7 @@ def batches(n=4, batch=4):
 def test_prepare_train_save_state_load_state(accelerator, tmp_path):
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=2)
-    fp8vit.convert_to_te(model, autocast=True)  # the whole fp8vit change to an accelerate script
+    fp8vit.convert_to_te(model, autocast=True, cuda_graphs=True)  # the whole fp8vit change to an accelerate script
     seen = []
     for block in model.blocks:
         block.register_forward_pre_hook(lambda m, args: seen.append(
