@@ -373,7 +373,7 @@ def run_lightning(cfg: Config) -> dict:
 
         if not cfg.fp8:
             raise ValueError("lightning-plugin's bf16 baseline is the lightning stack's (run that one)")
-        precision = {"plugins": [FP8VitPrecision()]}
+        precision = {"plugins": [FP8VitPrecision(cuda_graphs=cfg.cuda)]}  # its default on a GPU
     else:
         precision = {"precision": "bf16-mixed"}
     with tempfile.TemporaryDirectory() as root:
