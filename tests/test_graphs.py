@@ -428,6 +428,18 @@ def test_fsdp2_sharded_blocks_run_eagerly_saying_why(fake, monkeypatch):
         fp8vit.make_graphed_blocks(_vit())
 
 
+def test_fsdp1_managed_blocks_run_eagerly_saying_why(fake):
+    # Lightning's FSDP strategy (FullyShardedDataParallel) wraps after the plugin installed graphs;
+    # FSDP marks the parameters it flattened
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    for p in model.blocks.parameters():
+        p._fsdp_flattened = True
+    with pytest.warns(RuntimeWarning, match=r"managed by FSDP \(FullyShardedDataParallel.*cuda_graphs=False"):
+        _step(model, 4), _step(model, 4)
+    assert fake.captures == [] and handle.eager_calls == 2
+
+
 def test_a_capture_out_of_memory_stops_capturing_says_so_and_keeps_the_graphs_held(fake):
     model = _vit()
     handle = fp8vit.make_graphed_blocks(model)

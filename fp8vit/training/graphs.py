@@ -188,6 +188,15 @@ def _uncapturable(blocks: nn.Module, targets: tuple) -> Optional[str]:
     return None
 
 
+def _under_fsdp1(blocks: nn.Module) -> bool:
+    """Whether FSDP1 (``FullyShardedDataParallel``) wraps the blocks or flattened their parameters."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    return any(getattr(p, "_fsdp_flattened", False) for p in blocks.parameters()) or \
+        any(isinstance(m, FullyShardedDataParallel) for m in blocks.modules())
+
+
 def _use_count(storage: Any) -> int:
     """How many tensors (and storage objects) hold ``storage``."""
     return torch._C._storage_Use_Count(storage._cdata)
@@ -583,6 +592,10 @@ class GraphedBlocks:
         p = next(iter(self._blocks.parameters()), None)
         if p is not None and is_sharded(p):
             return f"model.blocks is sharded by FSDP2 (fully_shard): {WHY_NOT_WITH_FSDP2}"
+        if _under_fsdp1(self._blocks):
+            return ("model.blocks is managed by FSDP (FullyShardedDataParallel: flat parameters, gathered for "
+                    "forward and backward and freed after, which a graph replay does not do); graphs run under "
+                    "DDP (Lightning's FSDP strategy: FP8VitPrecision(cuda_graphs=False))")
         if p is not None and not self._on_gpu(p):
             return f"the blocks' parameters are on {p.device}; CUDA graphs need the model on its GPU"
         if recipe is None and self._fp8 and gpu_info().fp8.ok:
