@@ -18,16 +18,15 @@ from torch import nn
 from ._validate import check_bool, check_choice, check_model, check_module_filter
 from .blocks.backend import check_backend, resolve_backend
 from .blocks.compiled import allow_recompiles, compile_block, is_compiled_block, uncompile_block
-from .blocks.base import COMPILED_EAGER_BLOCKS, FP8Block
+from .blocks.base import FP8Block
 from .blocks.families import FAMILIES, fp8vit_block_for
 from .blocks.linear import (holds_linear, is_block, is_swapped, restore_owner, swap_refusal, switch_owner, to_fp8_linear,
                             to_torch_linear)
 from .blocks.weights import is_sharded
-from ._warn import warn_once
 from .errors import ConversionError
 from .summary import EXCLUDED, ConversionSummary, forget_summary, record_summary
 from .training.autocast import remove_fp8_autocast, set_fp8_autocast
-from .training.graphs import graphed_handles, install_graphs, remove_graphs
+from .training.graphs import install_graphs, remove_graphs
 from .training.switches import (ModuleFilter, checkpointing_on, install_checkpointing, remove_checkpointing,
                                 set_grad_checkpointing)
 
@@ -111,8 +110,8 @@ def convert_to_te(
             blocks, which run outside dynamo (TE kernels, or CUDA graphs with ``cuda_graphs=True``):
             patch embedding, conv stages, the blocks fp8vit keeps, heads. Compiled at the first
             call; a model that fails to compile warns once, naming the error, and runs eagerly.
-            With fused blocks but no CUDA graphs it warns: that measured slower than not
-            compiling (ViT-B/16, H200). Not with ``fallback="compile"`` (it compiles blocks one by
+            Fused blocks that run eagerly inside it (no CUDA graphs) warn at their first call: that
+            measured slower than not compiling (ViT-B/16, H200). Not with ``fallback="compile"`` (it compiles blocks one by
             one) nor on a block itself. Opt-in: measured fastest with ``cuda_graphs=True`` on the
             7 models of docs/performance.md's compile sweep.
 
@@ -177,11 +176,10 @@ def convert_to_te(
     not_graphed = install_graphs(model) if cuda_graphs else None
     if not_graphed:
         warnings.warn(f"fp8vit.convert_to_te(cuda_graphs=True): {not_graphed}", UserWarning, stacklevel=2)
-    if compile:
-        if not is_compiled_block(model):
-            compile_block(model, "", origin="convert_to_te(compile=True)")
-        if summary.num_fused and not cuda_graphs and not graphed_handles(model):
-            warn_once(COMPILED_EAGER_BLOCKS, RuntimeWarning, stacklevel=2)  # the same words as at a call: once
+    if compile and not is_compiled_block(model):
+        # eager fused blocks called from the compiled model warn at that call (blocks.base), not
+        # here: make_graphed_blocks may still come
+        compile_block(model, "", origin="convert_to_te(compile=True)")
     no_forward = ("; autocast=True installed no FP8 forward: nothing in the model runs FP8"
                   if autocast and not holds_fp8 else "")
     if compile and not holds_fp8:
