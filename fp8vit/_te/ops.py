@@ -36,7 +36,7 @@ def packed_attention(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch
         except ValueError as err:
             if "No dot product attention backend" not in str(err):
                 raise
-            raise ValueError(no_attention_kernel(q, k, kwargs)) from err
+            raise ValueError(_no_attention_kernel(q, k, kwargs)) from err
     if q.dtype in (torch.bfloat16, torch.float16) and attention_backend() == "unfused":
         # bf16 attention that TE runs in its unfused backend ([B, H, N, N] probabilities in memory,
         # bmm + softmax): slower and larger than cuDNN's, and nothing else would say so
@@ -73,7 +73,7 @@ def _te_backends() -> Optional[dict]:
     return chosen if isinstance(chosen, dict) else None
 
 
-def no_attention_kernel(q: torch.Tensor, k: torch.Tensor, kwargs: dict) -> str:
+def _no_attention_kernel(q: torch.Tensor, k: torch.Tensor, kwargs: dict) -> str:
     """What to say when TE finds no attention kernel for a call: its shapes, and the likely fix."""
     b, n, h, d = q.shape
     bias = kwargs.get("core_attention_bias")
