@@ -744,8 +744,8 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
         print(_table(rows, _peak(env["device"]), a.price_per_hour * world if a.price_per_hour else None))
         unfused = [r["variant"] for r in rows if r.get("attention") == "unfused"]
         if unfused:
-            print(f"note: Transformer Engine ran attention unfused (slow: not cuDNN's kernels) in {', '.join(unfused)}; "
-                  "these times are not fp8vit's (NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 says why)")
+            print(f"note: Transformer Engine ran attention unfused (slow: not cuDNN's kernels) in {', '.join(unfused)}: "
+                  "a setup problem, these times are not representative (NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 says why)")
         results.extend(rows)
     if extra:
         print(f"\nlargest batch that fits, {model}{recompute}:")
