@@ -695,3 +695,11 @@ def test_bench_nproc_rejects_bad_input(args, msg, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--model", "micro", *args])
     assert msg in capsys.readouterr().err
+
+
+def test_a_run_whose_attention_te_ran_unfused_is_named_under_the_table():
+    rows = [{"variant": "timm-bf16"}, {"variant": "fp8vit-fp8-delayed-graphed", "attention": "unfused"},
+            {"variant": "fp8vit-fp8-delayed", "attention": "fused"}]
+    note = bench._unfused_note(rows)
+    assert note is not None and "in fp8vit-fp8-delayed-graphed:" in note and "not representative" in note
+    assert bench._unfused_note([dict(r, attention="fused") for r in rows]) is None

@@ -294,6 +294,15 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
     return out
 
 
+def _unfused_note(rows: List[dict]) -> Optional[str]:
+    """A line under the table naming the variants whose attention TE ran unfused, or None."""
+    unfused = [r["variant"] for r in rows if r.get("attention") == "unfused"]
+    if not unfused:
+        return None
+    return (f"note: Transformer Engine ran attention unfused (slow: not cuDNN's kernels) in {', '.join(unfused)}: "
+            "a setup problem, these times are not representative (NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 says why)")
+
+
 def _deciles(times: List[float]) -> List[float]:
     return statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
 
@@ -742,10 +751,9 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
         print(f"\n{model}, batch {batch}{' per process' if world > 1 else ''}, {env['device']}{recompute}{ddp}:")
         # img/s counts every process's images: the price is that of all their GPUs
         print(_table(rows, _peak(env["device"]), a.price_per_hour * world if a.price_per_hour else None))
-        unfused = [r["variant"] for r in rows if r.get("attention") == "unfused"]
-        if unfused:
-            print(f"note: Transformer Engine ran attention unfused (slow: not cuDNN's kernels) in {', '.join(unfused)}: "
-                  "a setup problem, these times are not representative (NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 says why)")
+        note = _unfused_note(rows)
+        if note:
+            print(note)
         results.extend(rows)
     if extra:
         print(f"\nlargest batch that fits, {model}{recompute}:")
