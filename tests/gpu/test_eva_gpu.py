@@ -218,7 +218,7 @@ def test_mixed_rope_frequencies_get_their_gradient_through_per_block_graphs(fp8)
     # return the tables' gradient (captured requiring grad), or the frequencies silently stop training.
     # Judged by the frequencies' gradient, not their change: it is ~3e-10 (H200, this model), too
     # small for an SGD step to move fp32 values of ~0.1-0.8. Under FP8 with delayed scaling it is
-    # exactly 0 in the first step (measured), eager too (E5M2 gradients at scale 1 flush to zero): current
+    # exactly 0 in the first step (measured), eager too (likely: E5M2 gradients at scale 1 flushing to zero): current
     # scaling here.
     g = torch.Generator("cuda").manual_seed(1)
     x = torch.randn(16, 3, 224, 224, device="cuda", generator=g)
