@@ -75,15 +75,16 @@ def test_fp8_step_snr_vs_bf16(recipe):
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_fp8_attention_snr_vs_bf16(recipe):
-    # make_recipe(..., fp8_attention=True): TE's fp8_dpa, attention's matmuls in FP8 (ViT-B's head
-    # width 64). Against bf16 by the same floors; against the same recipe with bf16 attention, the
-    # logits must differ (else TE fell back to bf16 attention and nothing was measured).
+    # make_recipe(..., fp8_attention=True): TE's fp8_dpa, attention's matmuls in FP8. ViT-B's width
+    # in 6 heads of 128: TE 2.20 with cuDNN 9.19 has FP8 attention on Hopper for head dim 128 only
+    # (ViT-B's own 64 gets fp8vit's error naming it). Against bf16 by the same floors; against the
+    # same recipe with bf16 attention, the logits must differ (else nothing FP8 was measured).
     _need(recipe)
     fp8_attn = fp8vit.make_recipe(recipe, fp8_attention=True)
     x = torch.randn(16, 3, 224, 224, device="cuda")
     out = {}
     for name, rec in (("bf16 attention", recipe), ("fp8 attention", fp8_attn)):
-        model = _vit().train()
+        model = _vit(num_heads=6).train()
         ref = fp8_step(model, x, recipe, enabled=False)
         for _ in range(2):
             fp8_step(model, x, rec)
