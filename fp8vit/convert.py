@@ -17,7 +17,8 @@ from torch import nn
 
 from ._validate import check_bool, check_choice, check_model, check_module_filter
 from .blocks.backend import check_backend, resolve_backend
-from .blocks.compiled import allow_recompiles, compile_block, is_compiled_block, uncompile_block
+from .blocks.compiled import (allow_recompiles, compile_block, compile_units, is_compiled_at, is_compiled_block,
+                              uncompile_block)
 from .blocks.base import FP8Block
 from .blocks.families import FAMILIES, fp8vit_block_for
 from .blocks.linear import (holds_linear, is_block, is_swapped, restore_owner, swap_refusal, switch_owner, to_fp8_linear,
@@ -92,9 +93,11 @@ def convert_to_te(
             bf16 under autocast). ``"error"``: raise :class:`ConversionError`. ``"compile"``: keep
             them, each compiled in place with ``nn.Module.compile()`` (``torch.compile``, default
             options; the same module object, parameters and state dict keys); the outermost
-            unfused block holding Linears is compiled, fused blocks are not. Compilation happens
-            at a block's first call; a block that fails to compile warns once, naming the block
-            and the error, and runs eagerly from then on (an error its eager forward raises too
+            unfused block holding Linears is compiled, fused blocks are not; an ``nn.Sequential``
+            of such blocks only (Swin's ``layers.N.blocks``) is compiled as one unit, as its
+            blocks one by one are one compilation each (``fp8vit.blocks.compiled``). Compilation
+            happens at the first call; a block or unit that fails to compile warns once, naming
+            it and the error, and runs eagerly from then on (an error its eager forward raises too
             is raised as it is). Opt-in, not yet measured. The default is
             ``"keep"`` because the swap was measured no faster than timm's bf16 eager step (H200,
             batch 128: Swin-B 0.90x, BEiT-B 1.00x; docs/families.md): it saves memory, not time.
@@ -111,9 +114,9 @@ def convert_to_te(
             patch embedding, conv stages, the blocks fp8vit keeps, heads. Compiled at the first
             call; a model that fails to compile warns once, naming the error, and runs eagerly.
             Fused blocks that run eagerly inside it (no CUDA graphs) warn at their first call: that
-            measured slower than not compiling (ViT-B/16, H200). Not with ``fallback="compile"`` (it compiles blocks one by
-            one) nor on a block itself. Opt-in: measured fastest with ``cuda_graphs=True`` on the
-            7 models of docs/performance.md's compile sweep.
+            measured slower than not compiling (ViT-B/16, H200). Not with ``fallback="compile"`` (that compiles the kept
+            blocks, not the model) nor on a block itself. Opt-in: measured fastest with
+            ``cuda_graphs=True`` on the 8 models of docs/performance.md's compile sweep.
 
     Returns:
         ``model`` (or the fused block replacing it, if ``model`` is a block of a family).
@@ -141,7 +144,7 @@ def convert_to_te(
     check_bool(fn, "compile", compile)
     if compile and fallback == "compile":
         raise ValueError("convert_to_te(compile=True, fallback='compile'): fallback='compile' compiles the blocks "
-                         "fp8vit cannot fuse one by one, compile=True the whole model, them included: pass one")
+                         "fp8vit cannot fuse, compile=True the whole model, them included: pass one")
     kw = dict(exact_gelu=exact_gelu, backend=backend, fp32_residual=fp32_residual)
     plan = _Plan(model, module_filter_fn, fallback, kw)
     plan.walk(model, "", None)
@@ -163,10 +166,11 @@ def convert_to_te(
         parent, name = _parent(model, fqn)
         switch_owner(new, parent, name)
         setattr(parent, name, new)
-    for fqn in plan.compile:
-        compile_block(model.get_submodule(fqn), fqn)
-    if plan.compile:
-        allow_recompiles(len(plan.compile))
+    units = compile_units(model, plan.compile)
+    for fqn, children in units:
+        compile_block(model.get_submodule(fqn), fqn, unit=children)
+    if units:
+        allow_recompiles(len(units))
     if summary.num_fused or summary.num_swapped:
         install_checkpointing(model)
     record_summary(model, summary)
@@ -302,7 +306,7 @@ class _Plan:
             if self.fallback == "compile":
                 if not any(_inside(block, other) for other, _, _ in by_holder):  # the outermost only
                     self.compiled[why].append(block)
-                    if not is_compiled_block(self.root.get_submodule(block)):  # compiled by an earlier call
+                    if not is_compiled_at(self.root, block):  # compiled by an earlier call
                         self.compile.append(block)
                 continue
             for fqn, lin in lins:

@@ -1,16 +1,16 @@
-"""convert_to_te(fallback="compile"): the blocks fp8vit cannot fuse, compiled in place per block
-(CPU, reference backend, torch.compile's default backend on tiny models)."""
+"""convert_to_te(fallback="compile"): the blocks fp8vit cannot fuse, compiled in place, a Sequential
+of them only as one unit (CPU, reference backend, torch.compile's default backend on tiny models)."""
 
 import copy
 import warnings
 
 import pytest
 import torch
-from timm.models.vision_transformer import ResPostBlock, VisionTransformer
+from timm.models.vision_transformer import Block, ResPostBlock, VisionTransformer
 
 import fp8vit
 from fp8vit.blocks import compiled as compiled_mod
-from fp8vit.blocks.compiled import is_compiled_block
+from fp8vit.blocks.compiled import compile_units, is_compiled_at, is_compiled_block
 
 
 def _unfused():
@@ -37,7 +37,8 @@ def test_compile_fallback_matches_eager_forward_and_backward():
     assert summary.compiled_paths == ("blocks.0", "blocks.1")
     assert "compiled (torch.compile)" in summary.table() and "compiled 2 blocks" in summary.short()
     assert summary.to_dict()["compiled"] == {"ResPostBlock: no fp8vit block for this class": ["blocks.0", "blocks.1"]}
-    assert all(is_compiled_block(b) for b in model.blocks)
+    assert is_compiled_block(model.blocks) and not any(is_compiled_block(b) for b in model.blocks)  # one unit
+    assert all(is_compiled_at(model, f"blocks.{i}") for i in range(2))
     assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
 
     x = torch.randn(3, 3, 32, 32)
@@ -54,6 +55,7 @@ def test_compile_fallback_matches_eager_forward_and_backward():
     assert fp8vit.convert_from_te(model) is model
     assert not any(is_compiled_block(m) for m in model.modules())
     assert all(m._compiled_call_impl is None for m in model.modules())
+    assert not is_compiled_at(model, "blocks.0")
     assert list(model.state_dict()) == keys
     with pytest.raises(ValueError, match="was not converted"):
         fp8vit.conversion_summary(model)
@@ -93,12 +95,12 @@ def test_a_block_that_cannot_compile_warns_once_and_runs_eagerly(monkeypatch):
     ref = copy.deepcopy(model)
     _convert(model)
     x = torch.randn(2, 3, 32, 32)
-    with pytest.warns(UserWarning, match=r"blocks\.\d \(ResPostBlock\) could not be compiled.*TorchRuntimeError: "
-                                         r"inductor could not lower.*eagerly from now on") as record:
+    with pytest.warns(UserWarning, match=r"blocks \(Sequential of blocks 0, 1\) could not be compiled.*"
+                                         r"TorchRuntimeError: inductor could not lower.*eagerly from now on") as record:
         out = model(x)
-    assert len([w for w in record if "could not be compiled" in str(w.message)]) == 2  # one per block
+    assert len([w for w in record if "could not be compiled" in str(w.message)]) == 1  # one unit
     torch.testing.assert_close(out, ref(x))
-    assert not any(is_compiled_block(b) for b in model.blocks)
+    assert not is_compiled_block(model.blocks) and not is_compiled_at(model, "blocks.1")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.testing.assert_close(model(x), ref(x))
@@ -111,9 +113,9 @@ def test_the_models_own_errors_are_raised_not_taken_for_compile_failures(monkeyp
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(RuntimeError) as info:
-            model.blocks[0](torch.randn(2, 5, 32))  # 32 features, the block wants 64
+            model.blocks(torch.randn(2, 5, 32))  # 32 features, the blocks want 64
     assert not isinstance(info.value, torch._dynamo.exc.TorchDynamoException)
-    assert is_compiled_block(model.blocks[0])  # still compiled: the failure was the model's
+    assert is_compiled_block(model.blocks)  # still compiled: the failure was the model's
 
 
 def test_compile_is_a_fallback_choice():
@@ -122,21 +124,49 @@ def test_compile_is_a_fallback_choice():
         fp8vit.convert_to_te(_unfused(), backend="reference", fallback="compiled")
 
 
-def test_every_compiled_block_compiles_past_dynamo_recompile_limit(monkeypatch):
-    # All compiled blocks share one code object (nn.Module._call_impl); blocks whose guards differ
-    # (a drop-path rate per block, a Swin shift, another stage's width) are recompilations of it,
-    # and dynamo stops at its recompile limit (8), running the rest eagerly.
+def _eager_backend(monkeypatch):
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def _deep_unfused(depth=12):
     torch.manual_seed(0)
-    model = VisionTransformer(img_size=32, patch_size=16, embed_dim=32, depth=12, num_heads=2, num_classes=5,
-                              block_fn=ResPostBlock, drop_path_rate=0.2)  # 12 distinct rates
+    return VisionTransformer(img_size=32, patch_size=16, embed_dim=32, depth=depth, num_heads=2, num_classes=5,
+                             block_fn=ResPostBlock, drop_path_rate=0.2)  # a drop-path rate per block
+
+
+def test_every_compiled_block_compiles_past_dynamo_recompile_limit(monkeypatch):
+    # Blocks compiled one by one share one code object (nn.Module._call_impl); blocks whose guards
+    # differ (a drop-path rate per block, a Swin shift, another stage's width) are recompilations of
+    # it, and dynamo stops at its recompile limit (8), running the rest eagerly. One fused block in
+    # the Sequential keeps the other 12 from compiling as one unit.
+    _eager_backend(monkeypatch)
+    model = _deep_unfused(13)
+    model.blocks[0] = Block(32, 2)  # fused
     _convert(model)
     assert fp8vit.conversion_summary(model).num_compiled == 12
-    torch._dynamo.utils.counters.clear()
+    assert compile_units(model, [f"blocks.{i}" for i in range(1, 13)]) == [(f"blocks.{i}", ()) for i in range(1, 13)]
     model.train()(torch.randn(2, 3, 32, 32)).sum().backward()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 12  # 8 before the limit was raised
+
+
+def test_a_sequential_of_unfused_blocks_compiles_once_not_once_per_block(monkeypatch):
+    # Swin-B's 24 blocks, compiled one by one, were 24 compilations of 65-90 s each on the H200 (a
+    # drop-path rate per block is a guard); the Sequential that holds them traces them in one.
+    _eager_backend(monkeypatch)
+    model, ref = _deep_unfused(), _deep_unfused()
+    _convert(model)
+    assert fp8vit.conversion_summary(model).num_compiled == 12
+    assert compile_units(model, [f"blocks.{i}" for i in range(12)]) == [("blocks", tuple(str(i) for i in range(12)))]
+    x = torch.randn(2, 3, 32, 32)
+    for m in (model, ref):
+        torch.manual_seed(1)  # the same drop-path draws
+        m.train()(x).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 # ---------------------------------------------------------------- compile=True: the whole model

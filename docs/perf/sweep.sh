@@ -17,7 +17,7 @@
 #   hybrid   the same: for ViTamin and the R50 hybrid, -graphed-compile compiles the conv stems
 #            (fallback="compile" compiles blocks holding Linears only: none there)
 #   generic  timm-bf16, timm-bf16-compile, fp8vit-fp8-delayed-blockcompile (fallback="compile": the
-#            unfused blocks compiled one by one) and fp8vit-fp8-delayed-compile (convert_to_te, then
+#            unfused blocks compiled, a Sequential of them as one unit) and fp8vit-fp8-delayed-compile (convert_to_te, then
 #            torch.compile(model): everything but fused blocks compiled). fallback="linear" (FP8
 #            Linears, eager: 0.90-1.00x timm eager, docs/performance.md) is left out. The partly fused
 #            models are here too, their fused blocks eager: PiT keeps its blocks under
@@ -71,7 +71,7 @@ SWEEP="
 8 resnet50                      256 224 generic   8  50   8  50
 7 crossvit_15_240               256 240 generic   8  60  45  60
 3 beit_base_patch16_224         128 224 fused     6  40   8  16
-3 swin_base_patch4_window7_224  128 224 generic  10 100  80 100
+3 swin_base_patch4_window7_224  128 224 generic  10 120 120 120
 4 convnext_base                 128 224 generic   8  70  50  70
 8 maxvit_tiny_tf_224            128 224 generic   8 110  80 110
 5 cait_s24_224                  256 224 generic   8  55  45  55

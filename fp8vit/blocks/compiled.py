@@ -12,6 +12,14 @@ as ``TorchRuntimeError`` while tracing) and the eager error is raised, the block
 compiled; if it runs, the block warns once, naming itself and the compiler's error, and runs
 eagerly from then on. Failures of a backward compiled later than its forward are not caught.
 
+Sibling blocks compile as one unit (:func:`compile_units`): where every child of an
+``nn.Sequential`` is a block to compile (Swin's ``layers.N.blocks``, a ViT's ``blocks``), the
+Sequential is compiled instead of each block. dynamo guards on each block's Python constants (a
+drop-path rate per block, Swin's shifted/unshifted mask, a stage's width), so blocks compiled one by
+one are one compilation each: Swin-B's 24 blocks took 65-90 s each on the H200, against 114 s for
+all of ``torch.compile(model)``. A Sequential traces its blocks inline, in one compilation per
+stage.
+
 Pickling and ``copy.deepcopy`` drop the compilation (``nn.Module.__getstate__`` drops
 ``_compiled_call_impl``), as they do for ``nn.Module.compile()``.
 """
@@ -19,15 +27,19 @@ Pickling and ``copy.deepcopy`` drop the compilation (``nn.Module.__getstate__`` 
 from __future__ import annotations
 
 import warnings
+from typing import List, Sequence, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["compile_block", "is_compiled_block", "uncompile_block", "allow_recompiles"]
+__all__ = ["compile_block", "compile_units", "is_compiled_at", "is_compiled_block", "uncompile_block",
+           "allow_recompiles"]
 
 # Marks the guard that compile_block installs, with the block's path (uncompile_block undoes
 # only these, not a user's own nn.Module.compile()).
 _MARK = "_fp8vit_compiled_block"
+# On a unit's guard (compile_units): the names of the blocks it compiles, children of the module
+_UNIT = "_fp8vit_compiled_unit"
 # dynamo's default recompile limit per code object: kept free for other guards of the same blocks
 _DEFAULT_RECOMPILES = 8
 
@@ -40,10 +52,12 @@ def _compiler_errors() -> tuple:
     return (TorchDynamoException,)
 
 
-def compile_block(module: nn.Module, fqn: str, origin: str = "convert_to_te(fallback='compile')") -> nn.Module:
+def compile_block(module: nn.Module, fqn: str, origin: str = "convert_to_te(fallback='compile')",
+                  unit: Tuple[str, ...] = ()) -> nn.Module:
     """Compile ``module`` in place (``torch.compile``'s defaults), with the guard of the module
     docstring; ``fqn`` names it in the warning (``""``: the model), ``origin`` the option that asked
-    for it. Returns ``module``."""
+    for it, ``unit`` the names of the children it compiles as one unit (:func:`compile_units`).
+    Returns ``module``."""
     compiled = torch.compile(module._call_impl)
     errors = _compiler_errors()
 
@@ -53,13 +67,15 @@ def compile_block(module: nn.Module, fqn: str, origin: str = "convert_to_te(fall
         except errors as err:
             out = module._call_impl(*args, **kwargs)  # raises the model's own error, if it is one
             first = str(err).strip().splitlines()
-            warnings.warn(f"fp8vit: {fqn or '<model>'} ({type(module).__name__}) could not be compiled "
+            what = f"{type(module).__name__} of blocks {', '.join(unit)}" if unit else type(module).__name__
+            warnings.warn(f"fp8vit: {fqn or '<model>'} ({what}) could not be compiled "
                           f"({origin}): {type(err).__name__}: "
                           f"{first[0] if first else ''}; it runs eagerly from now on", UserWarning, stacklevel=3)
             module._compiled_call_impl = None
             return out
 
     setattr(call, _MARK, fqn)
+    setattr(call, _UNIT, tuple(unit))
     module._compiled_call_impl = call
     return module
 
@@ -82,6 +98,40 @@ def allow_recompiles(blocks: int) -> None:
 def is_compiled_block(module: nn.Module) -> bool:
     """Whether :func:`compile_block` compiled ``module`` (and it has not fallen back to eager)."""
     return getattr(getattr(module, "_compiled_call_impl", None), _MARK, None) is not None
+
+
+def compile_units(root: nn.Module, fqns: Sequence[str]) -> List[Tuple[str, Tuple[str, ...]]]:
+    """The compilations that compile the blocks at ``fqns`` (paths in ``root``): ``(path, ())`` for
+    a block compiled alone, ``(path, names)`` for an ``nn.Sequential`` of two or more children that
+    are all in ``fqns`` (names: its children), compiled as one unit (module docstring)."""
+    wanted = set(fqns)
+    units, done = [], set()
+    for fqn in fqns:
+        if fqn in done:
+            continue
+        parent = fqn.rpartition(".")[0]
+        container = root.get_submodule(parent) if "." in fqn else None
+        names = [name for name, _ in container.named_children()] if container is not None else []
+        if (type(container) is nn.Sequential and len(names) >= 2
+                and all(f"{parent}.{name}" in wanted for name in names)):
+            units.append((parent, tuple(names)))
+            done.update(f"{parent}.{name}" for name in names)
+        else:
+            units.append((fqn, ()))
+            done.add(fqn)
+    return units
+
+
+def is_compiled_at(root: nn.Module, fqn: str) -> bool:
+    """Whether the block at ``fqn`` in ``root`` is compiled: by :func:`compile_block` itself, or as
+    a child of a unit (:func:`compile_units`) that still is."""
+    if is_compiled_block(root.get_submodule(fqn)):
+        return True
+    parent, _, name = fqn.rpartition(".")
+    if not name or "." not in fqn:
+        return False
+    call = getattr(root.get_submodule(parent), "_compiled_call_impl", None)
+    return getattr(call, _MARK, None) is not None and name in getattr(call, _UNIT, ())
 
 
 def uncompile_block(module: nn.Module) -> bool:

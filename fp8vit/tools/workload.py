@@ -16,8 +16,8 @@ A variant's name says what runs the blocks, in which precision, and how:
                                    block for (Swin, CaiT, ...) get FP8 Linears (the generic path);
                                    on a model of fused blocks only, the same as without ``-linear``
 ``fp8vit-fp8-delayed-blockcompile[-graphed]``  ``convert_to_te(fallback="compile")``: the blocks
-                                   fp8vit cannot fuse are ``torch.compile``d one by one (the fused
-                                   blocks are not; ``-graphed`` captures those)
+                                   fp8vit cannot fuse are ``torch.compile``d (a Sequential of them
+                                   as one; the fused blocks are not; ``-graphed`` captures those)
 ``fp8vit-fp8-delayed[-graphed]-compile``  ``convert_to_te(model)`` then ``torch.compile`` of the whole
                                    model: everything but the fused blocks (which run outside dynamo,
                                    as TE kernels or, ``-graphed``, CUDA graphs) is compiled
@@ -83,7 +83,7 @@ class Variant:
         graphed: capture the blocks as CUDA graphs.
         cudnn_norm: TE's LayerNorm on cuDNN's kernels (:func:`fp8vit.set_cudnn_layernorm`).
         linear: the blocks fp8vit cannot fuse get FP8 Linears (``convert_to_te(fallback="linear")``).
-        block_compile: the blocks fp8vit cannot fuse are compiled one by one
+        block_compile: the blocks fp8vit cannot fuse are compiled (a Sequential of them as one)
             (``convert_to_te(fallback="compile")``).
         fp8_attention: the attention's matmuls run in FP8 too (TE's ``fp8_dpa``).
     """
