@@ -80,6 +80,10 @@ class SwappedLinear:
         self.fp8_enabled = True
         self.restore_owner = {}  # owner settings fp8vit.blocks.linear.switch_owner changed, for convert_from_te
 
+    # TE's Linear is not for dynamo to trace (its FP8 state lives in Python): under torch.compile
+    # (convert_to_te(fallback="linear", compile=True)) each swapped Linear is one graph break and
+    # runs as TE runs it, as the fused blocks do.
+    @torch.compiler.disable
     def forward(self, inp: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         # TE returns a view made inside its autograd Function, which autograd refuses to modify in
         # place; timm code around an nn.Linear may (BEiT: qkv += bias). _OwnOutput hands it out as

@@ -15,6 +15,8 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-RECIPE-linear``       ``convert_to_te(fallback="linear")``: blocks fp8vit has no fused
                                    block for (Swin, CaiT, ...) get FP8 Linears (the generic path);
                                    on a model of fused blocks only, the same as without ``-linear``
+``fp8vit-fp8-delayed-linear-compile``  the same, then ``torch.compile`` of the whole model (each
+                                   FP8 Linear a graph break, the rest compiled)
 ``fp8vit-fp8-delayed-blockcompile[-graphed]``  ``convert_to_te(fallback="compile")``: the blocks
                                    fp8vit cannot fuse are ``torch.compile``d (a Sequential of them
                                    as one; the fused blocks are not; ``-graphed`` captures those)
@@ -64,7 +66,7 @@ VARIANTS = (
     "fp8vit-bf16", "fp8vit-bf16-graphed",
     *(f"fp8vit-fp8-{r}" for r in RECIPE_NAMES), *(f"fp8vit-fp8-{r}-graphed" for r in RECIPE_NAMES),
     *(f"fp8vit-fp8-{r}-cudnn-norm{g}" for g in ("", "-graphed") for r in RECIPE_NAMES),
-    "fp8vit-fp8-delayed-linear", "fp8vit-fp8-current-linear",
+    "fp8vit-fp8-delayed-linear", "fp8vit-fp8-current-linear", "fp8vit-fp8-delayed-linear-compile",
     "fp8vit-fp8-delayed-blockcompile", "fp8vit-fp8-delayed-blockcompile-graphed",
     "fp8vit-fp8-delayed-compile", "fp8vit-fp8-delayed-graphed-compile",
     "fp8vit-fp8-delayed-fp8attn", "fp8vit-fp8-delayed-fp8attn-graphed",
@@ -111,7 +113,7 @@ class Variant:
         if name.startswith("te-layer"):
             return cls(name, "te-layer", "delayed", False, graphed)
         fp8 = parts[2] if name.startswith("fp8vit-fp8") else None
-        return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm, linear=parts[-1] == "linear",
+        return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm, linear="linear" in parts,
                    block_compile="blockcompile" in parts, fp8_attention="fp8attn" in parts)
 
     @property

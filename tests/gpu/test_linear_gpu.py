@@ -191,3 +191,23 @@ def test_grad_checkpointing_of_swapped_blocks_under_fp8(recipe):
     worst = min(snrs, key=snrs.get)
     print(f"swin {recipe} checkpointed vs not: worst {worst} {snrs[worst]:.1f} dB")
     assert snrs[worst] >= 40  # the same computation, recomputed
+
+
+@pytest.mark.parametrize("key", list(MODELS))
+def test_swapped_model_under_torch_compile_steps_as_uncompiled(key):
+    # torch.compile of a model with swapped Linears: each Linear a graph break running TE's FP8, the
+    # rest compiled. The compiled FP8 step must sit closer to the uncompiled FP8 step than that one
+    # to bf16 (the compiled bf16 ops round differently; an FP8 that did not run would be bf16-far).
+    _need("delayed")
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    eager, compiled = _model(key), _model(key)
+    fp8vit.convert_to_te(compiled, fallback="linear", compile=True)
+    bf16 = fp8_step(eager, x, "delayed", enabled=False)
+    for _ in range(3):  # delayed scaling: the first step fills the amax history
+        ref, test = fp8_step(eager, x, "delayed"), fp8_step(compiled, x, "delayed")
+    vs_eager, fp8_vs_bf16 = _snrs(eager, ref, test), _snrs(eager, bf16, ref)
+    worst = min(vs_eager, key=vs_eager.get)
+    print(f"{key} compiled vs uncompiled FP8: logits {vs_eager['logits']:.1f} dB, worst {worst} {vs_eager[worst]:.1f} "
+          f"dB; uncompiled FP8 vs bf16: logits {fp8_vs_bf16['logits']:.1f} dB")
+    assert vs_eager["logits"] >= fp8_vs_bf16["logits"] + 6
+    assert vs_eager[worst] >= GRAD_DB
