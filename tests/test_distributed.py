@@ -172,7 +172,7 @@ def test_make_graphed_blocks_refuses_a_sharded_model(ranks):
 
 # --------------------------------------------------------------------------- one process
 def test_shard_model_refuses_graphed_blocks_saying_why():
-    from fp8vit.training.graphs import _Dispatch  # what make_graphed_blocks installs (it needs a GPU)
+    from fp8vit.training.graph_cache import _Dispatch  # what make_graphed_blocks installs (it needs a GPU)
     model = _vit()
     model.blocks.forward = _Dispatch(handle=None, graphed=None, eager=None)
     with pytest.raises(ValueError, match=r"\['blocks'\] of this VisionTransformer are CUDA-graphed.*"

@@ -19,6 +19,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 import fp8vit
+from fp8vit.training import graph_cache as GC
 from fp8vit.training import graphs as G
 
 
@@ -161,7 +162,7 @@ def test_hooks_on_the_graphed_modules_are_set_aside_for_the_capture_and_run_arou
     block = torch.nn.Linear(2, 2)
     fwd = block.register_forward_hook(lambda m, a, o: None)
     pre = block.register_forward_pre_hook(lambda m, a: None)
-    with G._hooks_set_aside((block,)):
+    with GC._hooks_set_aside((block,)):
         assert not (block._forward_hooks or block._forward_pre_hooks or block._backward_hooks)
     assert fwd.id in block._forward_hooks and pre.id in block._forward_pre_hooks
     model = _eva()
@@ -315,7 +316,7 @@ def test_outside_autocast_and_without_fp8_on_an_fp8_gpu_run_eagerly_saying_why(f
         class fp8:  # noqa: N801 - what gpu_info() returns, as far as graphs reads it
             ok = True
 
-    monkeypatch.setattr(G, "gpu_info", lambda: _FP8GPU)
+    monkeypatch.setattr(GC, "gpu_info", lambda: _FP8GPU)
     with pytest.warns(RuntimeWarning, match=r"without FP8 \(outside fp8_context.*fp8=False"):
         _step(model, 4), _step(model, 4)
     assert fake.captures == [] and handle.eager_calls == 4
@@ -410,7 +411,7 @@ def test_checkpointing_switched_on_after_capture_runs_eagerly_saying_why(fake):
 def test_every_block_switch_read_by_forward_is_watched_after_capture(switch):
     # The graphs replay what was captured: flipping any block switch that changes the forward must
     # be seen (the graphs are then captured again), never be silently ignored.
-    from fp8vit.training.graphs import _switches
+    from fp8vit.training.graph_cache import _switches
     model = _vit()
     before = _switches(model.blocks)
     setattr(model.blocks[1], switch, not getattr(model.blocks[1], switch))
@@ -420,7 +421,8 @@ def test_every_block_switch_read_by_forward_is_watched_after_capture(switch):
 def test_fsdp2_sharded_blocks_run_eagerly_saying_why(fake, monkeypatch):
     model = _vit()
     handle = fp8vit.make_graphed_blocks(model)
-    monkeypatch.setattr(G, "is_sharded", lambda t: True)  # as after another framework's fully_shard
+    for module in (G, GC):  # as after another framework's fully_shard
+        monkeypatch.setattr(module, "is_sharded", lambda t: True)
     with pytest.warns(RuntimeWarning, match="sharded by FSDP2.*static input surface.*FSDP2 runs eagerly"):
         _step(model, 4), _step(model, 4)
     assert fake.captures == [] and handle.eager_calls == 2
@@ -616,7 +618,7 @@ def test_only_gradients_aliasing_the_graph_buffers_are_copied_before_a_replay():
     handle = G.GraphedBlocks(torch.nn.Sequential(torch.nn.Identity()), False)
     handle._params = (aliased, own, none)
     entry = G.GraphShape((6,), (torch.float32,), torch.bfloat16, None, {}, _recorded=[False])
-    G._AfterBackward(handle, entry, 0)((static.detach(), None), ())
+    GC._AfterBackward(handle, entry, 0)((static.detach(), None), ())
     assert entry._recorded == [True]
     handle._copy_aliased_grads()
     assert aliased.grad.data_ptr() != static.data_ptr() and torch.equal(aliased.grad, static)
@@ -669,7 +671,7 @@ def test_main_grads_reach_autograd_uncopied_and_are_copied_before_the_next_repla
     # The node before the graphed blocks hands each fused weight its main_grad: p.grad becomes a
     # view of it (no copy), accumulation adds to it, and before the next replay (which rewrites
     # main_grad) a p.grad still aliasing it is copied.
-    from fp8vit.training.graphs import _MainGradsToAutograd
+    from fp8vit.training.graph_cache import _MainGradsToAutograd
     w = torch.nn.Parameter(torch.zeros(4))
     w.main_grad = torch.randn(4)                 # what the backward graph wrote
     x = torch.randn(4, requires_grad=True)

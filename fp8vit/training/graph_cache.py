@@ -1,0 +1,838 @@
+"""The graph cache of one model's blocks: :class:`GraphedBlocks`, the captured call signatures
+(:class:`GraphShape`) and the dispatch installed as the blocks' ``forward``, which replays a
+graph, captures one at a signature's second sight, or runs the blocks eagerly.
+
+:func:`fp8vit.training.graphs.make_graphed_blocks` and ``convert_to_te(cuda_graphs=True)`` make
+them; that module's docstring says what is captured, when, what it costs and what stays right.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import gc
+import inspect
+import time
+import weakref
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .. import _te
+from .._warn import warn_once
+from .._te.recipes import recipe_name
+from ..blocks.base import FP8Block
+from ..blocks.weights import is_sharded
+from .detect import gpu_info
+
+__all__ = ["GraphedBlocks", "GraphShape", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES"]
+
+# Why make_graphed_blocks and FSDP2 (fully_shard) are refused together, from the sources (not
+# measured: it needs a GPU). Said by make_graphed_blocks and by fp8vit.training.distributed.shard_model.
+WHY_NOT_WITH_FSDP2 = (
+    "TE's make_graphed_callables makes each module's parameters part of its graphs' static input "
+    "surface (transformer_engine/pytorch/graph.py, _make_graphed_callables), while FSDP2 registers "
+    "sharded DTensor parameters between steps and all-gathers them into storage it frees again after "
+    "forward and backward (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, free_storage), in "
+    "per-block hooks that a graph of the blocks does not run; and the graphs' fused weight gradients "
+    "go to weight.main_grad, past FSDP2's reduce-scatter (TE's own FSDP2 test of "
+    "fuse_wgrad_accumulation is a strict xfail: tests/pytorch/distributed/fsdp2_tests/"
+    "run_fsdp2_fused_adam.py). Graphed blocks train data-parallel under DDP; FSDP2 runs eagerly")
+
+# Call signatures a handle holds graphs for unless told otherwise: the full batch, the last partial
+# batch of an epoch, one more.
+MAX_SHAPES = 3
+# Signatures seen once and remembered, to be captured at their second sight (the oldest goes first).
+_SEEN_LIMIT = 64
+
+_PREFIX = "fp8vit: CUDA-graphed blocks run eagerly (correct, slower): "
+_BUSY = ("the previous graph replay is still in use (its backward has not run, the blocks' output it "
+         "returned is still referenced, or retain_graph=True), and a replay would overwrite what that "
+         "backward reads: this forward runs eagerly. Two forwards before one backward (several crops or "
+         "views) run eagerly from the second on")
+
+
+
+def _spec(kwargs: dict, defaults: dict) -> tuple:
+    """A call's keyword inputs as a hashable signature: ``(shape, dtype, requires_grad)`` of a
+    tensor, else the value, left out where it is the forward's default (``is_causal=False`` passed
+    or not: one call). ``requires_grad``: a graph captured for a constant input computes no gradient
+    for it (mixed RoPE's table, made from learnable frequencies, needs one)."""
+    if not kwargs:
+        return ()
+    out = []
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            out.append((k, (tuple(v.shape), v.dtype, v.requires_grad)))
+        else:
+            d = defaults.get(k, inspect.Parameter.empty)
+            if not (v is d or (type(v) is type(d) and v == d)):
+                out.append((k, v))
+    return tuple(sorted(out, key=lambda kv: kv[0]))
+
+
+def _is_tensor_spec(value: Any) -> bool:
+    """Whether a value of :func:`_spec`'s signature stands for a tensor input."""
+    return isinstance(value, tuple) and len(value) == 3 and isinstance(value[1], torch.dtype)
+
+
+def _show(value: Any) -> str:
+    if _is_tensor_spec(value):
+        return f"{list(value[0])} {value[1]}" + (" requiring grad" if value[2] else "")
+    return repr(value)
+
+
+def _switches(blocks: nn.Module) -> tuple:
+    return tuple((m.fp8_enabled, m.grad_checkpointing, m.recompute_mlp, m.gelu_in_gemm)
+                 for m in blocks.modules() if isinstance(m, FP8Block))
+
+
+def _uncapturable(blocks: nn.Module, targets: tuple) -> Optional[str]:
+    """Why the blocks cannot be captured as they are now (None: they can)."""
+    if any(getattr(m, "grad_checkpointing", False) is True for m in blocks.modules()):
+        return ("activation checkpointing is on; a CUDA graph keeps all activations of its capture, so turn "
+                "checkpointing off (model.set_grad_checkpointing(False)) or do not graph this model")
+    unfused = [n for n, m in blocks.named_modules()
+               if isinstance(m, FP8Block) and m.recompute_mlp and not m.cfg.fused_mlp]
+    if unfused:
+        # TE's LayerNormMLP recomputes inside its own backward, which the graph captures; an
+        # unfused MLP (exact_gelu=True) would need activation checkpointing, refused above.
+        return (f"MLP recompute is on in blocks {unfused[:4]} whose MLP is unfused (exact_gelu=True or MLP "
+                "dropout), and that recompute uses activation checkpointing, which a captured graph cannot "
+                "hold; fp8vit.set_mlp_recompute(model, False) for them, or do not graph this model")
+    return None
+
+
+def _under_fsdp1(blocks: nn.Module) -> bool:
+    """Whether FSDP1 (``FullyShardedDataParallel``) wraps the blocks or flattened their parameters."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    return any(getattr(p, "_fsdp_flattened", False) for p in blocks.parameters()) or \
+        any(isinstance(m, FullyShardedDataParallel) for m in blocks.modules())
+
+
+def _use_count(storage: Any) -> int:
+    """How many tensors (and storage objects) hold ``storage``."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+@contextlib.contextmanager
+def _hooks_set_aside(targets: tuple):
+    """Module hooks of the graphed modules, away while TE captures (it refuses modules with hooks;
+    registered after capture they run around each replay, as they then are again)."""
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    saved = [(t, {n: getattr(t, n) for n in names}) for t in targets]
+    for t, _ in saved:
+        for n in names:
+            setattr(t, n, collections.OrderedDict())
+    try:
+        yield
+    finally:
+        for t, hooks in saved:
+            for n, d in hooks.items():
+                setattr(t, n, d)
+
+
+@dataclasses.dataclass(eq=False)
+class GraphShape:
+    """One captured call signature of the blocks: its graphs' memory and use.
+
+    Attributes:
+        shape: the block input shape the graphs replay for, ``(B, N, C)``.
+        input_dtypes: the block input dtype, per graphed module (one for ``nn.Sequential`` blocks;
+            per block otherwise: the first block's from the model's stem, each later one's what the
+            block before it returns).
+        autocast_dtype: torch autocast dtype of the capture.
+        recipe_name: the FP8 recipe captured (None: FP8 off).
+        call_kwargs: the keyword inputs: ``(shape, dtype, requires_grad)`` for a tensor (replayed with the caller's
+            values), the value itself otherwise (must match).
+        memory_bytes: GPU memory the capture added (reserved after minus before, caches emptied):
+            its static buffers, and the shared pool's growth if this batch was the largest so far.
+        capture_seconds: how long the capture took (warm-up passes included).
+        replays: forward replays of these graphs (per-block graphs: one per block).
+    """
+
+    shape: Tuple[int, ...]
+    input_dtypes: Tuple[torch.dtype, ...]
+    autocast_dtype: torch.dtype
+    recipe_name: Optional[str]
+    call_kwargs: dict
+    memory_bytes: int = 0
+    capture_seconds: float = 0.0
+    replays: int = 0
+    _key: tuple = dataclasses.field(default=(), repr=False)
+    _graphed: tuple = dataclasses.field(default=(), repr=False)
+    _recorded: list = dataclasses.field(default_factory=list, repr=False)
+    _node: Any = dataclasses.field(default=None, repr=False)  # weakref: the last replay's backward node
+    _storage: Any = dataclasses.field(default=None, repr=False)  # the static output's storage
+    _idle: int = dataclasses.field(default=0, repr=False)  # its use count when no one else holds it
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.input_dtypes[0]
+
+    def _busy(self) -> bool:
+        """Whether something may still read what the next replay overwrites: a backward not yet
+        run, or the output (or a view or detached alias of it) still held."""
+        node = self._node
+        return ((node is not None and node() is not None)
+                or (self._storage is not None and _use_count(self._storage) > self._idle))
+
+
+class _AfterBackward:
+    """Hook on a replay's backward node: the first time, records the graph's static gradient
+    buffers (the views it returned); on the first graphed module's node (its backward runs last),
+    marks the replay's backward as done."""
+
+    def __init__(self, handle: "GraphedBlocks", entry: GraphShape, index: int):
+        self.handle, self.entry, self.index = handle, entry, index
+
+    def __call__(self, grad_inputs, grad_outputs) -> None:
+        entry = self.entry
+        if not entry._recorded[self.index]:
+            self.handle._static_ptrs.update(g.data_ptr() for g in grad_inputs if g is not None)
+            entry._recorded[self.index] = True
+        if self.index == 0:
+            entry._node = None
+
+
+class _BeforeBackward:
+    """Pre-hook on the node of the last graphed module's replay (its backward runs first): copy
+    each ``.grad`` that is still a view of a ``weight.main_grad`` the backward graphs are about to
+    rewrite. A loop that sets gradients to None between forward and backward (Lightning's order:
+    forward, ``zero_grad()``, backward) leaves none to copy; copying before the forward instead
+    cloned every weight gradient there (ViT-H/16: 2.4 GiB a step)."""
+
+    def __init__(self, handle: "GraphedBlocks"):
+        self.handle = handle
+
+    def __call__(self, grad_outputs) -> None:
+        self.handle._copy_aliased_grads(only=self.handle._main_ptrs)
+
+
+class GraphedBlocks:
+    """The CUDA graphs of a model's blocks (:func:`make_graphed_blocks`, ``convert_to_te(cuda_graphs=True)``):
+    which call signatures are captured, their memory, and how often the graphs ran.
+
+    ``GraphedBlocks.of(model)`` finds the handle of a model (None: not graphed).
+
+    Attributes:
+        shapes: a :class:`GraphShape` per captured signature, in capture order.
+        max_shapes: how many signatures may be captured (settable; raising it lets new shapes in).
+        replays: forward calls that replayed graphs (per-block graphs: one per block).
+        eager_calls: forward calls that ran eagerly; ``eager_reasons`` counts them by reason
+            (``"eval"``, ``"new shape"``: first sight, ``"cache full"``, ``"busy"``, ...).
+        per_block: one graph pair per block (blocks in an ``nn.ModuleList`` that the model calls
+            one by one, with keyword inputs such as EVA's RoPE table), instead of one for all.
+        shape, input_dtype, autocast_dtype, recipe_name, call_kwargs: the first captured
+            signature's (None before any capture).
+    """
+
+    def __init__(self, blocks: nn.Module, per_block: bool, *, max_shapes: int = MAX_SHAPES,
+                 num_warmup_iters: int = 3, cudnn_layernorm: bool = False, fused_wgrad: bool = True,
+                 fp8: bool = True, amax_reduction_group: Any = None):
+        self._blocks = blocks  # may be half-built here (unpickling, deepcopy): read on first use
+        self._target_list: Optional[tuple] = None
+        self.per_block = per_block
+        self.max_shapes = max_shapes
+        self.num_warmup_iters = num_warmup_iters
+        self.cudnn_layernorm = cudnn_layernorm
+        self._fused_wgrad = fused_wgrad
+        self._fp8 = fp8
+        self._group = amax_reduction_group
+        self.replays = 0
+        self.eager_calls = 0
+        self.eager_reasons: collections.Counter = collections.Counter()
+        self._entries: "collections.OrderedDict[tuple, GraphShape]" = collections.OrderedDict()
+        self._seen: "collections.OrderedDict[tuple, list]" = collections.OrderedDict()
+        self._met = 0  # distinct signatures met in training
+        self._warned_full = False
+        self._capture_failed: Optional[str] = None
+        self._capturing = False
+        self._released = False
+        self._seq: Optional[tuple] = None  # per-block: what the next block of this forward does
+        self._pool = None
+        self._slots: tuple = ()
+        self._fp8_blocks: tuple = ()
+        self._fingerprint_at_capture = None
+        self._params: tuple = ()
+        self._main_grad_weights: tuple = ()
+        self._main_grads: tuple = ()
+        self._static_ptrs: set = set()
+        self._main_ptrs: frozenset = frozenset()  # the weight.main_grad buffers among them
+        self._defaults: Optional[dict] = None
+
+    def _spec(self, kwargs: dict) -> tuple:
+        if not kwargs:
+            return ()
+        if self._defaults is None:
+            params = inspect.signature(type(self._targets[0]).forward).parameters
+            self._defaults = {n: p.default for n, p in params.items()}
+        return _spec(kwargs, self._defaults)
+
+    @property
+    def _targets(self) -> tuple:
+        """The modules whose forward is graphed: ``model.blocks``, or each block."""
+        if self._target_list is None:
+            self._target_list = tuple(self._blocks) if self.per_block else (self._blocks,)
+        return self._target_list
+
+    def _own(self) -> tuple:
+        """This handle's dispatch on each graphed module (None where there is none)."""
+        out = []
+        for t in self._targets:
+            d = vars(t).get("forward")
+            out.append(d if isinstance(d, _Dispatch) and d.handle is self else None)
+        return tuple(out)
+
+    # ------------------------------------------------------------------ reading
+    @staticmethod
+    def of(model: nn.Module) -> Optional["GraphedBlocks"]:
+        """The handle of ``model``'s graphed blocks (through a DDP wrapper too), or None."""
+        model = getattr(model, "module", model)
+        blocks = getattr(model, "blocks", None)
+        if not isinstance(blocks, nn.Module):
+            return None
+        for m in (blocks, *(blocks if isinstance(blocks, nn.ModuleList) else ())):
+            d = vars(m).get("forward")
+            if isinstance(d, _Dispatch) and d.handle is not None:
+                return d.handle
+        return None
+
+    @property
+    def shapes(self) -> list:
+        return list(self._entries.values())
+
+    @property
+    def main_grad_bytes(self) -> int:
+        """The fused-wgrad buffers (one fp32 gradient per block weight), shared by all signatures."""
+        return sum(w.main_grad.numel() * w.main_grad.element_size() for w in self._main_grad_weights
+                   if isinstance(vars(w).get("main_grad"), torch.Tensor))
+
+    @property
+    def memory_bytes(self) -> int:
+        """GPU memory held for the graphs: every capture's (:attr:`GraphShape.memory_bytes`) and the
+        fused-wgrad buffers."""
+        return sum(e.memory_bytes for e in self._entries.values()) + self.main_grad_bytes
+
+    @property
+    def fused_wgrad(self) -> bool:
+        """Whether the backward graphs write weight gradients in the weights' dtype (fp32) into
+        ``weight.main_grad`` (asked for with ``fused_wgrad=True``; before any capture: the setting)."""
+        return self._fused_wgrad and (not self._entries or bool(self._main_grad_weights))
+
+    def _first(self, attr: str) -> Any:
+        entry = next(iter(self._entries.values()), None)
+        return None if entry is None else getattr(entry, attr)
+
+    shape = property(lambda self: self._first("shape"))
+    input_dtype = property(lambda self: self._first("input_dtype"))
+    autocast_dtype = property(lambda self: self._first("autocast_dtype"))
+    recipe_name = property(lambda self: self._first("recipe_name"))
+    call_kwargs = property(lambda self: self._first("call_kwargs"))
+
+    def describe(self) -> str:
+        """The graphs in words (``conversion_summary`` shows it)."""
+        shapes = ", ".join(str(list(e.shape)) for e in self._entries.values())
+        eager = ", ".join(f"{why} {n}" for why, n in self.eager_reasons.items())
+        return (f"{'per block' if self.per_block else 'model.blocks'}: {len(self._entries)} of at most "
+                f"{self.max_shapes} batch shapes captured{f' ({shapes})' if shapes else ''}, "
+                f"{self.replays} replays, {self.eager_calls} eager calls{f' ({eager})' if eager else ''}, "
+                f"{self.memory_bytes / 2**20:.0f} MiB")
+
+    def __repr__(self) -> str:
+        shapes = [(list(e.shape), e.recipe_name, e.memory_bytes, e.replays) for e in self._entries.values()]
+        return (f"GraphedBlocks(shapes={shapes} (shape, recipe, memory_bytes, replays), max_shapes="
+                f"{self.max_shapes}, replays={self.replays}, eager_calls={self.eager_calls}, "
+                f"memory_bytes={self.memory_bytes}, per_block={self.per_block})")
+
+    # ------------------------------------------------------------------ lifetime
+    def release(self) -> None:
+        """Run the blocks eagerly again and let the graphs and their memory go."""
+        for t, d in zip(self._targets, self._own()):
+            if d is not None:
+                del t.forward
+        self._drop(remember=False)
+        self._seen.clear()
+        self._released = True
+
+    def clear(self) -> None:
+        """Drop the captured graphs and their memory; shapes are captured again as they come (e.g.
+        after progressive resizing moved on from the shapes held)."""
+        self._drop(remember=False)
+        self._seen.clear()
+        self._met, self._warned_full, self._capture_failed = 0, False, None
+
+    def __reduce__(self):
+        # A copy (deepcopy, pickle) of the model gets the settings and captures its own graphs:
+        # these read the original's parameters.
+        return (_fresh_handle, (self._blocks, self.per_block, dict(
+            max_shapes=self.max_shapes, num_warmup_iters=self.num_warmup_iters, cudnn_layernorm=self.cudnn_layernorm,
+            fused_wgrad=self._fused_wgrad, fp8=self._fp8)))
+
+    def _install(self) -> None:
+        for i, t in enumerate(self._targets):
+            t.forward = _Dispatch(self, i, t)
+
+    def _drop(self, remember: bool) -> None:
+        """Let every graph go (``remember``: their signatures are captured again at their next call)."""
+        self._copy_aliased_grads()
+        for key, entry in self._entries.items():
+            entry._graphed, entry._node, entry._storage = (), None, None
+            if remember:
+                self._seen[key] = list(entry.input_dtypes)
+        had = bool(self._entries)
+        self._entries.clear()
+        _te.release_main_grad(self._main_grad_weights)
+        self._main_grad_weights, self._main_grads, self._params = (), (), ()
+        self._static_ptrs, self._pool, self._fingerprint_at_capture = set(), None, None
+        self._main_ptrs = frozenset()
+        if had:
+            gc.collect()  # TE's graphed callables hold their graphs in reference cycles
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ the call
+    def _forward(self, i: int, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        t = self._targets[i]
+        if self._capturing or self._released:  # TE's warm-up and capture call the blocks themselves
+            return type(t).forward(t, x, *args, **kwargs)
+        if not t.training:
+            if i == 0:
+                self._seq = None
+            return self._eager(t, "eval", None, x, args, kwargs)
+        if i:
+            return self._follow(i, t, x, args, kwargs)
+        self._seq = None
+        entry, reason, message = self._choose(x, args, kwargs)
+        if entry is None:
+            if self.per_block and self._seq is None and len(self._targets) > 1:
+                self._seq = ("eager", reason, 1)
+            return self._eager(t, reason, message, x, args, kwargs)
+        return self._replay(entry, 0, x, kwargs)
+
+    def _eager(self, t: nn.Module, reason: str, message: Optional[str], x, args, kwargs) -> torch.Tensor:
+        self.eager_calls += 1
+        self.eager_reasons[reason] += 1
+        if message:
+            warn_once(_PREFIX + message, RuntimeWarning, stacklevel=5)
+        return type(t).forward(t, x, *args, **kwargs)
+
+    def _follow(self, i: int, t: nn.Module, x, args, kwargs) -> torch.Tensor:
+        """Per-block graphs, block ``i > 0``: do what block 0 decided for this forward."""
+        seq, self._seq = self._seq, None
+        if seq is None or seq[2] != i:  # e.g. a block called on its own
+            return self._eager(t, "block called alone", None, x, args, kwargs)
+        kind, what, _ = seq
+        nxt = i + 1 if i + 1 < len(self._targets) else None
+        if kind == "replay":
+            if (not args and tuple(x.shape) == what.shape and x.dtype == what.input_dtypes[i]
+                    and self._spec(kwargs) == what._key[4]):
+                return self._replay(what, i, x, kwargs)
+            message = (f"block {i} of a graphed forward got {list(x.shape)} {x.dtype} and keyword inputs "
+                       f"{self._spec(kwargs)}, its graph was captured for {list(what.shape)} {what.input_dtypes[i]} and "
+                       f"{what._key[4]}: it and the blocks after it run eagerly")
+            if nxt:
+                self._seq = ("eager", "block input", nxt)
+            return self._eager(t, "block input", message, x, args, kwargs)
+        if kind == "observe":  # first sight: note what each block gets, for the capture
+            seen = self._seen.get(what)
+            if seen is not None:
+                alike = not args and tuple(x.shape) == what[0] and self._spec(kwargs) == what[4]
+                seen[i] = x.dtype if alike else False
+            if nxt:
+                self._seq = ("observe", what, nxt)
+            return self._eager(t, "new shape", None, x, args, kwargs)
+        if nxt:
+            self._seq = ("eager", what, nxt)
+        return self._eager(t, what, None, x, args, kwargs)
+
+    @staticmethod
+    def _on_gpu(t: torch.Tensor) -> bool:
+        return t.is_cuda
+
+    def _call_context(self) -> Tuple[Optional[torch.dtype], Any]:
+        """The call's autocast dtype (None: autocast off) and active TE FP8 recipe (None: FP8 off)."""
+        if not torch.is_autocast_enabled("cuda"):
+            return None, None
+        return torch.get_autocast_dtype("cuda"), _te.active_fp8_recipe()
+
+    def _choose(self, x: torch.Tensor, args: tuple, kwargs: dict):
+        """``(entry to replay, None, None)`` or ``(None, reason, warning or None)`` for the first
+        graphed module's call; captures a signature at its second sight."""
+        if args:
+            return None, "positional inputs", (f"the blocks were called with {len(args)} positional inputs "
+                                               "besides x; graphs take keyword inputs only")
+        if not self._on_gpu(x):
+            return None, "not on a GPU", None
+        dtype, recipe = self._call_context()
+        if dtype is None:
+            return None, "no autocast", ("the call runs outside torch autocast; graphs are captured for a "
+                                         "training loop inside fp8_context (its autocast): wrap the forward in it")
+        spec = self._spec(kwargs)
+        try:
+            hash(spec)
+        except TypeError:
+            return None, "keyword inputs", (f"a keyword input of the blocks ({sorted(kwargs)}) is neither a tensor "
+                                            "nor a hashable value, so no graph can be keyed on it")
+        key = (tuple(x.shape), x.dtype, dtype, recipe_name(recipe) if recipe is not None else None, spec)
+        if self._entries:
+            changed = self._changed()
+            if changed is not None:
+                if self._busy():
+                    return None, "busy", _BUSY
+                self._drop(remember=True)
+                warn_once(f"fp8vit: {changed} since the blocks' CUDA graphs were captured: the graphs are dropped "
+                          "and captured again as the shapes come (about a second each)", RuntimeWarning, stacklevel=6)
+        entry = self._entries.get(key)
+        if entry is not None:
+            if self._busy():
+                return None, "busy", _BUSY
+            return entry, None, None
+        if not torch.is_grad_enabled():
+            return None, "no grad", None
+        why = self._why_not(recipe, kwargs)
+        if why is not None:
+            return None, "not capturable", why
+        return self._miss(key, x, kwargs, recipe)
+
+    def _busy(self) -> bool:
+        return any(e._busy() for e in self._entries.values())
+
+    def _why_not(self, recipe: Any, kwargs: dict) -> Optional[str]:
+        """Why no signature can be captured now (None: one can)."""
+        if self._capture_failed:
+            return self._capture_failed
+        p = next(iter(self._blocks.parameters()), None)
+        if p is not None and is_sharded(p):
+            return f"model.blocks is sharded by FSDP2 (fully_shard): {WHY_NOT_WITH_FSDP2}"
+        if _under_fsdp1(self._blocks):
+            return ("model.blocks is managed by FSDP (FullyShardedDataParallel: flat parameters, gathered for "
+                    "forward and backward and freed after, which a graph replay does not do); graphs run under "
+                    "DDP (Lightning's FSDP strategy: FP8VitPrecision(cuda_graphs=False))")
+        if p is not None and not self._on_gpu(p):
+            return f"the blocks' parameters are on {p.device}; CUDA graphs need the model on its GPU"
+        if recipe is None and self._fp8 and gpu_info().fp8.ok:
+            return ("the call runs without FP8 (outside fp8_context, or with FP8 turned off) on a GPU that runs "
+                    "FP8, and graphs are captured for the training loop's fp8_context: wrap the forward in "
+                    "fp8_context, or make_graphed_blocks(model, fp8=False) for graphs without FP8")
+        why = _uncapturable(self._blocks, self._targets)
+        if why is not None:
+            return why
+        for k, v in self._spec(kwargs):
+            if not _is_tensor_spec(v):
+                # Only tensor inputs enter a graph; the others are the forward's defaults at capture.
+                return f"the blocks get {k}={v!r}, and a graph takes only tensors or the forward's defaults"
+        return None
+
+    def _miss(self, key: tuple, x: torch.Tensor, kwargs: dict, recipe: Any):
+        n = len(self._targets)
+        seen = self._seen.get(key)
+        full = len(self._entries) >= self.max_shapes
+        if seen is None:  # first sight: eager, noted
+            self._seen[key] = [x.dtype] + [None] * (n - 1)
+            while len(self._seen) > _SEEN_LIMIT:
+                self._seen.popitem(last=False)
+            self._met += 1
+            if n > 1:
+                self._seq = ("observe", key, 1)
+            if full or self._met > self.max_shapes:
+                return None, ("cache full" if full else "new shape"), self._too_many(key)
+            return None, "new shape", self._unlike(key)
+        if full:
+            return None, "cache full", self._too_many(key)
+        if self._busy():
+            return None, "busy", _BUSY
+        if None in seen:  # per-block: the first sight did not see every block
+            self._seen[key] = [x.dtype] + [None] * (n - 1)
+            self._seq = ("observe", key, 1)
+            return None, "new shape", None
+        if False in seen:
+            return None, "not capturable", (f"the blocks of one forward get inputs of other shapes or keyword inputs "
+                                            f"than block 0 ({list(key[0])}), which per-block graphs need alike")
+        entry = self._capture(key, tuple(seen), kwargs, recipe, lazy=True, device=x.device)
+        if entry is None:
+            return None, "capture failed", self._capture_failed
+        return entry, None, None
+
+    def _too_many(self, key: tuple) -> Optional[str]:
+        """The one warning (per handle) when the blocks meet more signatures than ``max_shapes``."""
+        if self._warned_full:
+            return None
+        self._warned_full = True
+        held = [list(e.shape) for e in self._entries.values()] or "none yet"
+        return (f"the blocks have met {self._met} distinct input signatures in training (this one: "
+                f"{list(key[0])}), more than max_shapes={self.max_shapes}; graphs are held for {held} and other "
+                "shapes run eagerly. A batch shape that changes from step to step cannot use CUDA graphs: fix it "
+                "(drop_last=True, one resolution). To hold more shapes (each adds memory, see memory_bytes): "
+                "make_graphed_blocks(model, max_shapes=N), or GraphedBlocks.of(model).max_shapes = N")
+
+    def _unlike(self, key: tuple) -> Optional[str]:
+        """Says how a first-seen signature differs from a captured one of the same shape (None: no
+        such one): an unusual change, unlike a new batch size."""
+        for e in self._entries.values():
+            if e.shape != key[0]:
+                continue
+            if key[1] != e.input_dtype:
+                why = f"the input is {key[1]}, the graphs were captured for {e.input_dtype}"
+            elif key[2] != e.autocast_dtype:
+                why = f"the graphs were captured under {e.autocast_dtype} autocast, the call runs under {key[2]}"
+            elif key[3] != e.recipe_name:
+                why = (f"the graphs were captured with FP8 recipe {e.recipe_name!r}, the call runs with {key[3]!r} "
+                       "(another fp8_context recipe)")
+            else:
+                got, want = dict(key[4]), e.call_kwargs
+                names = sorted(set(got) | set(want), key=lambda k: (not isinstance(want.get(k), tuple), k))
+                name = next((k for k in names if got.get(k) != want.get(k)), None)  # tensors first
+                if name is None:
+                    continue
+                why = (f"{name} is {_show(got.get(name))}, the graphs were captured for {_show(want.get(name))}"
+                       if name in want else f"the call passes {name}, which the capture did not see")
+            return f"{why}; it is captured as well if it repeats (max_shapes={self.max_shapes})"
+        return None
+
+    # ------------------------------------------------------------------ state the graphs depend on
+    def _fingerprint(self) -> tuple:
+        params = []
+        for m, n in self._slots:
+            p = m._parameters.get(n)
+            params.append((id(p), p.data_ptr(), p.requires_grad) if p is not None else None)
+        children = () if self.per_block else tuple(map(id, self._blocks._modules.values()))
+        switches = tuple((m.fp8_enabled, m.grad_checkpointing, m.recompute_mlp, m.gelu_in_gemm)
+                         for m in self._fp8_blocks)
+        return tuple(params), children, switches
+
+    def _changed(self) -> Optional[str]:
+        """What changed since capture that the graphs depend on (None: nothing)."""
+        now, then = self._fingerprint(), self._fingerprint_at_capture
+        if now == then:
+            return None
+        if now[1] != then[1]:
+            return "model.blocks holds other blocks"
+        if now[2] != then[2]:
+            return "a block's fp8_enabled, grad_checkpointing, recompute_mlp or gelu_in_gemm switch changed"
+        grad = sum(1 for a, b in zip(now[0], then[0]) if a is not None and b is not None and a[2] != b[2])
+        moved = sum(1 for a, b in zip(now[0], then[0]) if a is None or b is None or a[:2] != b[:2])
+        return (f"requires_grad changed on {grad} block parameters" if grad and not moved else
+                f"{moved} block parameters were replaced or moved" if moved and not grad else
+                f"requires_grad changed on {grad} block parameters and {moved} were replaced or moved")
+
+    # ------------------------------------------------------------------ replay and capture
+    def _replay(self, entry: GraphShape, i: int, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        if i == 0 and self._static_ptrs:
+            # TE's static gradient buffers live in the graphs' pool, which this forward may reuse;
+            # main_grad is written by the backward replay only: its views wait (see _BeforeBackward).
+            self._copy_aliased_grads(keep=self._main_ptrs)
+        weights, grads = self._main_grads[i] if self._main_grads else ((), ())
+        if grads and torch.is_grad_enabled():
+            x = _MainGradsToAutograd.apply(x, grads, *weights)
+        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)} if kwargs else {}
+        out = entry._graphed[i](x, **tensors)
+        entry.replays += 1
+        self.replays += 1
+        node = out.grad_fn
+        if node is not None and (i == 0 or not entry._recorded[i]):
+            node.register_hook(_AfterBackward(self, entry, i))
+        if node is not None and i + 1 == len(self._targets) and self._main_ptrs:
+            node.register_prehook(_BeforeBackward(self))  # the first graphed backward to run
+        if i == 0:
+            entry._node = weakref.ref(node) if node is not None else None
+        if i + 1 < len(self._targets):
+            self._seq = ("replay", entry, i + 1)
+        elif entry._storage is None:  # the graph's static output: the same storage every replay
+            entry._storage = out.untyped_storage()
+            entry._idle = _use_count(entry._storage) - 1  # all but ``out``
+        return out
+
+    def _copy_aliased_grads(self, keep: frozenset = frozenset(), only: Optional[set] = None) -> None:
+        """Copy each ``.grad`` that is a view of a graph's gradient buffer, which the next replay or
+        capture rewrites; gradients elsewhere (DDP's bucket views, earlier copies) stay as they are.
+
+        Args:
+            keep: buffers not to copy from now (``weight.main_grad``: only a backward replay
+                rewrites them, so their views are copied just before one).
+            only: copy views of these buffers only (None: of every graph gradient buffer).
+        """
+        ptrs = self._static_ptrs if only is None else only
+        if keep:
+            ptrs = ptrs - keep
+        if not ptrs:
+            return
+        todo = [p for p in self._params if p.grad is not None and p.grad.data_ptr() in ptrs]
+        if todo:  # one multi-tensor kernel, not a copy each (ViT-H/16: ~260 biases and norms a step)
+            grads = [p.grad for p in todo]
+            copies = [torch.empty_like(g) for g in grads]
+            torch._foreach_copy_(copies, grads)
+            for p, c in zip(todo, copies):
+                p.grad = c
+
+    def _capture(self, key: tuple, dtypes: tuple, kwargs: dict, recipe: Any, lazy: bool, device) -> Optional[GraphShape]:
+        """Capture the signature ``key``. A lazy capture (inside a training step) that fails (out of
+        memory, or TE raising) returns None, stops lazy capture and says why (:attr:`_capture_failed`;
+        TE's process-wide state is restored first); a capture asked for with a batch size raises."""
+        targets, n, first = self._targets, len(self._targets), not self._entries
+        samples = tuple((torch.randn(key[0], device=device, dtype=dt, requires_grad=True),) for dt in dtypes)
+        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        # as the call's: TE computes the gradient of an input that requires grad at capture
+        sample_kwargs = tuple({k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in tensors.items()}
+                              for _ in range(n)) \
+            if self.per_block else None
+        if first:
+            self._slots = tuple((m, name) for t in targets for m in t.modules()
+                                for name, p in m._parameters.items() if p is not None)
+            self._fp8_blocks = tuple(m for t in targets for m in t.modules() if isinstance(m, FP8Block))
+        self._copy_aliased_grads()  # the warm-up rewrites main_grad
+        start = time.perf_counter()
+        try:
+            graphed, memory, grads_alias, weights = self._run_capture(samples, sample_kwargs, recipe, key[2], first)
+        except Exception as err:  # noqa: BLE001 - a capture inside a training step must not end the run
+            if not lazy:
+                raise
+            held = [list(e.shape) for e in self._entries.values()] or "none"
+            first_line = (str(err).splitlines() or [""])[0][:200]
+            what = ("ran out of GPU memory" if isinstance(err, torch.cuda.OutOfMemoryError)
+                    else f"failed ({type(err).__name__})")
+            self._capture_failed = (f"capturing the blocks for {list(key[0])} {what}: {first_line}; no shape is "
+                                    f"captured from now on, those held ({held}) keep replaying"
+                                    + (". drop_last=True, a smaller max_shapes or batch avoids it"
+                                       if isinstance(err, torch.cuda.OutOfMemoryError) else ""))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return None
+        self._main_grad_weights = tuple(weights)
+        mains = []
+        for t in targets:
+            mine = set(map(id, t.parameters()))
+            ws = tuple(w for w in weights if id(w) in mine)
+            mains.append((ws, tuple(w.main_grad for w in ws)))
+        self._main_grads = tuple(mains)
+        self._static_ptrs.update(w.main_grad.data_ptr() for w in weights)
+        self._main_ptrs = frozenset(w.main_grad.data_ptr() for w in weights)
+        self._params = tuple(p for p in (m._parameters[name] for m, name in self._slots) if p.requires_grad)
+        if first:
+            self._fingerprint_at_capture = self._fingerprint()
+        entry = GraphShape(shape=key[0], input_dtypes=tuple(dtypes), autocast_dtype=key[2], recipe_name=key[3],
+                           call_kwargs=dict(key[4]), memory_bytes=memory,
+                           capture_seconds=time.perf_counter() - start, _key=key, _graphed=graphed,
+                           _recorded=[not grads_alias] * n)
+        self._entries[key] = entry
+        self._seen.pop(key, None)
+        return entry
+
+    def _run_capture(self, samples: tuple, sample_kwargs: Optional[tuple], recipe: Any, dtype: torch.dtype,
+                     first: bool):
+        """TE's capture of the graphed modules: ``(graphed forwards, memory added, grads_alias, the
+        fused-wgrad weights)``. Restores the parameters' gradients, the CUDA RNG and the
+        delayed-scaling state if it fails."""
+        targets = self._targets
+        dispatches = tuple(d if d is not None else _Dispatch(self, i, t)
+                           for i, (t, d) in enumerate(zip(targets, self._own())))
+        if first or self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        params = tuple(m._parameters[name] for m, name in self._slots)
+        grads = [p.grad for p in params]
+        rng = torch.cuda.get_rng_state()
+        scaling = _te.save_scaling(targets)
+        had_main_grad = set(map(id, self._main_grad_weights))
+        weights: tuple = ()
+        try:
+            with contextlib.ExitStack() as stack:
+                if self.cudnn_layernorm:
+                    stack.enter_context(_te.cudnn_norm(True))
+                if self._fused_wgrad:
+                    # fp8vit's blocks only: their TE modules' weights are known to reach the GEMMs as is.
+                    weights = tuple(stack.enter_context(_te.wgrad_into_main_grad(self._fp8_blocks, reuse=True)))
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                before = torch.cuda.memory_reserved()
+                # no cached casts inside a graph; TE's warm-up runs backward
+                stack.enter_context(torch.autocast("cuda", dtype=dtype, cache_enabled=False))
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(_hooks_set_aside(targets))
+                self._capturing = True
+                try:
+                    grads_alias = _te.make_graphed_callables(
+                        targets, samples, fp8=recipe is not None, recipe=recipe,
+                        num_warmup_iters=self.num_warmup_iters, amax_reduction_group=self._group,
+                        sample_kwargs=sample_kwargs, pool=self._pool,
+                        post_warmup_hook=torch.cuda.empty_cache)  # the warm-up's cached blocks, before capture
+                finally:
+                    self._capturing = False
+                    graphed = tuple(self._reinstall(t, d) for t, d in zip(targets, dispatches))
+            torch.cuda.empty_cache()
+            memory = torch.cuda.memory_reserved() - before
+        except BaseException:
+            for p, g in zip(params, grads):  # TE sets them to None around its warm-up backward
+                p.grad = g
+            torch.cuda.set_rng_state(rng)
+            _te.restore_scaling(scaling)
+            _te.release_main_grad([w for w in weights if id(w) not in had_main_grad])
+            raise
+        return graphed, memory, grads_alias, weights
+
+    @staticmethod
+    def _reinstall(t: nn.Module, dispatch: "_Dispatch"):
+        """Take TE's graphed forward off the module (and the ``backward_dw``/``reset`` it set there),
+        put the dispatch back; returns TE's forward (None: the capture failed before setting it)."""
+        graphed = vars(t).pop("forward", None)
+        for attr in ("backward_dw", "reset"):
+            vars(t).pop(attr, None)
+        t.forward = dispatch
+        return None if graphed is dispatch else graphed
+
+
+def _fresh_handle(blocks, per_block, settings) -> GraphedBlocks:
+    """A copied model's handle: the settings, no graphs (see :meth:`GraphedBlocks.__reduce__`)."""
+    return GraphedBlocks(blocks, per_block, **settings)
+
+
+class _MainGradsToAutograd(torch.autograd.Function):
+    """Identity on the blocks' input whose backward hands each fused weight its ``main_grad``.
+
+    With ``fused_wgrad`` TE's backward writes those weights' gradients into ``weight.main_grad``
+    and returns none to autograd. This node sits *before* the graphed blocks, so its backward runs
+    after theirs and passes the buffers on as the weights' gradients: autograd's AccumulateGrad
+    then sets or adds to ``p.grad`` and fires its hooks (DDP's) as for any other gradient.
+    ``detach()`` gives autograd a tensor it may keep as ``p.grad`` without a copy.
+    """
+
+    @staticmethod
+    def forward(ctx, x, main_grads, *weights):
+        ctx.main_grads = main_grads
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, None) + tuple(g.detach() for g in ctx.main_grads)
+
+
+class _Dispatch:
+    """``forward`` of a graphed module (``model.blocks``, or each block): replays a graph of the
+    call's signature, captures it at its second sight, or runs the module's own forward.
+
+    Gradients: the backward graph writes each parameter's gradient into a static buffer (TE's, or
+    with ``fused_wgrad`` a weight's ``main_grad``), and autograd receives a view of it, which
+    becomes ``p.grad`` without a copy when ``p.grad`` was None (the usual ``zero_grad()``; not
+    copying them saves 1.65 ms per ViT-H step, docs/performance.md). The next replay rewrites
+    those buffers (TE's live in the graphs' memory pool, which the forward replay may already
+    reuse; ``main_grad`` only the backward replay writes). So a ``p.grad`` that is still such a view
+    (accumulation over micro-batches, ``zero_grad(set_to_none=False)``) is copied before the replay
+    that rewrites it (or a capture), and autograd adds to the copy.
+    Gradients that are not views of the buffers (DDP's bucket views) are left alone.
+    """
+
+    def __init__(self, handle: Optional[GraphedBlocks] = None, index: int = 0, target: Optional[nn.Module] = None,
+                 graphed: Any = None, eager: Any = None):
+        self.handle, self.index, self.target = handle, index, target
+
+    # torch.compile(model): dynamo must not trace a capture or a replay; the blocks run as graphs
+    # (or eagerly) between the compiled parts of the model.
+    @torch.compiler.disable
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.handle._forward(self.index, x, *args, **kwargs)
+
+    def __reduce__(self):
+        return (_Dispatch, (self.handle, self.index, self.target))
