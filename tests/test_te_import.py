@@ -160,3 +160,16 @@ def test_attention_backend_reads_tes_choice_and_warns_when_unfused(monkeypatch, 
     said = [str(w.message) for w in seen if "unfused" in str(w.message)]
     assert len(said) == (name == "unfused")
     assert all("q [B, N=197, H=12, D=64] torch.bfloat16" in m and "NVTE_DEBUG=1" in m for m in said)
+
+
+@pytest.mark.parametrize("d, reason", [(36, "head dim 36 is not a multiple of 8"), (64, "NVTE_DEBUG=1")])
+def test_unfused_attention_warning_names_an_odd_head_dim(monkeypatch, d, reason):
+    # TE's fused (cuDNN) and flash attention both need head dims that are multiples of 8
+    from fp8vit import _warn
+    monkeypatch.setattr(ops, "_te_backends", lambda: {"attention_params": object(), "use_unfused_attention": True})
+    monkeypatch.setattr(ops, "active_fp8_recipe", lambda: None)
+    monkeypatch.setattr(_warn, "_seen", set())
+    q, k, v = torch.randn(2, 257, 3, 4, d, dtype=torch.bfloat16).unbind(2)
+    with pytest.warns(RuntimeWarning, match="runs attention unfused") as seen:
+        ops.packed_attention(_Attention(), q, k, v)
+    assert reason in str(seen[0].message) and f"D={d}]" in str(seen[0].message)

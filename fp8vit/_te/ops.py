@@ -40,10 +40,14 @@ def packed_attention(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch
     if q.dtype in (torch.bfloat16, torch.float16) and attention_backend() == "unfused":
         # bf16 attention that TE runs in its unfused backend ([B, H, N, N] probabilities in memory,
         # bmm + softmax): slower and larger than cuDNN's, and nothing else would say so
+        d = q.shape[3]
+        # both of TE's kernels need head dims that are multiples of 8: the likely reason, named
+        likely = (f"head dim {d} is not a multiple of 8, which both need" if d % 8 else
+                  "NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 prints why (e.g. a cuDNN other than the one TE was built "
+                  "for on LD_LIBRARY_PATH, or deterministic mode with a bias)")
         warn_once(f"fp8vit: Transformer Engine runs attention unfused (UnfusedDotProductAttention: slower, "
-                  f"and [B, H, N, N] probabilities in memory) for q [B, N={q.shape[1]}, H={q.shape[2]}, D={q.shape[3]}] {q.dtype}: its fused (cuDNN) "
-                  "and flash backends turned the call down. NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 prints why (e.g. a "
-                  "cuDNN other than the one TE was built for on LD_LIBRARY_PATH, or deterministic mode with a bias)",
+                  f"and [B, H, N, N] probabilities in memory) for q [B, N={q.shape[1]}, H={q.shape[2]}, D={d}] "
+                  f"{q.dtype}: its fused (cuDNN) and flash backends turned the call down; {likely}",
                   RuntimeWarning, stacklevel=3)
     return out
 
