@@ -33,6 +33,7 @@ from .training.distributed import default_mp_policy, fp8_weight_init, fp8_weight
 from .errors import Check, ConversionError, FP8UnavailableError, TEUnavailableError
 from .blocks.beit import TE_BeitBlock
 from .blocks.eva import TE_EvaBlock
+from .blocks.swin import TE_SwinBlock
 from .training.graphs import GraphedBlocks, make_graphed_blocks
 from .training.guards import NonFiniteEvent, NonFiniteGuard
 from .training.numerics import snr_db
@@ -50,6 +51,7 @@ __all__ = [
     "BlockConfig",
     "TE_EvaBlock",
     "TE_BeitBlock",
+    "TE_SwinBlock",
     "convert_to_te",
     "convert_from_te",
     "FALLBACKS",

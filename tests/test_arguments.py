@@ -20,12 +20,14 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 import pytest
 import torch
 from timm.models.beit import Block as BeitBlock
+from timm.models.swin_transformer import SwinTransformerBlock
 from timm.models.eva import EvaBlock
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 import fp8vit
 from fp8vit.blocks.beit import beit_config_from_timm
+from fp8vit.blocks.swin import swin_config_from_timm
 from fp8vit.blocks.eva import eva_config_from_timm
 
 
@@ -68,6 +70,11 @@ def _eva_block(**bad) -> fp8vit.TE_EvaBlock:
 def _beit_block(**bad) -> fp8vit.TE_BeitBlock:
     return _family_block(fp8vit.TE_BeitBlock, BeitBlock(64, 2, qkv_bias=True, window_size=(2, 2)),
                          beit_config_from_timm, **bad)
+
+
+def _swin_block(**bad) -> fp8vit.TE_SwinBlock:
+    return _family_block(fp8vit.TE_SwinBlock, SwinTransformerBlock(64, (4, 4), num_heads=2, window_size=2, shift_size=1),
+                         swin_config_from_timm, **bad)
 
 
 class Row(NamedTuple):
@@ -167,6 +174,13 @@ ROWS = [
     row("TE_BeitBlock", "dtype", torch.int64, lambda v: _beit_block(dtype=v), ValueError, "floating-point"),
     row("TE_BeitBlock", "backend", "bogus", lambda v: _beit_block(backend=v), ValueError, *BACKEND),
     row("TE_BeitBlock", "fp32_residual", 1, lambda v: _beit_block(fp32_residual=v), TypeError, BOOL),
+    row("TE_SwinBlock", "cfg", _eva_block().cfg, lambda v: _swin_block(cfg=v), TypeError, "SwinBlockConfig",
+        shown="got EvaBlockConfig"),
+    row("TE_SwinBlock", "timm_skeleton", None, lambda v: _swin_block(timm_skeleton=v), TypeError, "timm block"),
+    row("TE_SwinBlock", "device", "gpu", lambda v: _swin_block(device=v), ValueError, "'cuda'"),
+    row("TE_SwinBlock", "dtype", torch.int64, lambda v: _swin_block(dtype=v), ValueError, "floating-point"),
+    row("TE_SwinBlock", "backend", "bogus", lambda v: _swin_block(backend=v), ValueError, *BACKEND),
+    row("TE_SwinBlock", "fp32_residual", 1, lambda v: _swin_block(fp32_residual=v), TypeError, BOOL),
     # BlockConfig itself (a frozen dataclass: every field checked in __post_init__) ...
     *[row("BlockConfig", field, bad, lambda v, f=field: dataclasses.replace(_block_config(), **{f: v}), err, *acc)
       for field, bad, err, acc in [

@@ -42,7 +42,8 @@ def test_the_package_keeps_its_layer_contracts():
     # one family importing another
     ("blocks/eva.py", "from . import vit", "independent"),
     # BEiT's block (EVA's extended) importing the classic ViT's
-    ("blocks/beit.py", "from . import vit", "BEiT's block extends"),
+    ("blocks/beit.py", "from . import vit", "BEiT's and Swin's blocks extend"),
+    ("blocks/swin.py", "from . import beit", "BEiT's and Swin's blocks extend"),
     # the library importing its tools
     ("training/context.py", "from ..tools import bench", "Layers"),
     # a framework integration reaching past the public API

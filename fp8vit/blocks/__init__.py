@@ -4,6 +4,7 @@
 ``vit``            ``TE_Block``: timm's classic ``vision_transformer.Block``
 ``eva``            ``TE_EvaBlock``: timm's ``EvaBlock`` / ``EvaBlockPostNorm`` (EVA02, RoPE ViTs, PE, ...)
 ``beit``           ``TE_BeitBlock``: timm's BEiT ``Block`` (EVA's layout and a relative position bias)
+``swin``           ``TE_SwinBlock``: timm's ``SwinTransformerBlock`` (EVA's layout on shifted windows)
 ``families``       the registry timm block class -> fp8vit block class that ``convert_to_te`` consults
 ``base``           ``FP8Block``, the base of every family: switches, the FP8 plumbing of ``forward``,
                    one attention path (with a RoPE hook), token-row padding, LayerScale
@@ -16,5 +17,5 @@
 =================  ===================================================================================
 
 A family is one module plus one line in ``families.FAMILIES``; families never import each other
-(``lint-imports``), except that ``beit`` extends ``eva``. Import the public names from ``fp8vit``.
+(``lint-imports``), except that ``beit`` and ``swin`` extend ``eva``. Import the public names from ``fp8vit``.
 """

@@ -1,0 +1,351 @@
+"""``TE_SwinBlock``: timm's Swin Transformer block (``timm.models.swin_transformer.SwinTransformerBlock``:
+Swin, and the models built from its stages) built from Transformer Engine modules.
+
+    x [B, H, W, C] -> cyclic shift + window partition, one gather -> [nW * B, Wh*Ww, C] (window-major)
+      --+-- qkv: norm1 + Linear (fused) -> DotProductAttention per mask kind, with the relative
+        |   position bias [1, H, N, N] (+ the shift mask of that kind) as TE's post_scale_bias
+        |   -> proj -> drop_path1 (per image)
+        +-- (+) -> mlp: norm2 fused into fc1, GELU, fc2 -> drop_path2 (per image) -> (+)
+      -> windows back + reverse shift, one gather -> [B, H, W, C]
+
+Why the whole block runs on windows: timm applies norm1 before the partition and the MLP after the
+reverse, but norms, MLP, drop path and the residual adds all act per token (per image for drop
+path), so they commute with moving tokens around. The block therefore is EVA's layout (one fused
+norm1 + q/k/v GEMM, TE attention with a bias, proj, a fused LayerNormMLP: ``TE_EvaBlock``) on the
+windows as a batch, between two gathers; timm's roll, pad, partition, reverse and roll are five
+copies, here two.
+
+The shift mask. A shifted block masks attention between tokens that came from different image
+regions (timm: -100 added to those logits). The mask differs per window, which TE's bias cannot
+take with its gradient (cuDNN returns the bias gradient for one ``[1, H, N, N]`` bias only). But
+only a few kinds of window exist (unshifted interior, right column, bottom row, corner): the
+windows are ordered by kind, so each kind is one slice of the batch, and attention runs once per
+kind with ``relative position bias + that kind's mask``. Unshifted blocks: one call.
+
+Refused (the block stays timm's, with the reason): feature maps the window does not divide (timm
+pads after norm1, so its padded tokens are zeros where the fused norm would give its bias). A
+``set_input_size`` that changes the window or shift raises: convert after resizing.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from timm.layers import DropPath
+from timm.models.swin_transformer import SwinTransformerBlock, WindowAttention, get_relative_position_index
+from torch import nn
+
+try:
+    from timm.layers import register_notrace_module
+except ImportError:  # timm < 1.0 keeps it with the FX helpers
+    from timm.models._features_fx import register_notrace_module
+
+from .._validate import check_type
+from .base import aligned_rows
+from .eva import EvaBlockConfig, TE_EvaBlock, eva_like_config
+from .weights import Tie, copy_requires_grad, rename, te_requires_grad
+
+__all__ = ["TE_SwinBlock", "SwinBlockConfig", "swin_config_from_timm"]
+
+# timm's additive value for logits between tokens of different regions in a shifted window
+_MASKED = -100.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SwinBlockConfig(EvaBlockConfig):
+    """A timm ``SwinTransformerBlock``'s settings: :class:`~fp8vit.blocks.eva.EvaBlockConfig`'s (no
+    LayerScale, no RoPE) and its windows.
+
+    Attributes:
+        window_size: ``(Wh, Ww)`` tokens per window (timm's, after it clipped the window to a
+            small feature map).
+        shift_size: ``(Sh, Sw)`` cyclic shift before the partition (``(0, 0)``: none).
+    """
+
+    window_size: Tuple[int, int] = (7, 7)
+    shift_size: Tuple[int, int] = (0, 0)
+
+    @property
+    def window_area(self) -> int:
+        return self.window_size[0] * self.window_size[1]
+
+    def ties(self) -> List[Tie]:
+        """The weight layout: EVA's, and the relative position bias table under its timm name."""
+        return super().ties() + [rename("attn.relative_position_bias_table", "relative_position_bias_table")]
+
+
+def swin_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> SwinBlockConfig:
+    """Read the settings of a built timm ``SwinTransformerBlock``.
+
+    Raises:
+        ValueError: a part of the block TE_SwinBlock does not implement, named.
+    """
+    name = f"{type(block).__module__}.{type(block).__name__}"
+    if type(block) is not SwinTransformerBlock:
+        raise ValueError(f"{name} cannot be converted to TE_SwinBlock (only timm's SwinTransformerBlock)")
+    attn = block.attn
+    if type(attn) is not WindowAttention:
+        raise ValueError(f"SwinTransformerBlock with attn of type {type(attn).__name__} cannot be converted to TE_SwinBlock")
+    H = attn.num_heads
+    D = attn.qkv.weight.shape[0] // (3 * H)
+    if abs(attn.scale - D ** -0.5) > 1e-12:  # TE scales the logits by D^-0.5
+        raise ValueError(f"SwinTransformerBlock whose attention scale {attn.scale} is not head_dim ** -0.5 "
+                         f"({D ** -0.5}) cannot be converted to TE_SwinBlock")
+    window = tuple(int(w) for w in block.window_size)
+    shift = tuple(int(s) for s in block.shift_size)
+    res = tuple(int(r) for r in block.input_resolution)
+    if res[0] % window[0] or res[1] % window[1]:
+        raise ValueError(f"SwinTransformerBlock on a {res[0]}x{res[1]} feature map with {window[0]}x{window[1]} "
+                         "windows: timm pads the map after norm1, which TE_SwinBlock (norm1 fused into the q/k/v "
+                         "GEMM) cannot do exactly; use an image size whose feature maps the window divides")
+    for dp in (block.drop_path1, block.drop_path2):
+        if isinstance(dp, DropPath) and not dp.scale_by_keep:
+            raise ValueError("SwinTransformerBlock with DropPath(scale_by_keep=False) cannot be converted to TE_SwinBlock")
+    eva = eva_like_config(block, num_heads=H, head_dim=D, qkv_bias="qkv" if attn.qkv.bias is not None else "none",
+                          exact_gelu=exact_gelu)
+    fields = {f.name: getattr(eva, f.name) for f in dataclasses.fields(eva)}
+    fields["attn_type"] = "swin"
+    return SwinBlockConfig(**fields, window_size=window, shift_size=shift)
+
+
+def shift_mask(height: int, width: int, window: Tuple[int, int], shift: Tuple[int, int]) -> Optional[torch.Tensor]:
+    """timm's ``SwinTransformerBlock.get_attn_mask`` for a ``height x width`` map the window divides:
+    ``[nW, N, N]``, 0 where two tokens of a window came from the same region, -100 where not; None
+    without a shift. Windows in timm's order (row-major over the shifted map)."""
+    if not any(shift):
+        return None
+    img = torch.zeros(height, width)
+    cnt = 0
+    for h in ((0, -window[0]), (-window[0], -shift[0]), (-shift[0], None)):  # timm's slices, as written there
+        for w in ((0, -window[1]), (-window[1], -shift[1]), (-shift[1], None)):
+            img[h[0]:h[1], w[0]:w[1]] = cnt
+            cnt += 1
+    nh, nw = height // window[0], width // window[1]
+    win = img.view(nh, window[0], nw, window[1]).permute(0, 2, 1, 3).reshape(nh * nw, -1)  # [nW, N]
+    diff = win.unsqueeze(1) - win.unsqueeze(2)
+    return torch.zeros_like(diff).masked_fill(diff != 0, _MASKED)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Windows:
+    """How one block moves a ``height x width`` map into windows and back (:meth:`TE_SwinBlock._windows`).
+
+    Attributes:
+        pos: ``[nW, N]`` flat positions (``h * W + w`` in the unshifted map) of each window's tokens,
+            windows in this block's order (grouped by mask kind).
+        inv_window, inv_token: ``[H * W]``: where each position went (window slot, token).
+        sizes: windows per mask kind, in that order.
+        masks: the additive ``[N, N]`` mask of each kind (None: none).
+    """
+
+    pos: torch.Tensor
+    inv_window: torch.Tensor
+    inv_token: torch.Tensor
+    sizes: Tuple[int, ...]
+    masks: Tuple[Optional[torch.Tensor], ...]
+
+
+class WindowDropPath(DropPath):
+    """timm's ``DropPath`` (per image) on window-major tokens ``[nW * B, N, C]``: one draw per
+    image (as timm's, in the same order), applied to its ``nW`` windows. ``windows`` is set by the
+    block before each call."""
+
+    windows: int = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = 1 - self.drop_prob
+        nw = self.windows
+        mask = x.new_empty((x.shape[0] // nw, 1, 1)).bernoulli_(keep)  # [B, 1, 1], as timm draws it
+        if keep > 0.0 and self.scale_by_keep:
+            mask.div_(keep)
+        return (x.view(nw, -1, *x.shape[1:]) * mask.unsqueeze(0)).view_as(x)
+
+
+class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
+    """timm's ``SwinTransformerBlock`` on Transformer Engine, built from a timm block (:meth:`from_timm`).
+
+    Same contract as the other fp8vit blocks: weights exact both ways (:meth:`from_timm` /
+    :meth:`to_timm`), every option honoured or rejected by name, any batch under FP8, activation
+    checkpointing, MLP recompute, FP8 off per block. Input and output ``[B, H, W, C]``, as timm's.
+
+    Args:
+        cfg: the block's settings (:func:`swin_config_from_timm`).
+        timm_skeleton, device, dtype, backend, fp32_residual: as ``TE_EvaBlock``'s.
+
+    Raises:
+        TypeError: ``cfg`` is not a :class:`SwinBlockConfig`; the rest as ``TE_EvaBlock``.
+    """
+
+    def __init__(self, cfg: SwinBlockConfig, *, timm_skeleton: nn.Module, device=None,
+                 dtype: Optional[torch.dtype] = None, backend: Optional[str] = None,
+                 fp32_residual: bool = False) -> None:
+        check_type(type(self).__name__, "cfg", cfg, SwinBlockConfig, "a fp8vit SwinBlockConfig (swin_config_from_timm)")
+        super().__init__(cfg, timm_skeleton=timm_skeleton, device=device, dtype=dtype, backend=backend,
+                         fp32_residual=fp32_residual)
+        ref = self.qkv.weight
+        wh, ww = cfg.window_size
+        self.relative_position_bias_table = nn.Parameter(
+            torch.zeros((2 * wh - 1) * (2 * ww - 1), cfg.num_heads, device=ref.device, dtype=dtype))
+        # [N, N] rows of the table per (query, key) token pair; rebuilt, not saved (as timm's)
+        self.register_buffer("relative_position_index", get_relative_position_index(wh, ww).to(ref.device),
+                             persistent=False)
+        if cfg.drop_path > 0:  # per image, on window-major tokens
+            self.drop_path1 = WindowDropPath(cfg.drop_path)
+            self.drop_path2 = WindowDropPath(cfg.drop_path)
+        self._plans: Dict[tuple, _Windows] = {}
+
+    @classmethod
+    def from_timm(cls, block: nn.Module, *, exact_gelu: bool = False, backend: Optional[str] = None,
+                  fp32_residual: bool = False) -> "TE_SwinBlock":
+        """A ``TE_SwinBlock`` with the settings, weights, device, dtype, ``requires_grad`` flags and
+        mode of a timm ``SwinTransformerBlock``.
+
+        Raises:
+            ValueError: a part of ``block`` that TE_SwinBlock does not implement, named.
+        """
+        cfg = swin_config_from_timm(block, exact_gelu=exact_gelu)
+        ref = block.norm1.weight
+        new = cls(cfg, timm_skeleton=copy.deepcopy(block).to("meta"), device=ref.device, dtype=ref.dtype,
+                  backend=backend, fp32_residual=fp32_residual)
+        new.load_timm_state_dict(block.state_dict())
+        copy_requires_grad(block, new, te_requires_grad, cfg.ties())
+        return new.train(block.training)
+
+    def to_timm(self) -> nn.Module:
+        """The equivalent timm ``SwinTransformerBlock`` (same weights, device, dtype,
+        ``requires_grad`` flags, mode; its index and mask buffers rebuilt). FP8 scaling state is
+        dropped."""
+        block = super().to_timm()
+        for m in block.modules():  # the buffers the skeleton held on the meta device
+            init = getattr(m, "init_non_persistent_buffers", None)
+            if init is not None:
+                init()
+        return block
+
+    def set_input_size(self, feat_size: Tuple[int, int], window_size: Tuple[int, int],
+                       always_partition: Optional[bool] = None) -> None:
+        """timm's ``SwinTransformer.set_input_size`` calls it on every block: a feature map of
+        another size with the same window and shift is taken as it comes; one that changes them
+        (or that the window does not divide) raises.
+
+        Raises:
+            ValueError: the new size changes the window or shift, or the window does not divide it.
+        """
+        sk = self._timm_skeleton
+        old = (sk.input_resolution, sk.always_partition)
+        sk.input_resolution = tuple(feat_size)
+        if always_partition is not None:
+            sk.always_partition = always_partition
+        window, shift = sk._calc_window_shift(window_size)
+        res = tuple(int(r) for r in feat_size)
+        c = self.cfg
+        if (tuple(window), tuple(shift)) != (c.window_size, c.shift_size) or res[0] % window[0] or res[1] % window[1]:
+            sk.input_resolution, sk.always_partition = old
+            raise ValueError(f"TE_SwinBlock.set_input_size: a {res[0]}x{res[1]} feature map gives window "
+                             f"{tuple(window)} and shift {tuple(shift)} (this block: {c.window_size}, {c.shift_size}; "
+                             "the window must divide the map); resize the timm model first: "
+                             "fp8vit.convert_from_te(model), model.set_input_size(...), fp8vit.convert_to_te(model)")
+
+    # ------------------------------------------------------------------ forward
+    @torch.compiler.disable  # as TE_Block.forward: the blocks run outside dynamo
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args:
+            x: tokens ``[B, H, W, C]``, as timm's block takes them.
+
+        Returns:
+            ``[B, H, W, C]``, in the autocast dtype under autocast unless ``fp32_residual``.
+
+        Raises:
+            ValueError: a wrong ``x`` shape, or a map the window does not divide.
+        """
+        c = self.cfg
+        if x.dim() != 4 or x.shape[-1] != c.dim:
+            raise ValueError(f"TE_SwinBlock expects x of shape [B, H, W, {c.dim}], got {tuple(x.shape)}")
+        B, H, W, C = x.shape
+        if H % c.window_size[0] or W % c.window_size[1]:
+            raise ValueError(f"TE_SwinBlock: a {H}x{W} feature map that {c.window_size[0]}x{c.window_size[1]} windows "
+                             "do not divide (timm would pad it); use an image size whose feature maps the window divides")
+        plan = self._windows(H, W, x.device)
+        nw = plan.pos.shape[0]
+        for dp in (self.drop_path1, self.drop_path2):
+            if isinstance(dp, WindowDropPath):
+                dp.windows = nw
+        images = torch.arange(B, device=x.device)
+        # [B, H*W, C] -> [nW, B, N, C]: the cyclic shift, the partition and the window order in one gather
+        xw = x.reshape(B, H * W, C)[images.view(1, B, 1), plan.pos.unsqueeze(1)].view(nw * B, c.window_area, C)
+        biases = self._biases(plan)
+        out = self._dispatch(xw, None, None, False, (tuple(n * B for n in plan.sizes), biases))
+        out = out.view(nw, B, c.window_area, C)[plan.inv_window.unsqueeze(0), images.view(B, 1),
+                                                plan.inv_token.unsqueeze(0)]  # [B, H*W, C]
+        return out.view(B, H, W, C)
+
+    def _windows(self, height: int, width: int, device: torch.device) -> _Windows:
+        """The window plan of a ``height x width`` map (cached per size and device)."""
+        key = (height, width, str(device))
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        c = self.cfg
+        (wh, ww), (sh, sw) = c.window_size, c.shift_size
+        nh, nw = height // wh, width // ww
+        # token (i, j) of window (wy, wx) of the shifted map came from ((wy*wh + i + sh) % H, (wx*ww + j + sw) % W)
+        rows = (torch.arange(nh).view(nh, 1) * wh + torch.arange(wh) + sh) % height  # [nh, wh]
+        cols = (torch.arange(nw).view(nw, 1) * ww + torch.arange(ww) + sw) % width  # [nw, ww]
+        pos = (rows.view(nh, 1, wh, 1) * width + cols.view(1, nw, 1, ww)).reshape(nh * nw, wh * ww)
+        mask = shift_mask(height, width, c.window_size, c.shift_size)
+        if mask is None:
+            order, sizes, masks = torch.arange(nh * nw), (nh * nw,), (None,)
+        else:  # windows of one mask kind next to each other: one attention call per kind
+            kinds, kind = torch.unique(mask.view(nh * nw, -1), dim=0, return_inverse=True)
+            order = torch.argsort(kind, stable=True)
+            sizes = tuple(int(n) for n in torch.bincount(kind, minlength=kinds.shape[0]))
+            masks = tuple(k.view(wh * ww, wh * ww).to(device) for k in kinds)
+        pos = pos[order]
+        flat = pos.reshape(-1)
+        inv_window = torch.empty_like(flat)
+        inv_token = torch.empty_like(flat)
+        inv_window[flat] = torch.arange(pos.shape[0]).repeat_interleave(wh * ww)
+        inv_token[flat] = torch.arange(wh * ww).repeat(pos.shape[0])
+        plan = _Windows(pos.to(device), inv_window.to(device), inv_token.to(device), sizes, masks)
+        self._plans[key] = plan
+        return plan
+
+    def _biases(self, plan: _Windows) -> Tuple[torch.Tensor, ...]:
+        """Per mask kind, the attention logits' additive bias ``[1, H, N, N]``: the relative
+        position bias (timm's table gathered by the index), plus the kind's shift mask."""
+        n = self.cfg.window_area
+        rel = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+        return tuple((rel if m is None else rel + m).unsqueeze(0) for m in plan.masks)
+
+    def _attention(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool, mult: int,
+                   rope: Optional[torch.Tensor] = None, bias=None) -> torch.Tensor:
+        """The attention branch on window-major tokens ``x`` [nW * B, N, C]: one q/k/v GEMM, then
+        one attention call per mask kind (``bias``: the kinds' row counts and biases), then proj.
+
+        The q/k/v buffer is split into the kinds' slices with ``split`` (its backward is one
+        concatenation, where slicing would zero-fill a whole-buffer gradient per slice)."""
+        sizes, biases = bias
+        qkv = aligned_rows(self.qkv, x, mult)
+        parts = qkv.split(sizes, dim=0) if len(sizes) > 1 else (qkv,)
+        outs = []
+        for part, b in zip(parts, biases):
+            q, k, v, _ = self._split_qkv(part)
+            # TE wants the bias in q's dtype (bf16 under autocast), contiguous
+            b = b.to(q.dtype, memory_format=torch.contiguous_format)
+            outs.append(self._impl.attention(self.attn, q, k, v, core_attention_bias_type="post_scale_bias",
+                                             core_attention_bias=b))  # [rows, N, H*D]
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.proj_drop(aligned_rows(self.proj, o, mult))
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return super().extra_repr() + f", window={c.window_size}, shift={c.shift_size}"
+
+
+# A TE_SwinBlock is one leaf for timm's FX feature extraction (TE's modules cannot be traced).
+register_notrace_module(TE_SwinBlock)

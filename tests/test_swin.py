@@ -1,0 +1,228 @@
+"""TE_SwinBlock against timm's ``SwinTransformerBlock`` on the reference backend (CPU, fp32): output
+and every gradient (the relative position bias tables' included) for shifted and unshifted
+windows, train mode with drop path on the same random draws, a whole Swin model, exact weights
+both ways, checkpointing, MLP recompute, pickling, and the refusals."""
+
+import copy
+import io
+import pickle
+
+import pytest
+import timm
+import torch
+from timm.models.swin_transformer import SwinTransformerBlock
+
+import fp8vit
+from fp8vit.blocks.swin import TE_SwinBlock, shift_mask
+from fp8vit.blocks.weights import te_to_timm
+from helpers import max_rel_err
+
+# (input resolution, window, shift): a 8 x 8 map in 4 x 4 windows shifted by 2 (4 windows, each its
+# own mask kind), the same unshifted, a 12 x 8 map (6 windows: 4 kinds), one window (no shift).
+CASES = {
+    "shifted": ((8, 8), 4, 2),
+    "unshifted": ((8, 8), 4, 0),
+    "shifted_12x8": ((12, 8), 4, 2),
+    "one_window": ((4, 4), 4, 0),
+}
+
+
+def _block(res, window, shift, drop_path=0.0, qkv_bias=True):
+    torch.manual_seed(0)
+    block = SwinTransformerBlock(32, res, num_heads=2, window_size=window, shift_size=shift,
+                                 drop_path=drop_path, qkv_bias=qkv_bias).eval()
+    with torch.no_grad():  # every tensor away from its init value, so that a tensor mapped wrong shows
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return block
+
+
+def _te(block):
+    return TE_SwinBlock.from_timm(block, backend="reference", exact_gelu=True)  # Swin's GELU is erf
+
+
+def _assert_block_matches(block, te, train=False):
+    res = block.input_resolution
+    x = torch.randn(3, *res, 32, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    block.train(train), te.train(train)
+    torch.manual_seed(7)
+    y = block(x)
+    torch.manual_seed(7)  # the same drop-path draws
+    y2 = te(x2)
+    torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g), y2.backward(g)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-5)
+    grads = te_to_timm({k: p.grad for k, p in te.named_parameters()}, te.cfg)
+    assert grads.keys() == dict(block.named_parameters()).keys()
+    for k, p in block.named_parameters():
+        torch.testing.assert_close(grads[k], p.grad, rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_block_matches_timm(case):
+    block = _block(*CASES[case])
+    _assert_block_matches(block, _te(block))
+
+
+@pytest.mark.parametrize("qkv_bias", [True, False])
+def test_block_in_train_mode_with_drop_path_matches_timm(qkv_bias):
+    # one draw per image, as timm's, on window-major tokens: the same images dropped
+    block = _block(*CASES["shifted"], drop_path=0.5, qkv_bias=qkv_bias)
+    _assert_block_matches(block, _te(block), train=True)
+
+
+def test_windows_of_one_mask_kind_share_one_attention_call():
+    te = _te(_block(*CASES["shifted_12x8"]))
+    plan = te._windows(12, 8, torch.device("cpu"))
+    mask = shift_mask(12, 8, (4, 4), (2, 2))  # [6, 16, 16], timm's windows in timm's order
+    # 3 x 2 windows, 4 kinds: interior (2), right column (2), bottom row (1), corner (1)
+    assert sorted(plan.sizes) == [1, 1, 2, 2] and len(plan.masks) == 4
+    # every window slot's mask is its kind's, and every position is in exactly one window slot
+    kind = torch.repeat_interleave(torch.arange(4), torch.tensor(plan.sizes))
+    rows, cols = plan.pos // 8, plan.pos % 8
+    for slot in range(6):  # its first token sits at the window's corner of the shifted map
+        timm_window = ((rows[slot, 0] - 2) % 12 // 4) * 2 + (cols[slot, 0] - 2) % 8 // 4
+        assert torch.equal(plan.masks[kind[slot]], mask[timm_window]), slot
+    assert torch.equal(torch.sort(plan.pos.reshape(-1)).values, torch.arange(96))
+    assert torch.equal(plan.pos[plan.inv_window, plan.inv_token], torch.arange(96))
+    assert _te(_block(*CASES["unshifted"]))._windows(8, 8, torch.device("cpu")).sizes == (4,)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_weights_round_trip_bit_exact(case):
+    block = _block(*CASES[case])
+    back = _te(block).to_timm()
+    assert type(back) is SwinTransformerBlock
+    want, got = block.state_dict(), back.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    # not saved: rebuilt as timm builds them
+    assert torch.equal(block.attn.relative_position_index, back.attn.relative_position_index)
+    assert (block.attn_mask is None and back.attn_mask is None) or torch.equal(block.attn_mask, back.attn_mask)
+
+
+def _swin(drop_path_rate=0.0):
+    torch.manual_seed(0)
+    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=32, patch_size=4,
+                              window_size=4, embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=5,
+                              drop_path_rate=drop_path_rate).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _convert(model, **kw):
+    return fp8vit.convert_to_te(model, backend="reference", exact_gelu=True, **kw)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train_drop_path"])
+def test_swin_model_matches_timm(train):
+    ref = _swin(drop_path_rate=0.3)
+    model = _convert(copy.deepcopy(ref))
+    summary = fp8vit.conversion_summary(model)
+    assert summary.fused == (("TE_SwinBlock", ("layers.0.blocks.0", "layers.0.blocks.1", "layers.1.blocks.0",
+                                               "layers.1.blocks.1")),)
+    assert model.layers[0].blocks[1].cfg.shift_size == (2, 2) and model.layers[1].blocks[1].cfg.shift_size == (0, 0)
+    x = torch.randn(2, 3, 32, 32)
+    ref.train(train), model.train(train)
+    torch.manual_seed(3)
+    a = ref(x)
+    torch.manual_seed(3)
+    b = model(x)
+    assert max_rel_err(a, b) < 1e-5
+    a.square().sum().backward(), b.square().sum().backward()
+    back = dict(fp8vit.convert_from_te(copy.deepcopy(model)).named_parameters())
+    grads = {}
+    for fqn, blk in model.named_modules():
+        if isinstance(blk, TE_SwinBlock):
+            grads.update({f"{fqn}.{k}": g for k, g in te_to_timm({k: p.grad for k, p in blk.named_parameters()},
+                                                                  blk.cfg).items()})
+    grads.update({n: p.grad for n, p in model.named_parameters() if ".blocks." not in n})
+    assert grads.keys() == back.keys()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_convert_round_trip_and_pickles_keep_the_model():
+    ref = _swin()
+    model = _convert(copy.deepcopy(ref))
+    x = torch.randn(2, 3, 32, 32)
+    out = model(x)
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert torch.equal(copied(x), out)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    fresh = _convert(copy.deepcopy(ref))
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
+    assert torch.equal(fresh(x), out)
+    back = fp8vit.convert_from_te(model)
+    assert all(type(b) is SwinTransformerBlock for s in back.layers for b in s.blocks)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), ref.state_dict().values()))
+    torch.testing.assert_close(back(x), ref(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["grad_checkpointing", "mlp_recompute"])
+def test_recompute_gives_the_same_gradients(how):
+    plain, model = _convert(_swin()), _convert(_swin())
+    if how == "grad_checkpointing":
+        model.set_grad_checkpointing(True)
+        assert all(b.grad_checkpointing for s in model.layers for b in s.blocks)
+        assert not any(s.grad_checkpointing for s in model.layers)  # timm's checkpoint_seq stays off
+    else:
+        fp8vit.set_mlp_recompute(model)
+        assert all(b.recompute_mlp for s in model.layers for b in s.blocks)
+    x = torch.randn(2, 3, 32, 32)
+    for m in (plain, model):
+        m.train()(x).square().sum().backward()
+    for (n, p), q in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_set_block_fp8_by_stage():
+    model = _convert(_swin())
+    assert fp8vit.set_block_fp8(model, "layers.1", False) == ["layers.1"]
+    assert [b.fp8_enabled for s in model.layers for b in s.blocks] == [True, True, False, False]
+
+
+def test_refusals_are_named():
+    # a map the window does not divide: timm pads after norm1, which the fused norm cannot match
+    block = SwinTransformerBlock(32, (10, 10), num_heads=2, window_size=4, shift_size=2)
+    with pytest.raises(ValueError, match=r"10x10 feature map with 4x4 windows: timm pads"):
+        _te(block)
+    # 48 px: stage 1's 12 x 12 map in 8 x 8 windows is kept; stage 2's 6 x 6 is one (clipped) window
+    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=48, patch_size=4,
+                              window_size=8, embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=5)
+    with pytest.warns(UserWarning, match=r"kept 2 modules"):
+        _convert(model)
+    summary = fp8vit.conversion_summary(model)
+    assert summary.fused == (("TE_SwinBlock", ("layers.1.blocks.0", "layers.1.blocks.1")),)
+    assert any("12x12 feature map with 8x8 windows" in why for why, _ in summary.kept)
+    te = _te(_block(*CASES["shifted"]))
+    with pytest.raises(ValueError, match=r"a 12x10 feature map that 4x4 windows do not divide"):
+        te(torch.randn(1, 12, 10, 32))
+    with pytest.raises(ValueError, match=r"expects x of shape \[B, H, W, 32\], got \(1, 64, 32\)"):
+        te(torch.randn(1, 64, 32))
+
+
+def test_set_input_size_keeps_or_refuses_with_the_way_out():
+    # One stage: a 48 px input gives a 12 x 12 map in the same 4 x 4 windows shifted by 2: taken
+    torch.manual_seed(0)
+    kw = dict(pretrained=False, img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(2,), num_heads=(2,),
+              num_classes=5)
+    ref = timm.create_model("swin_tiny_patch4_window7_224", **kw).eval()
+    model = _convert(copy.deepcopy(ref))
+    ref.set_input_size(img_size=(48, 48), window_size=4), model.set_input_size(img_size=(48, 48), window_size=4)
+    x = torch.randn(2, 3, 48, 48)
+    assert max_rel_err(ref(x), model(x)) < 1e-5
+    # Two stages: the second stage's 6 x 6 map is not divided by its 4 x 4 window: refused, saying how
+    model = _convert(_swin())
+    with pytest.raises(ValueError, match=r"6x6 feature map gives window \(4, 4\).*convert_from_te\(model\), "
+                                         r"model.set_input_size"):
+        model.set_input_size(img_size=(48, 48), window_size=4)
