@@ -71,7 +71,7 @@ SWEEP="
 8 resnet50                      256 224 generic   8  50   8  50
 7 crossvit_15_240               256 240 generic   8  60  45  60
 3 beit_base_patch16_224         128 224 fused     6  40   8  16
-3 swin_base_patch4_window7_224  128 224 generic  10 120 120 120
+3 swin_base_patch4_window7_224  128 224 fused    10 120  20  60
 4 convnext_base                 128 224 generic   8  70  50  70
 8 maxvit_tiny_tf_224            128 224 generic   8 110  80 110
 5 cait_s24_224                  256 224 generic   8  55  45  55

@@ -284,9 +284,11 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
     if device == "cuda" and wl.variant.blocks in ("fp8vit", "te-layer"):
         # TE's attention backend ("fused": cuDNN; "unfused" is a slow fallback a setup problem causes)
         out["attention"] = _te.attention_backend()
-    if wl.graphs is not None:
-        out["graph_replays"], out["graph_eager_calls"] = wl.graphs.replays, wl.graphs.eager_calls
-        wl.graphs.release()
+    if wl.graphs:
+        out["graph_replays"] = sum(g.replays for g in wl.graphs)
+        out["graph_eager_calls"] = sum(g.eager_calls for g in wl.graphs)
+        for g in wl.graphs:
+            g.release()
     del wl, opt, step, x, y
     gc.collect()
     if device == "cuda":

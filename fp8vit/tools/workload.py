@@ -35,7 +35,7 @@ for what it runs eagerly: cuDNN for an eager ``-cudnn-norm`` variant, else TE's 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ from ..blocks.backend import set_cudnn_layernorm
 from ..training.context import fp8_context
 from ..convert import convert_to_te
 from ..training.switches import set_mlp_recompute
-from ..training.graphs import GraphedBlocks, make_graphed_blocks
+from ..training.graphs import GraphedBlocks, graphed_handles, install_graphs, make_graphed_blocks
 from ..blocks.linear import is_block
 from .._te.recipes import RECIPE_NAMES, make_recipe
 
@@ -138,7 +138,9 @@ class Workload:
         variant: what was built.
         net: what the step calls: ``model``, or it wrapped in DDP and/or compiled.
         img_size, num_classes: input resolution and classifier width.
-        graphs: the CUDA-graph handle of ``-graphed`` variants.
+        graphs: the CUDA-graph handles of ``-graphed`` variants: one (``model.blocks``), or one per
+            stage of a model whose blocks sit in stages (Swin), each captured at its second
+            training step; empty for the others.
         recipe: what ``fp8_context`` gets (:meth:`Variant.recipe`: one object for the capture and
             every step).
     """
@@ -148,7 +150,7 @@ class Workload:
     net: Callable
     img_size: int
     num_classes: int
-    graphs: Optional[GraphedBlocks] = None
+    graphs: Tuple[GraphedBlocks, ...] = ()
     recipe: Any = None
 
 
@@ -232,12 +234,21 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
             set_mlp_recompute(net, every=mlp_recompute)
     if v.fp8 == "torchao":
         _torchao_fp8(net)
-    graphs = None
+    graphs = ()
     if v.graphed:
         if batch_size is None:
             raise ValueError(f"variant {variant!r} captures CUDA graphs: pass batch_size")
-        graphs = make_graphed_blocks(net.train(), batch_size, recipe=recipe, fp8=v.te_fp8,
-                                     cudnn_layernorm=v.cudnn_norm)
+        if isinstance(getattr(net, "blocks", None), (nn.Sequential, nn.ModuleList)):
+            graphs = (make_graphed_blocks(net.train(), batch_size, recipe=recipe, fp8=v.te_fp8,
+                                          cudnn_layernorm=v.cudnn_norm),)
+        elif v.cudnn_norm:
+            raise ValueError(f"variant {variant!r}: cuDNN LayerNorm graphs need the blocks in model.blocks; "
+                             f"{type(net).__name__} keeps them in stages: use the variant without -cudnn-norm")
+        else:  # blocks in stages (Swin): convert_to_te(cuda_graphs=True)'s shape cache, one per stage
+            why = install_graphs(net)
+            if why is not None:
+                raise ValueError(f"variant {variant!r}: {why}")
+            graphs = tuple(graphed_handles(net))
     step_net = net
     if ddp:
         ids = [torch.cuda.current_device()] if device == "cuda" else None

@@ -1,0 +1,101 @@
+"""TE_SwinBlock on the GPU: window attention per shift-mask kind with the relative position bias as
+cuDNN's post_scale_bias (its gradient into the table) against timm with FP8 off (tight), FP8
+against bf16 by SNR, any batch under FP8, graphs on the stages' blocks (convert_to_te(cuda_graphs=True)).
+
+Tolerances as in test_beit_gpu.py (fp32: different kernels, 2e-3 of the output's max; logits >= 20
+dB and weight gradients >= 12 dB under FP8).
+"""
+
+import pytest
+import timm
+import torch
+
+import fp8vit
+from fp8vit.blocks.swin import TE_SwinBlock
+from helpers import GRAD_DB, LOGITS_DB, fp8_step, max_rel_err, rel_l2_err, snr_db, train_steps
+
+pytestmark = pytest.mark.gpu
+
+# Swin-T's geometry at 224 px with 2 + 2 blocks: stage 1 a 56 x 56 map in 8 x 8 windows of 7 x 7
+# (shift 3: 4 mask kinds), stage 2 28 x 28 (4 x 4 windows); head dim 32.
+KW = dict(depths=(2, 2), num_heads=(3, 6), num_classes=100)
+
+
+def _model(drop_path_rate=0.0):
+    torch.manual_seed(0)
+    m = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, drop_path_rate=drop_path_rate, **KW)
+    with torch.no_grad():  # non-zero biases, so that every tensor counts
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return m.cuda()
+
+
+def _convert(model, **kw):
+    fp8vit.convert_to_te(model, exact_gelu=True, **kw)  # Swin's GELU is erf
+    assert {type(b) for s in model.layers for b in s.blocks} == {TE_SwinBlock}
+    return model
+
+
+def test_fp32_logits_and_grads_match_timm():
+    model = _model().eval()
+    x = torch.randn(2, 3, 224, 224, device="cuda", requires_grad=True)
+
+    def run(net):  # logits, input gradient; the parameters' gradients in .grad
+        x.grad = None
+        out = net(x)
+        out.square().sum().backward()
+        return out.detach(), x.grad.clone()
+
+    ref, dx_ref = run(model)
+    tables = {n.replace("attn.", ""): p.grad.clone() for n, p in model.named_parameters()
+              if "relative_position_bias_table" in n}
+    te = _convert(model)
+    te.zero_grad(set_to_none=True)
+    out, dx = run(te)
+    got = {n: p.grad for n, p in te.named_parameters() if "relative_position_bias_table" in n}
+    errs = {n: rel_l2_err(g, got[n]) for n, g in tables.items()}
+    print(f"swin: fp32 logits max rel err {max_rel_err(ref, out):.2e}, dx rel L2 {rel_l2_err(dx_ref, dx):.2e}, "
+          f"table grads rel L2 {({n: f'{e:.1e}' for n, e in errs.items()})}, attention {fp8vit._te.attention_backend()}")
+    assert max_rel_err(ref, out) < 2e-3 and rel_l2_err(dx_ref, dx) < 2e-3
+    assert len(tables) == 4 and all(e < 2e-3 for e in errs.values())
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("batch", [16, 3])  # any batch: 49-token windows, 64 and 16 of them per image
+def test_fp8_snr_vs_bf16(recipe, batch):
+    model = _convert(_model()).train()
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    ref = fp8_step(model, x, recipe, enabled=False)
+    for _ in range(2):  # real delayed-scaling scales first (test_eva_gpu.py says why)
+        fp8_step(model, x, recipe)
+    test = fp8_step(model, x, recipe)
+    snrs = {"logits": snr_db(ref[0], test[0])}
+    snrs.update({k: snr_db(ref[1][k], test[1][k]) for k in ref[1] if ".blocks." in k
+                 and k.endswith(("weight", "relative_position_bias_table"))})
+    worst = min(snrs, key=snrs.get)
+    print(f"swin {recipe} batch {batch}: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB")
+    assert snrs["logits"] >= LOGITS_DB and snrs[worst] >= GRAD_DB
+
+
+def test_stage_graphs_train_like_eager():
+    # convert_to_te(cuda_graphs=True) on Swin: no model.blocks, so each stage's blocks (an
+    # nn.Sequential of 4-D blocks) get a graph cache; the gathers, the per-kind attention calls
+    # and the bias gathers run inside the graphs.
+    g = torch.Generator("cuda").manual_seed(1)
+    data = [(torch.randn(16, 3, 224, 224, device="cuda", generator=g),
+             torch.randint(0, 100, (16,), device="cuda", generator=g)) for _ in range(4)]
+    eager = _convert(_model()).train()
+    graphed = _convert(_model(), cuda_graphs=True).train()
+
+    def train(model):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        return train_steps(model, data, opt, lambda: fp8vit.fp8_context("delayed"))
+
+    le, lg = train(eager), train(graphed)
+    handles = fp8vit.conversion_summary(graphed)
+    print(f"swin graphed: eager losses {le}, graphed {lg}; {handles.short()}")
+    from fp8vit.training.graphs import graphed_handles
+    hs = graphed_handles(graphed)
+    assert len(hs) == 2 and all(h.replays >= 2 for h in hs), [repr(h) for h in hs]
+    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
+        assert snr_db(a, b) > 40, n
