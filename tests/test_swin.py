@@ -18,12 +18,15 @@ from fp8vit.blocks.weights import te_to_timm
 from helpers import max_rel_err
 
 # (input resolution, window, shift): a 8 x 8 map in 4 x 4 windows shifted by 2 (4 windows, each its
-# own mask kind), the same unshifted, a 12 x 8 map (6 windows: 4 kinds), one window (no shift).
+# own mask kind), the same unshifted, a 12 x 8 map (6 windows: 4 kinds), one window (no shift), and
+# maps the window does not divide (timm pads them after norm1), shifted and not.
 CASES = {
     "shifted": ((8, 8), 4, 2),
     "unshifted": ((8, 8), 4, 0),
     "shifted_12x8": ((12, 8), 4, 2),
     "one_window": ((4, 4), 4, 0),
+    "padded_shifted": ((10, 7), 4, 2),
+    "padded": ((10, 7), 4, 0),
 }
 
 
@@ -191,38 +194,51 @@ def test_set_block_fp8_by_stage():
     assert [b.fp8_enabled for s in model.layers for b in s.blocks] == [True, True, False, False]
 
 
-def test_refusals_are_named():
-    # a map the window does not divide: timm pads after norm1, which the fused norm cannot match
-    block = SwinTransformerBlock(32, (10, 10), num_heads=2, window_size=4, shift_size=2)
-    with pytest.raises(ValueError, match=r"10x10 feature map with 4x4 windows: timm pads"):
-        _te(block)
-    # 48 px: stage 1's 12 x 12 map in 8 x 8 windows is kept; stage 2's 6 x 6 is one (clipped) window
-    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=48, patch_size=4,
-                              window_size=8, embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=5)
-    with pytest.warns(UserWarning, match=r"kept 2 modules"):
-        _convert(model)
-    summary = fp8vit.conversion_summary(model)
-    assert summary.fused == (("TE_SwinBlock", ("layers.1.blocks.0", "layers.1.blocks.1")),)
-    assert any("12x12 feature map with 8x8 windows" in why for why, _ in summary.kept)
+def test_padded_maps_match_timm_in_a_model():
+    # 48 px in 8 x 8 windows: stage 1's 12 x 12 map padded to 16 x 16 (shifted by 4 in its second
+    # block), stage 2's 6 x 6 in one clipped window
+    torch.manual_seed(0)
+    ref = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=48, patch_size=4,
+                            window_size=8, embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=5).eval()
+    model = _convert(copy.deepcopy(ref))
+    assert fp8vit.conversion_summary(model).num_fused == 4
+    assert model.layers[0].blocks[0]._windows(12, 12, torch.device("cpu")).padded is not None
+    x = torch.randn(2, 3, 48, 48)
+    a, b = ref(x), model(x)
+    assert max_rel_err(a, b) < 1e-5
+    a.square().sum().backward(), b.square().sum().backward()
+    for blk, tb in zip(model.layers[0].blocks, ref.layers[0].blocks):  # the padded stage
+        grads = te_to_timm({k: p.grad for k, p in blk.named_parameters()}, blk.cfg)
+        for k, p in tb.named_parameters():
+            torch.testing.assert_close(grads[k], p.grad, rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_bad_input_is_refused_with_the_shape():
     te = _te(_block(*CASES["shifted"]))
-    with pytest.raises(ValueError, match=r"a 12x10 feature map that 4x4 windows do not divide"):
-        te(torch.randn(1, 12, 10, 32))
     with pytest.raises(ValueError, match=r"expects x of shape \[B, H, W, 32\], got \(1, 64, 32\)"):
         te(torch.randn(1, 64, 32))
+    block = _block(*CASES["shifted"])
+    block.attn.scale = 0.5
+    with pytest.raises(ValueError, match=r"attention scale 0.5 is not head_dim \*\* -0.5"):
+        _te(block)
 
 
-def test_set_input_size_keeps_or_refuses_with_the_way_out():
-    # One stage: a 48 px input gives a 12 x 12 map in the same 4 x 4 windows shifted by 2: taken
-    torch.manual_seed(0)
-    kw = dict(pretrained=False, img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(2,), num_heads=(2,),
-              num_classes=5)
-    ref = timm.create_model("swin_tiny_patch4_window7_224", **kw).eval()
+def test_set_input_size_resizes_as_timm_and_refuses_a_map_the_window_does_not_divide():
+    # 48 px: timm picks 6 x 6 windows for the 12 x 12 and 6 x 6 maps (shift 3, then none) and
+    # resamples the tables; the converted model follows and converts back at the new size
+    ref = _swin()
     model = _convert(copy.deepcopy(ref))
-    ref.set_input_size(img_size=(48, 48), window_size=4), model.set_input_size(img_size=(48, 48), window_size=4)
+    ref.set_input_size(img_size=(48, 48)), model.set_input_size(img_size=(48, 48))
+    blk = model.layers[0].blocks[1]
+    assert blk.cfg.window_size == (6, 6) and blk.cfg.shift_size == (3, 3)
+    assert blk.relative_position_bias_table.shape == ref.layers[0].blocks[1].attn.relative_position_bias_table.shape
     x = torch.randn(2, 3, 48, 48)
     assert max_rel_err(ref(x), model(x)) < 1e-5
-    # Two stages: the second stage's 6 x 6 map is not divided by its 4 x 4 window: refused, saying how
-    model = _convert(_swin())
-    with pytest.raises(ValueError, match=r"6x6 feature map gives window \(4, 4\).*convert_from_te\(model\), "
-                                         r"model.set_input_size"):
-        model.set_input_size(img_size=(48, 48), window_size=4)
+    back = fp8vit.convert_from_te(model)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), ref.state_dict().values()))
+    # 4 x 4 windows on 40 px (10 x 10, then 5 x 5 maps): padded as timm pads
+    ref, model = _swin(), _convert(_swin())
+    ref.set_input_size(img_size=(40, 40), window_size=4), model.set_input_size(img_size=(40, 40), window_size=4)
+    x = torch.randn(2, 3, 40, 40)
+    assert model.layers[0].blocks[0].input_resolution == (10, 10)
+    assert max_rel_err(ref(x), model(x)) < 1e-5

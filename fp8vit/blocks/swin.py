@@ -22,9 +22,10 @@ only a few kinds of window exist (unshifted interior, right column, bottom row, 
 windows are ordered by kind, so each kind is one slice of the batch, and attention runs once per
 kind with ``relative position bias + that kind's mask``. Unshifted blocks: one call.
 
-Refused (the block stays timm's, with the reason): feature maps the window does not divide (timm
-pads after norm1, so its padded tokens are zeros where the fused norm would give its bias). A
-``set_input_size`` that changes the window or shift raises: convert after resizing.
+Maps the window does not divide: timm pads the map with zeros *after* norm1, so a padded token's
+q, k, v are the qkv bias alone. Here the gather reads zeros for them and their rows of the fused
+GEMM's output are set to the bias (the fused norm would give the norm's bias instead); they pass
+through proj and the MLP like timm's cropped tokens do not, and never reach the output.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from timm.layers import DropPath
+from timm.layers import DropPath, resize_rel_pos_bias_table
 from timm.models.swin_transformer import SwinTransformerBlock, WindowAttention, get_relative_position_index
 from torch import nn
 
@@ -96,11 +97,6 @@ def swin_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> Swin
                          f"({D ** -0.5}) cannot be converted to TE_SwinBlock")
     window = tuple(int(w) for w in block.window_size)
     shift = tuple(int(s) for s in block.shift_size)
-    res = tuple(int(r) for r in block.input_resolution)
-    if res[0] % window[0] or res[1] % window[1]:
-        raise ValueError(f"SwinTransformerBlock on a {res[0]}x{res[1]} feature map with {window[0]}x{window[1]} "
-                         "windows: timm pads the map after norm1, which TE_SwinBlock (norm1 fused into the q/k/v "
-                         "GEMM) cannot do exactly; use an image size whose feature maps the window divides")
     for dp in (block.drop_path1, block.drop_path2):
         if isinstance(dp, DropPath) and not dp.scale_by_keep:
             raise ValueError("SwinTransformerBlock with DropPath(scale_by_keep=False) cannot be converted to TE_SwinBlock")
@@ -135,13 +131,15 @@ class _Windows:
 
     Attributes:
         pos: ``[nW, N]`` flat positions (``h * W + w`` in the unshifted map) of each window's tokens,
-            windows in this block's order (grouped by mask kind).
+            windows in this block's order (grouped by mask kind); ``H * W`` for a padded token.
+        padded: ``[nW, 1, N, 1]`` True at padded tokens, or None (the window divides the map).
         inv_window, inv_token: ``[H * W]``: where each position went (window slot, token).
         sizes: windows per mask kind, in that order.
         masks: the additive ``[N, N]`` mask of each kind (None: none).
     """
 
     pos: torch.Tensor
+    padded: Optional[torch.Tensor]
     inv_window: torch.Tensor
     inv_token: torch.Tensor
     sizes: Tuple[int, ...]
@@ -229,27 +227,66 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
 
     def set_input_size(self, feat_size: Tuple[int, int], window_size: Tuple[int, int],
                        always_partition: Optional[bool] = None) -> None:
-        """timm's ``SwinTransformer.set_input_size`` calls it on every block: a feature map of
-        another size with the same window and shift is taken as it comes; one that changes them
-        (or that the window does not divide) raises.
-
-        Raises:
-            ValueError: the new size changes the window or shift, or the window does not divide it.
-        """
-        sk = self._timm_skeleton
-        old = (sk.input_resolution, sk.always_partition)
-        sk.input_resolution = tuple(feat_size)
-        if always_partition is not None:
-            sk.always_partition = always_partition
-        window, shift = sk._calc_window_shift(window_size)
-        res = tuple(int(r) for r in feat_size)
+        """timm's ``SwinTransformer.set_input_size`` calls it on every block: the window and shift
+        for the new feature map as timm's block computes them, the relative position bias table
+        resampled as timm's (``resize_rel_pos_bias_table``) where the window changes."""
+        trial = copy.deepcopy(self._timm_skeleton)  # on the meta device: timm's own arithmetic, no data
+        trial.set_input_size(feat_size, window_size, always_partition)
+        window = tuple(int(w) for w in trial.window_size)
+        shift = tuple(int(v) for v in trial.shift_size)
         c = self.cfg
-        if (tuple(window), tuple(shift)) != (c.window_size, c.shift_size) or res[0] % window[0] or res[1] % window[1]:
-            sk.input_resolution, sk.always_partition = old
-            raise ValueError(f"TE_SwinBlock.set_input_size: a {res[0]}x{res[1]} feature map gives window "
-                             f"{tuple(window)} and shift {tuple(shift)} (this block: {c.window_size}, {c.shift_size}; "
-                             "the window must divide the map); resize the timm model first: "
-                             "fp8vit.convert_from_te(model), model.set_input_size(...), fp8vit.convert_to_te(model)")
+        if window != c.window_size:
+            old = self.relative_position_bias_table
+            wh, ww = window
+            with torch.no_grad():
+                table = resize_rel_pos_bias_table(old, new_window_size=window, old_window_size=c.window_size,
+                                                  new_bias_shape=((2 * wh - 1) * (2 * ww - 1), c.num_heads))
+            self.relative_position_bias_table = nn.Parameter(table, requires_grad=old.requires_grad)
+            self.register_buffer("relative_position_index", get_relative_position_index(wh, ww).to(old.device),
+                                 persistent=False)
+        self.cfg = dataclasses.replace(c, window_size=window, shift_size=shift)
+        object.__setattr__(self, "_timm_skeleton", trial)  # to_timm builds the block at this size
+        self._plans = {}
+
+    # timm's SwinTransformerBlock attributes that its model code and users read
+    @property
+    def input_resolution(self) -> Tuple[int, int]:
+        return self._timm_skeleton.input_resolution
+
+    @property
+    def window_size(self) -> Tuple[int, int]:
+        return self.cfg.window_size
+
+    @property
+    def shift_size(self) -> Tuple[int, int]:
+        return self.cfg.shift_size
+
+    @property
+    def window_area(self) -> int:
+        return self.cfg.window_area
+
+    @property
+    def always_partition(self) -> bool:
+        return self._timm_skeleton.always_partition
+
+    @property
+    def dynamic_mask(self) -> bool:
+        return self._timm_skeleton.dynamic_mask
+
+    @property
+    def attn_mask(self) -> Optional[torch.Tensor]:
+        """timm's shift mask ``[nW, N, N]`` for the block's input resolution (None: no shift); the
+        block itself uses it grouped by kind (module docstring)."""
+        (wh, ww), (h, w) = self.cfg.window_size, self.input_resolution
+        return shift_mask(-(-h // wh) * wh, -(-w // ww) * ww, self.cfg.window_size, self.cfg.shift_size)
+
+    def init_non_persistent_buffers(self) -> None:
+        """Rebuild the relative position index (timm's ``reinit_non_persistent_buffers`` after
+        ``to_empty``); the window plans are rebuilt at the next call."""
+        wh, ww = self.cfg.window_size
+        dev = self.relative_position_bias_table.device
+        self.register_buffer("relative_position_index", get_relative_position_index(wh, ww).to(dev), persistent=False)
+        self._plans = {}
 
     # ------------------------------------------------------------------ forward
     @torch.compiler.disable  # as TE_Block.forward: the blocks run outside dynamo
@@ -267,19 +304,19 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
         if x.dim() != 4 or x.shape[-1] != c.dim:
             raise ValueError(f"TE_SwinBlock expects x of shape [B, H, W, {c.dim}], got {tuple(x.shape)}")
         B, H, W, C = x.shape
-        if H % c.window_size[0] or W % c.window_size[1]:
-            raise ValueError(f"TE_SwinBlock: a {H}x{W} feature map that {c.window_size[0]}x{c.window_size[1]} windows "
-                             "do not divide (timm would pad it); use an image size whose feature maps the window divides")
         plan = self._windows(H, W, x.device)
         nw = plan.pos.shape[0]
         for dp in (self.drop_path1, self.drop_path2):
             if isinstance(dp, WindowDropPath):
                 dp.windows = nw
         images = torch.arange(B, device=x.device)
+        flat = x.reshape(B, H * W, C)
+        if plan.padded is not None:  # position H*W: a zero token for the padding
+            flat = torch.nn.functional.pad(flat, (0, 0, 0, 1))
         # [B, H*W, C] -> [nW, B, N, C]: the cyclic shift, the partition and the window order in one gather
-        xw = x.reshape(B, H * W, C)[images.view(1, B, 1), plan.pos.unsqueeze(1)].view(nw * B, c.window_area, C)
+        xw = flat[images.view(1, B, 1), plan.pos.unsqueeze(1)].view(nw * B, c.window_area, C)
         biases = self._biases(plan)
-        out = self._dispatch(xw, None, None, False, (tuple(n * B for n in plan.sizes), biases))
+        out = self._dispatch(xw, None, None, False, (tuple(n * B for n in plan.sizes), biases, plan.padded))
         out = out.view(nw, B, c.window_area, C)[plan.inv_window.unsqueeze(0), images.view(B, 1),
                                                 plan.inv_token.unsqueeze(0)]  # [B, H*W, C]
         return out.view(B, H, W, C)
@@ -292,12 +329,15 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
             return plan
         c = self.cfg
         (wh, ww), (sh, sw) = c.window_size, c.shift_size
-        nh, nw = height // wh, width // ww
-        # token (i, j) of window (wy, wx) of the shifted map came from ((wy*wh + i + sh) % H, (wx*ww + j + sw) % W)
-        rows = (torch.arange(nh).view(nh, 1) * wh + torch.arange(wh) + sh) % height  # [nh, wh]
-        cols = (torch.arange(nw).view(nw, 1) * ww + torch.arange(ww) + sw) % width  # [nw, ww]
-        pos = (rows.view(nh, 1, wh, 1) * width + cols.view(1, nw, 1, ww)).reshape(nh * nw, wh * ww)
-        mask = shift_mask(height, width, c.window_size, c.shift_size)
+        nh, nw = -(-height // wh), -(-width // ww)  # timm pads the shifted map to whole windows
+        # token (i, j) of window (wy, wx) of the shifted, padded map: ((h + sh) % H, (w + sw) % W) of
+        # the input for h = wy*wh + i < H and w = wx*ww + j < W, else padding
+        h = torch.arange(nh).view(nh, 1) * wh + torch.arange(wh)  # [nh, wh]
+        w = torch.arange(nw).view(nw, 1) * ww + torch.arange(ww)  # [nw, ww]
+        inside = (h < height).view(nh, 1, wh, 1) & (w < width).view(1, nw, 1, ww)
+        pos = ((h + sh) % height).view(nh, 1, wh, 1) * width + ((w + sw) % width).view(1, nw, 1, ww)
+        pos = torch.where(inside, pos, height * width).reshape(nh * nw, wh * ww)
+        mask = shift_mask(nh * wh, nw * ww, c.window_size, c.shift_size)
         if mask is None:
             order, sizes, masks = torch.arange(nh * nw), (nh * nw,), (None,)
         else:  # windows of one mask kind next to each other: one attention call per kind
@@ -307,11 +347,13 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
             masks = tuple(k.view(wh * ww, wh * ww).to(device) for k in kinds)
         pos = pos[order]
         flat = pos.reshape(-1)
-        inv_window = torch.empty_like(flat)
-        inv_token = torch.empty_like(flat)
-        inv_window[flat] = torch.arange(pos.shape[0]).repeat_interleave(wh * ww)
-        inv_token[flat] = torch.arange(wh * ww).repeat(pos.shape[0])
-        plan = _Windows(pos.to(device), inv_window.to(device), inv_token.to(device), sizes, masks)
+        real = flat < height * width
+        inv_window = torch.empty(height * width, dtype=torch.long)
+        inv_token = torch.empty(height * width, dtype=torch.long)
+        inv_window[flat[real]] = torch.arange(pos.shape[0]).repeat_interleave(wh * ww)[real]
+        inv_token[flat[real]] = torch.arange(wh * ww).repeat(pos.shape[0])[real]
+        padded = None if bool(real.all()) else (~real).view(pos.shape[0], 1, wh * ww, 1).to(device)
+        plan = _Windows(pos.to(device), padded, inv_window.to(device), inv_token.to(device), sizes, masks)
         self._plans[key] = plan
         return plan
 
@@ -329,8 +371,13 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
 
         The q/k/v buffer is split into the kinds' slices with ``split`` (its backward is one
         concatenation, where slicing would zero-fill a whole-buffer gradient per slice)."""
-        sizes, biases = bias
+        sizes, biases, padded = bias
         qkv = aligned_rows(self.qkv, x, mult)
+        if padded is not None:  # timm's padded tokens are zeros after norm1: their q, k, v are the bias
+            b = self.qkv.bias
+            pad_value = qkv.new_zeros(()) if b is None else b.to(qkv.dtype)
+            rows = qkv.view(padded.shape[0], -1, *qkv.shape[1:])  # [nW, B, N, 3A]
+            qkv = torch.where(padded, pad_value, rows).view_as(qkv)
         parts = qkv.split(sizes, dim=0) if len(sizes) > 1 else (qkv,)
         outs = []
         for part, b in zip(parts, biases):
