@@ -374,8 +374,8 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
         sizes, biases, padded = bias
         qkv = aligned_rows(self.qkv, x, mult)
         if padded is not None:  # timm's padded tokens are zeros after norm1: their q, k, v are the bias
-            b = self.qkv.bias
-            pad_value = qkv.new_zeros(()) if b is None else b.to(qkv.dtype)
+            # (TE's Linear without a bias holds an empty tensor there, not None: read the config)
+            pad_value = qkv.new_zeros(()) if self.cfg.qkv_bias == "none" else self.qkv.bias.to(qkv.dtype)
             rows = qkv.view(padded.shape[0], -1, *qkv.shape[1:])  # [nW, B, N, 3A]
             qkv = torch.where(padded, pad_value, rows).view_as(qkv)
         parts = qkv.split(sizes, dim=0) if len(sizes) > 1 else (qkv,)
