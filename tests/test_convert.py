@@ -11,6 +11,7 @@ import torch
 from timm.models.vision_transformer import Block, ResPostBlock, VisionTransformer
 
 import fp8vit
+from helpers import kept_swin_blocks
 
 # Small variants of the families the issue names: class token (vit_*, deit_*), LayerScale
 # (deit3_*), register tokens + no class token + avg pool (reg4_gap), and a deeper one.
@@ -334,10 +335,11 @@ def test_registry_matches_exact_classes_only():
 
 # --------------------------------------------------------------------------- generic path: FP8 Linears
 def _swin(**kw):
+    # Swin's blocks under a class fp8vit has no family for (helpers.kept_swin_blocks): the generic path
     from timm.models.swin_transformer import SwinTransformer
     torch.manual_seed(0)
-    return SwinTransformer(img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(1, 1),
-                           num_heads=(2, 4), num_classes=5, **kw)
+    return kept_swin_blocks(SwinTransformer(img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(1, 1),
+                                            num_heads=(2, 4), num_classes=5, **kw))
 
 
 def _beit():
@@ -377,7 +379,7 @@ def test_linear_fallback_keeps_weights_keys_and_maths():
     assert not torch.equal(model.layers[0].blocks[0].mlp.fc1.weight, w)
     summary = fp8vit.conversion_summary(model)
     assert summary.counts() == {"fused": 0, "linear": 8, "kept": {}}
-    assert dict(summary.swapped) == {"SwinTransformerBlock: no fp8vit block for this class": tuple(_swapped(model))}
+    assert dict(summary.swapped) == {"KeptSwinBlock: no fp8vit block for this class": tuple(_swapped(model))}
     # the head and Swin's patch merging are outside every block: never swapped
     assert summary.outside == ("layers.1.downsample.reduction", "head.fc")
 
@@ -413,7 +415,7 @@ def test_linear_fallback_round_trip_gives_nn_linears_back():
 def test_linear_fallback_keeps_what_fp8_cannot_run_and_says_why():
     from timm.models.swin_transformer import SwinTransformerBlock
     torch.manual_seed(0)
-    block = SwinTransformerBlock(24, (4, 4), num_heads=2, window_size=2).eval()  # 24 % 16 != 0
+    block = kept_swin_blocks(SwinTransformerBlock(24, (4, 4), num_heads=2, window_size=2).eval())  # 24 % 16 != 0
     x = torch.randn(2, 4, 4, 24)  # Swin blocks take [B, H, W, C]: any leading dims
     ref = block(x)
     with pytest.warns(UserWarning) as rec:

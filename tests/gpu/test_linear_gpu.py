@@ -13,7 +13,7 @@ import torch
 
 import fp8vit
 from fp8vit.blocks.linear import is_swapped
-from helpers import GRAD_DB, LOGITS_DB, fp8_step, snr_db
+from helpers import GRAD_DB, LOGITS_DB, fp8_step, kept_swin_blocks, snr_db
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +22,8 @@ MODELS = {
     # LayerScale at 1, not its 1e-6: the blocks' bf16 gradients would be below what E5M2 holds
     # (the CaiT test below says more).
     "relpos": ("vit_relpos_base_patch16_cls_224", dict(depth=2, init_values=1.0)),
-    # [B, H, W, C] blocks, window attention over [B * windows, 49, C]
+    # [B, H, W, C] blocks, window attention over [B * windows, 49, C]; under another class name
+    # (helpers.kept_swin_blocks), since fp8vit fuses timm's Swin block itself
     "swin": ("swin_tiny_patch4_window7_224", dict(depths=(2, 2), num_heads=(3, 6))),
 }
 
@@ -41,7 +42,7 @@ def _model(key="relpos", **kw):
     for m in model.modules():  # nor dropout: the relative-position ViT's bias MLP has p=0.125, fixed
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-    return fp8vit.convert_to_te(model.cuda(), fallback="linear")
+    return fp8vit.convert_to_te(kept_swin_blocks(model).cuda(), fallback="linear")
 
 
 def _swapped(model):
