@@ -34,6 +34,7 @@ from .errors import Check, ConversionError, FP8UnavailableError, TEUnavailableEr
 from .blocks.beit import TE_BeitBlock
 from .blocks.eva import TE_EvaBlock
 from .blocks.swin import TE_SwinBlock
+from .blocks.convnext import TE_ConvNeXtBlock
 from .training.graphs import GraphedBlocks, make_graphed_blocks
 from .training.guards import NonFiniteEvent, NonFiniteGuard
 from .training.numerics import snr_db
@@ -52,6 +53,7 @@ __all__ = [
     "TE_EvaBlock",
     "TE_BeitBlock",
     "TE_SwinBlock",
+    "TE_ConvNeXtBlock",
     "convert_to_te",
     "convert_from_te",
     "FALLBACKS",

@@ -21,6 +21,7 @@ import pytest
 import torch
 from timm.models.beit import Block as BeitBlock
 from timm.models.swin_transformer import SwinTransformerBlock
+from timm.models.convnext import ConvNeXtBlock
 from timm.models.eva import EvaBlock
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
@@ -28,6 +29,7 @@ from torch import nn
 import fp8vit
 from fp8vit.blocks.beit import beit_config_from_timm
 from fp8vit.blocks.swin import swin_config_from_timm
+from fp8vit.blocks.convnext import convnext_config_from_timm
 from fp8vit.blocks.eva import eva_config_from_timm
 
 
@@ -75,6 +77,10 @@ def _beit_block(**bad) -> fp8vit.TE_BeitBlock:
 def _swin_block(**bad) -> fp8vit.TE_SwinBlock:
     return _family_block(fp8vit.TE_SwinBlock, SwinTransformerBlock(64, (4, 4), num_heads=2, window_size=2, shift_size=1),
                          swin_config_from_timm, **bad)
+
+
+def _convnext_block(**bad) -> fp8vit.TE_ConvNeXtBlock:
+    return _family_block(fp8vit.TE_ConvNeXtBlock, ConvNeXtBlock(64), convnext_config_from_timm, **bad)
 
 
 class Row(NamedTuple):
@@ -181,6 +187,13 @@ ROWS = [
     row("TE_SwinBlock", "dtype", torch.int64, lambda v: _swin_block(dtype=v), ValueError, "floating-point"),
     row("TE_SwinBlock", "backend", "bogus", lambda v: _swin_block(backend=v), ValueError, *BACKEND),
     row("TE_SwinBlock", "fp32_residual", 1, lambda v: _swin_block(fp32_residual=v), TypeError, BOOL),
+    row("TE_ConvNeXtBlock", "cfg", _eva_block().cfg, lambda v: _convnext_block(cfg=v), TypeError,
+        "ConvNeXtBlockConfig", shown="got EvaBlockConfig"),
+    row("TE_ConvNeXtBlock", "timm_skeleton", None, lambda v: _convnext_block(timm_skeleton=v), TypeError, "timm block"),
+    row("TE_ConvNeXtBlock", "device", "gpu", lambda v: _convnext_block(device=v), ValueError, "'cuda'"),
+    row("TE_ConvNeXtBlock", "dtype", torch.int64, lambda v: _convnext_block(dtype=v), ValueError, "floating-point"),
+    row("TE_ConvNeXtBlock", "backend", "bogus", lambda v: _convnext_block(backend=v), ValueError, *BACKEND),
+    row("TE_ConvNeXtBlock", "fp32_residual", 1, lambda v: _convnext_block(fp32_residual=v), TypeError, BOOL),
     # BlockConfig itself (a frozen dataclass: every field checked in __post_init__) ...
     *[row("BlockConfig", field, bad, lambda v, f=field: dataclasses.replace(_block_config(), **{f: v}), err, *acc)
       for field, bad, err, acc in [

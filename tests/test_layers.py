@@ -41,6 +41,7 @@ def test_the_package_keeps_its_layer_contracts():
     ("training/graphs.py", "from .. import convert", "Layers"),
     # one family importing another
     ("blocks/eva.py", "from . import vit", "independent"),
+    ("blocks/convnext.py", "from . import eva", "independent"),
     # BEiT's block (EVA's extended) importing the classic ViT's
     ("blocks/beit.py", "from . import vit", "BEiT's and Swin's blocks extend"),
     ("blocks/swin.py", "from . import beit", "BEiT's and Swin's blocks extend"),

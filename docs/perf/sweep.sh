@@ -72,7 +72,7 @@ SWEEP="
 7 crossvit_15_240               256 240 generic   8  60  45  60
 3 beit_base_patch16_224         128 224 fused     6  40   8  16
 3 swin_base_patch4_window7_224  128 224 fused    10 120  20  60
-4 convnext_base                 128 224 generic   8  70  50  70
+4 convnext_base                 128 224 fused     8  70  15  45
 8 maxvit_tiny_tf_224            128 224 generic   8 110  80 110
 5 cait_s24_224                  256 224 generic   8  55  45  55
 5 xcit_small_12_p16_224         256 224 generic   7  55  40  55

@@ -5,6 +5,7 @@
 ``eva``            ``TE_EvaBlock``: timm's ``EvaBlock`` / ``EvaBlockPostNorm`` (EVA02, RoPE ViTs, PE, ...)
 ``beit``           ``TE_BeitBlock``: timm's BEiT ``Block`` (EVA's layout and a relative position bias)
 ``swin``           ``TE_SwinBlock``: timm's ``SwinTransformerBlock`` (EVA's layout on shifted windows)
+``convnext``       ``TE_ConvNeXtBlock``: timm's ``ConvNeXtBlock`` (its norm and Linear MLP fused, the conv in torch)
 ``families``       the registry timm block class -> fp8vit block class that ``convert_to_te`` consults
 ``base``           ``FP8Block``, the base of every family: switches, the FP8 plumbing of ``forward``,
                    one attention path (with a RoPE hook), token-row padding, LayerScale
