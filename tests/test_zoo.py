@@ -37,8 +37,9 @@ EXPECTED = pathlib.Path(__file__).with_name("zoo_expected.json")
 # deit, naflexvit, pit, crossvit, mobilevit; eva: EVA02, PE, the RoPE ViT, Sapiens2's grouped-query
 # attention, EVA-CLIP enormous's post-norm blocks), fused with blocks whose options TE_Block cannot
 # honour (aimv2's SwiGLU, vitamin's GeGLU, beit3's scale_attn_norm, dinov2-giant's GluMlp,
-# vit_dlittle's DiffAttention) going to the Linear fallback, no fp8vit family (swin, beit, cait,
-# xcit, volo, mixer, convnext's Linear MLP) and nothing to convert (resnet, convnext with a conv MLP).
+# vit_dlittle's DiffAttention) going to the Linear fallback, fused since (swin, beit, convnext's Linear
+# MLP), no fp8vit family (swinv2_cr, cait, xcit, volo, mixer) and nothing to convert (resnet,
+# convnext with a conv MLP).
 CI_MODELS = [
     "test_vit", "vit_tiny_patch16_224", "vit_small_patch14_reg4_dinov2", "vit_giant_patch14_dinov2",
     "vit_dlittle_patch16_reg1_gap_256", "vit_base_patch16_xp_224", "deit_tiny_distilled_patch16_224",

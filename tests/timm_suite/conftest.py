@@ -78,11 +78,11 @@ CONVERTED_MODELS = [
                                          # smallest BEiT: about 1 min here)
     "swin_tiny_patch4_window7_224",      # swin_transformer: SwinTransformerBlock -> TE_SwinBlock,
                                          # shifted windows, padding, set_input_size (28M)
+    "test_convnext",                     # convnext: ConvNeXtBlock (Linear MLP) -> TE_ConvNeXtBlock
 ]
 # Models without a timm Block: convert_to_te must leave them alone.
 PASSTHROUGH_MODELS = [
     "test_resnet",
-    "test_convnext",
     "test_vit_relpos",  # a ViT whose blocks are not vision_transformer.Block
 ]
 CI_MODELS = CONVERTED_MODELS + PASSTHROUGH_MODELS
