@@ -20,7 +20,6 @@ ViT-B size 12 heads x 197 x 197 values.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import List, Optional, Tuple
 
@@ -38,7 +37,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
 
 from .._validate import check_type
 from .eva import EvaBlockConfig, TE_EvaBlock, eva_like_config
-from .weights import Tie, copy_requires_grad, rename, te_requires_grad
+from .weights import Tie, block_from_timm, rename
 
 __all__ = ["TE_BeitBlock", "BeitBlockConfig", "beit_config_from_timm"]
 
@@ -136,12 +135,7 @@ class TE_BeitBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
             ValueError: a part of ``block`` that TE_BeitBlock does not implement, named.
         """
         cfg = beit_config_from_timm(block, exact_gelu=exact_gelu)
-        ref = block.norm1.weight
-        new = cls(cfg, timm_skeleton=copy.deepcopy(block).to("meta"), device=ref.device, dtype=ref.dtype,
-                  backend=backend, fp32_residual=fp32_residual)
-        new.load_timm_state_dict(block.state_dict())
-        copy_requires_grad(block, new, te_requires_grad, cfg.ties())
-        return new.train(block.training)
+        return block_from_timm(cls, block, cfg, block.norm1.weight, backend=backend, fp32_residual=fp32_residual)
 
     @property
     def window_size(self) -> Optional[Tuple[int, int]]:

@@ -34,8 +34,7 @@ from .._validate import check_type
 from .base import FP8Block, check_block_args
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties
 from .timm_layers import resolve_norm_module
-from .weights import (Tie, copy_requires_grad, rename, te_requires_grad, te_to_timm, timm_requires_grad,
-                      timm_to_te)
+from .weights import Tie, block_from_timm, load_timm_state, rename, timm_block_of
 
 __all__ = ["TE_ConvNeXtBlock", "ConvNeXtBlockConfig", "convnext_config_from_timm"]
 
@@ -157,12 +156,7 @@ class TE_ConvNeXtBlock(FP8Block):  # noqa: N801 - named like TE_Block
             ValueError: a part of ``block`` that TE_ConvNeXtBlock does not implement, named.
         """
         cfg = convnext_config_from_timm(block, exact_gelu=exact_gelu)
-        ref = block.norm.weight
-        new = cls(cfg, timm_skeleton=copy.deepcopy(block).to("meta"), device=ref.device, dtype=ref.dtype,
-                  backend=backend, fp32_residual=fp32_residual)
-        new.load_timm_state_dict(block.state_dict())
-        copy_requires_grad(block, new, te_requires_grad, cfg.ties())
-        return new.train(block.training)
+        return block_from_timm(cls, block, cfg, block.norm.weight, backend=backend, fp32_residual=fp32_residual)
 
     def load_timm_state_dict(self, sd) -> None:
         """Load a timm ``ConvNeXtBlock`` state dict (keys relative to the block) exactly.
@@ -170,19 +164,12 @@ class TE_ConvNeXtBlock(FP8Block):  # noqa: N801 - named like TE_Block
         Raises:
             ValueError: keys that do not match this block's configuration, listed.
         """
-        res = self.load_state_dict(timm_to_te(sd, self.cfg.ties()), strict=False)
-        missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
-        if missing or res.unexpected_keys:
-            raise ValueError(f"TE_ConvNeXtBlock: tensors not set {missing}, unknown {res.unexpected_keys}")
+        load_timm_state(self, sd)
 
     def to_timm(self) -> nn.Module:
         """The equivalent timm ``ConvNeXtBlock`` (same weights, device, dtype, ``requires_grad``
         flags, mode). FP8 scaling state is dropped."""
-        ref = self.conv_dw.weight
-        block = copy.deepcopy(self._timm_skeleton).to_empty(device=ref.device)
-        block.load_state_dict(te_to_timm(self.state_dict(), self.cfg.ties()), strict=True)
-        copy_requires_grad(self, block, timm_requires_grad, self.cfg.ties())
-        return block.train(self.training)
+        return timm_block_of(self, self.conv_dw.weight)
 
     # ------------------------------------------------------------------ forward
     @torch.compiler.disable  # as TE_Block.forward: the blocks run outside dynamo

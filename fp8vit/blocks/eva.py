@@ -51,8 +51,7 @@ from .._validate import check_type
 from .base import FP8Block, LastResult, check_block_args
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties, norm_in_dtype, torch_norm
 from .timm_layers import resolve_norm
-from .weights import (Part, Tie, copy_requires_grad, rename, te_requires_grad, te_to_timm, timm_requires_grad,
-                      timm_to_te)
+from .weights import Part, Tie, block_from_timm, load_timm_state, rename, timm_block_of
 
 __all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "eva_like_config", "rope_angles",
            "forward_rope_angles"]
@@ -424,15 +423,11 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
             ValueError: a part of ``block`` that TE_EvaBlock does not implement, named.
         """
         cfg = eva_config_from_timm(block, exact_gelu=exact_gelu)
-        ref = block.norm1.weight
         attn = block.attn
         qn = copy.deepcopy(attn.q_norm) if cfg.qk_norm else None
         kn = copy.deepcopy(attn.k_norm) if cfg.qk_norm else None
-        new = cls(cfg, timm_skeleton=copy.deepcopy(block).to("meta"), device=ref.device, dtype=ref.dtype,
-                  backend=backend, fp32_residual=fp32_residual, q_norm=qn, k_norm=kn)
-        new.load_timm_state_dict(block.state_dict())
-        copy_requires_grad(block, new, te_requires_grad, cfg.ties())
-        return new.train(block.training)
+        return block_from_timm(cls, block, cfg, block.norm1.weight, backend=backend, fp32_residual=fp32_residual,
+                               q_norm=qn, k_norm=kn)
 
     def load_timm_state_dict(self, sd) -> None:
         """Load a timm ``EvaBlock`` state dict (keys relative to the block) exactly.
@@ -440,22 +435,12 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         Raises:
             ValueError: keys that do not match this block's configuration, listed.
         """
-        res = self.load_state_dict(timm_to_te(sd, self.cfg.ties()), strict=False)
-        missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
-        if missing or res.unexpected_keys:
-            raise ValueError(f"TE_EvaBlock: tensors not set {missing}, unknown {res.unexpected_keys}")
+        load_timm_state(self, sd)
 
     def to_timm(self) -> nn.Module:
         """The equivalent timm ``EvaBlock`` (same weights, device, dtype, ``requires_grad`` flags,
         mode). FP8 scaling state is dropped."""
-        ref = self.qkv.weight
-        block = copy.deepcopy(self._timm_skeleton).to_empty(device=ref.device)
-        block.load_state_dict(te_to_timm(self.state_dict(), self.cfg.ties()), strict=True)
-        init = getattr(block.attn, "init_non_persistent_buffers", None)
-        if init is not None:  # EvaAttention's zero k_bias buffer is not in the state dict
-            init()
-        copy_requires_grad(self, block, timm_requires_grad, self.cfg.ties())
-        return block.train(self.training)
+        return timm_block_of(self, self.qkv.weight)
 
     # ------------------------------------------------------------------ forward
     # torch.compile(model) runs the block eagerly: its TE kernels are fused already, and dynamo,

@@ -47,7 +47,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
 from .._validate import check_type
 from .base import aligned_rows
 from .eva import EvaBlockConfig, TE_EvaBlock, eva_like_config
-from .weights import Tie, copy_requires_grad, rename, te_requires_grad
+from .weights import Tie, block_from_timm, rename
 
 __all__ = ["TE_SwinBlock", "SwinBlockConfig", "swin_config_from_timm"]
 
@@ -207,23 +207,7 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
             ValueError: a part of ``block`` that TE_SwinBlock does not implement, named.
         """
         cfg = swin_config_from_timm(block, exact_gelu=exact_gelu)
-        ref = block.norm1.weight
-        new = cls(cfg, timm_skeleton=copy.deepcopy(block).to("meta"), device=ref.device, dtype=ref.dtype,
-                  backend=backend, fp32_residual=fp32_residual)
-        new.load_timm_state_dict(block.state_dict())
-        copy_requires_grad(block, new, te_requires_grad, cfg.ties())
-        return new.train(block.training)
-
-    def to_timm(self) -> nn.Module:
-        """The equivalent timm ``SwinTransformerBlock`` (same weights, device, dtype,
-        ``requires_grad`` flags, mode; its index and mask buffers rebuilt). FP8 scaling state is
-        dropped."""
-        block = super().to_timm()
-        for m in block.modules():  # the buffers the skeleton held on the meta device
-            init = getattr(m, "init_non_persistent_buffers", None)
-            if init is not None:
-                init()
-        return block
+        return block_from_timm(cls, block, cfg, block.norm1.weight, backend=backend, fp32_residual=fp32_residual)
 
     def set_input_size(self, feat_size: Tuple[int, int], window_size: Tuple[int, int],
                        always_partition: Optional[bool] = None) -> None:

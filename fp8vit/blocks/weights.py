@@ -28,13 +28,15 @@ The functions take a layout as a sequence of ties, or as a block config that has
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
 __all__ = ["Part", "Tie", "rename", "name_pairs", "timm_to_te", "te_to_timm",
-           "te_requires_grad", "timm_requires_grad", "copy_requires_grad", "is_sharded"]
+           "te_requires_grad", "timm_requires_grad", "copy_requires_grad", "is_sharded",
+           "block_from_timm", "load_timm_state", "timm_block_of"]
 
 _EXTRA = "_extra_state"
 
@@ -235,6 +237,45 @@ def copy_requires_grad(src, dst, convert, layout: Layout) -> None:
     dst_params = dict(dst.named_parameters())
     for name, flag in convert(flags, layout).items():
         dst_params[name].requires_grad_(flag)
+
+
+# --------------------------------------------------------------- blocks built from a timm skeleton
+# The EVA-layout families (EVA, BEiT, Swin) and ConvNeXt keep the timm block on the meta device
+# (``_timm_skeleton``: its shapes and options, no data) and their ``cfg.ties()`` layout; these three
+# are their from_timm, load_timm_state_dict and to_timm.
+def block_from_timm(cls, block, cfg, ref: torch.Tensor, **kwargs):
+    """``cls(cfg, timm_skeleton=<block on the meta device>, **kwargs)`` on ``ref``'s device and dtype,
+    holding timm ``block``'s weights, ``requires_grad`` flags and mode."""
+    new = cls(cfg, timm_skeleton=copy.deepcopy(block).to("meta"), device=ref.device, dtype=ref.dtype, **kwargs)
+    load_timm_state(new, block.state_dict())
+    copy_requires_grad(block, new, te_requires_grad, cfg.ties())
+    return new.train(block.training)
+
+
+def load_timm_state(te_block, sd: Mapping[str, torch.Tensor]) -> None:
+    """Load a timm block's state dict (keys relative to the block) into ``te_block`` exactly.
+
+    Raises:
+        ValueError: keys that do not match ``te_block``'s configuration, listed.
+    """
+    res = te_block.load_state_dict(timm_to_te(sd, te_block.cfg.ties()), strict=False)
+    missing = [k for k in res.missing_keys if not k.endswith(_EXTRA)]
+    if missing or res.unexpected_keys:
+        raise ValueError(f"{type(te_block).__name__}: tensors not set {missing}, unknown {res.unexpected_keys}")
+
+
+def timm_block_of(te_block, ref: torch.Tensor):
+    """The timm block ``te_block`` was built from, on ``ref``'s device, with its weights,
+    ``requires_grad`` flags and mode; the buffers timm does not save rebuilt as timm builds them
+    (``init_non_persistent_buffers``). FP8 scaling state is dropped."""
+    block = copy.deepcopy(te_block._timm_skeleton).to_empty(device=ref.device)
+    block.load_state_dict(te_to_timm(te_block.state_dict(), te_block.cfg.ties()), strict=True)
+    for m in block.modules():
+        init = getattr(m, "init_non_persistent_buffers", None)
+        if init is not None:
+            init()
+    copy_requires_grad(te_block, block, timm_requires_grad, te_block.cfg.ties())
+    return block.train(te_block.training)
 
 
 def is_sharded(t: torch.Tensor) -> bool:
