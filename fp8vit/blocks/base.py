@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validate import check_bool, check_device, check_dtype
+from .._validate import check_bool, check_device, check_dtype, check_type
 from .._warn import warn_once
 from .backend import Backend, check_backend, get_backend, resolve_backend
 from .._te.kernels import layerscale_backward, triton_support
@@ -95,6 +95,28 @@ class FP8Block(nn.Module):
         self.gelu_in_gemm = True
         self.fp32_residual = fp32_residual
         self.register_forward_pre_hook(_note_compiled)
+
+    def _init_from_skeleton(self, cfg, cfg_type: type, cfg_hint: str, timm_skeleton: nn.Module, *, device, dtype,
+                            backend: Optional[str], fp32_residual: bool) -> tuple:
+        """The start of ``__init__`` of a block built from a timm skeleton (EVA, BEiT, Swin,
+        ConvNeXt): the arguments checked (``cfg`` a ``cfg_type``, the skeleton a module, the rest
+        as :func:`check_block_args`), ``nn.Module`` set up, ``cfg``, the switches and the skeleton
+        kept (not a submodule: no parameters, no state).
+
+        Returns:
+            ``(modules, dd, tdd)``: the backend's module classes, TE's ``device``/``params_dtype``
+            keywords and torch's ``device``/``dtype`` ones.
+        """
+        fn = type(self).__name__
+        check_type(fn, "cfg", cfg, cfg_type, cfg_hint)
+        check_type(fn, "timm_skeleton", timm_skeleton, nn.Module, "the timm block (on the meta device)")
+        check_block_args(fn, backend=backend, fp32_residual=fp32_residual, device=device, dtype=dtype)
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        self._init_switches(backend, fp32_residual)
+        object.__setattr__(self, "_timm_skeleton", timm_skeleton)
+        device = self._impl.default_device if device is None else device
+        return self._impl.modules, {"device": device, "params_dtype": dtype}, {"device": device, "dtype": dtype}
 
     @property
     def _impl(self) -> Backend:

@@ -30,8 +30,7 @@ try:
 except ImportError:  # timm < 1.0 keeps it with the FX helpers
     from timm.models._features_fx import register_notrace_module
 
-from .._validate import check_type
-from .base import FP8Block, check_block_args
+from .base import FP8Block
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties
 from .timm_layers import resolve_norm_module
 from .weights import Tie, block_from_timm, load_timm_state, rename, timm_block_of
@@ -124,19 +123,10 @@ class TE_ConvNeXtBlock(FP8Block):  # noqa: N801 - named like TE_Block
     def __init__(self, cfg: ConvNeXtBlockConfig, *, timm_skeleton: nn.Module, device=None,
                  dtype: Optional[torch.dtype] = None, backend: Optional[str] = None,
                  fp32_residual: bool = False) -> None:
-        fn = type(self).__name__
-        check_type(fn, "cfg", cfg, ConvNeXtBlockConfig, "a fp8vit ConvNeXtBlockConfig (convnext_config_from_timm)")
-        check_type(fn, "timm_skeleton", timm_skeleton, nn.Module, "the timm block (on the meta device)")
-        check_block_args(fn, backend=backend, fp32_residual=fp32_residual, device=device, dtype=dtype)
-        super().__init__()
-        self.cfg = cfg
-        self._init_switches(backend, fp32_residual)
-        object.__setattr__(self, "_timm_skeleton", timm_skeleton)  # not a submodule: no params, no state
-        m = self._impl.modules
-        device = self._impl.default_device if device is None else device
-        dd = {"device": device, "params_dtype": dtype}  # TE's keyword names
-        tdd = {"device": device, "dtype": dtype}  # torch's
-        self.conv_dw = copy.deepcopy(timm_skeleton.conv_dw).to_empty(device=device)  # torch's convolution
+        m, dd, tdd = self._init_from_skeleton(cfg, ConvNeXtBlockConfig,
+                                              "a fp8vit ConvNeXtBlockConfig (convnext_config_from_timm)", timm_skeleton,
+                                              device=device, dtype=dtype, backend=backend, fp32_residual=fp32_residual)
+        self.conv_dw = copy.deepcopy(timm_skeleton.conv_dw).to_empty(device=tdd["device"])  # torch's convolution
         if dtype is not None:
             self.conv_dw.to(dtype)
         built = build_mlp(cfg.mlp, cfg.norm, cfg.norm_eps, m, dd, tdd)

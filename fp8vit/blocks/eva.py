@@ -48,7 +48,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
     from timm.models._features_fx import register_notrace_module
 
 from .._validate import check_type
-from .base import FP8Block, LastResult, check_block_args
+from .base import FP8Block, LastResult
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties, norm_in_dtype, torch_norm
 from .timm_layers import resolve_norm
 from .weights import Part, Tie, block_from_timm, load_timm_state, rename, timm_block_of
@@ -366,20 +366,12 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
                  dtype: Optional[torch.dtype] = None, backend: Optional[str] = None,
                  fp32_residual: bool = False, q_norm: Optional[nn.Module] = None,
                  k_norm: Optional[nn.Module] = None) -> None:
-        fn = type(self).__name__
-        check_type(fn, "cfg", cfg, EvaBlockConfig, "a fp8vit.eva.EvaBlockConfig (eva_config_from_timm)")
-        check_type(fn, "timm_skeleton", timm_skeleton, nn.Module, "the timm block (on the meta device)")
-        check_block_args(fn, backend=backend, fp32_residual=fp32_residual, device=device, dtype=dtype)
+        m, dd, tdd = self._init_from_skeleton(cfg, EvaBlockConfig, "a fp8vit.eva.EvaBlockConfig (eva_config_from_timm)",
+                                              timm_skeleton, device=device, dtype=dtype, backend=backend,
+                                              fp32_residual=fp32_residual)
         for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
-            check_type(fn, name, norm, nn.Module, "the timm block's norm module", none_ok=not cfg.qk_norm)
-        super().__init__()
-        self.cfg = cfg
-        self._init_switches(backend, fp32_residual)
-        object.__setattr__(self, "_timm_skeleton", timm_skeleton)  # not a submodule: no params, no state
-        m = self._impl.modules
-        device = self._impl.default_device if device is None else device
-        dd = {"device": device, "params_dtype": dtype}  # TE's keyword names
-        tdd = {"device": device, "dtype": dtype}  # torch's
+            check_type(type(self).__name__, name, norm, nn.Module, "the timm block's norm module",
+                       none_ok=not cfg.qk_norm)
         A = cfg.attn_dim
         bias = cfg.qkv_bias != "none"
         if cfg.post_norm:  # EvaBlockPostNorm's attention reads the block input: no norm to fuse
