@@ -435,3 +435,61 @@ def kept_swin_blocks(model):
         if type(m) is SwinTransformerBlock:
             m.__class__ = KeptSwinBlock
     return model
+
+
+def perturbed(model):
+    """``model`` in eval mode with every tensor moved off its init value (timm zero-inits biases and
+    sets LayerScale to 1e-6), so that a tensor mapped wrong shows."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+def assert_model_matches_timm(ref, model, x, train):
+    """Assert that ``model`` (``ref`` converted on the reference backend) computes ``ref``: logits
+    within 1e-5 relative, and every parameter gradient under timm's name (the fused blocks' mapped
+    back through their ``cfg.ties()``), in train mode on the same drop-path draws if ``train``."""
+    from fp8vit.blocks.base import FP8Block
+    from fp8vit.blocks.weights import te_to_timm
+
+    ref.train(train), model.train(train)
+    torch.manual_seed(3)
+    a = ref(x)
+    torch.manual_seed(3)
+    b = model(x)
+    assert max_rel_err(a, b) < 1e-5
+    a.square().sum().backward(), b.square().sum().backward()
+    blocks = {fqn: m for fqn, m in model.named_modules() if isinstance(m, FP8Block)}
+    grads = {n: p.grad for n, p in model.named_parameters() if not any(n.startswith(f + ".") for f in blocks)}
+    for fqn, blk in blocks.items():
+        grads.update({f"{fqn}.{k}": g for k, g in
+                      te_to_timm({k: p.grad for k, p in blk.named_parameters()}, blk.cfg.ties()).items()})
+    assert grads.keys() == dict(ref.named_parameters()).keys()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def assert_stage_graphs_train_like_eager(make_model, convert, stages: int):
+    """GPU: ``convert(make_model(), cuda_graphs=True)`` on a model whose blocks sit in stages (no
+    ``model.blocks``): each stage's blocks get a graph cache, captured at the shape's second step;
+    four delayed-scaling SGD steps against the same model eager, parameters within 40 dB."""
+    import fp8vit
+    from fp8vit.training.graphs import graphed_handles
+
+    g = torch.Generator("cuda").manual_seed(1)
+    data = [(torch.randn(16, 3, 224, 224, device="cuda", generator=g),
+             torch.randint(0, 100, (16,), device="cuda", generator=g)) for _ in range(4)]
+    eager = convert(make_model()).train()
+    graphed = convert(make_model(), cuda_graphs=True).train()
+
+    def train(model):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        return train_steps(model, data, opt, lambda: fp8vit.fp8_context("delayed"))
+
+    le, lg = train(eager), train(graphed)
+    handles = graphed_handles(graphed)
+    print(f"{type(graphed).__name__} graphed: eager losses {le}, graphed {lg}; {[repr(h)[:120] for h in handles]}")
+    assert len(handles) == stages and all(h.replays >= 2 for h in handles), [repr(h) for h in handles]
+    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
+        assert snr_db(a, b) > 40, n

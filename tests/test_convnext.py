@@ -13,7 +13,7 @@ from timm.models.convnext import ConvNeXtBlock
 import fp8vit
 from fp8vit.blocks.convnext import TE_ConvNeXtBlock
 from fp8vit.blocks.weights import te_to_timm
-from helpers import max_rel_err
+from helpers import assert_model_matches_timm, max_rel_err, perturbed
 
 
 def _block(drop_path=0.0, ls_init_value=1e-6, conv_bias=True):
@@ -63,12 +63,8 @@ def test_weights_round_trip_bit_exact():
 
 def _convnext(drop_path_rate=0.0):
     torch.manual_seed(0)
-    model = timm.create_model("convnext_tiny", pretrained=False, depths=(2, 1, 1, 1), dims=(32, 48, 64, 80),
-                              num_classes=5, drop_path_rate=drop_path_rate).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return perturbed(timm.create_model("convnext_tiny", pretrained=False, depths=(2, 1, 1, 1), dims=(32, 48, 64, 80),
+                                       num_classes=5, drop_path_rate=drop_path_rate))
 
 
 def _convert(model, **kw):
@@ -82,22 +78,7 @@ def test_convnext_model_matches_timm(train):
     assert fp8vit.conversion_summary(model).fused == (
         ("TE_ConvNeXtBlock", ("stages.0.blocks.0", "stages.0.blocks.1", "stages.1.blocks.0", "stages.2.blocks.0",
                               "stages.3.blocks.0")),)
-    x = torch.randn(2, 3, 64, 64)
-    ref.train(train), model.train(train)
-    torch.manual_seed(3)
-    a = ref(x)
-    torch.manual_seed(3)
-    b = model(x)
-    assert max_rel_err(a, b) < 1e-5
-    a.square().sum().backward(), b.square().sum().backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if ".blocks." not in n}
-    for fqn, blk in model.named_modules():
-        if isinstance(blk, TE_ConvNeXtBlock):
-            grads.update({f"{fqn}.{k}": g for k, g in
-                          te_to_timm({k: p.grad for k, p in blk.named_parameters()}, blk.cfg).items()})
-    assert grads.keys() == dict(ref.named_parameters()).keys()
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    assert_model_matches_timm(ref, model, torch.randn(2, 3, 64, 64), train)
 
 
 def test_round_trip_pickles_and_features():

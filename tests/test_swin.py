@@ -15,7 +15,7 @@ from timm.models.swin_transformer import SwinTransformerBlock
 import fp8vit
 from fp8vit.blocks.swin import TE_SwinBlock, shift_mask
 from fp8vit.blocks.weights import te_to_timm
-from helpers import max_rel_err
+from helpers import assert_model_matches_timm, max_rel_err, perturbed
 
 # (input resolution, window, shift): a 8 x 8 map in 4 x 4 windows shifted by 2 (4 windows, each its
 # own mask kind), the same unshifted, a 12 x 8 map (6 windows: 4 kinds), one window (no shift), and
@@ -109,13 +109,9 @@ def test_weights_round_trip_bit_exact(case):
 
 def _swin(drop_path_rate=0.0):
     torch.manual_seed(0)
-    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=32, patch_size=4,
-                              window_size=4, embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=5,
-                              drop_path_rate=drop_path_rate).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return perturbed(timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=32, patch_size=4,
+                                       window_size=4, embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=5,
+                                       drop_path_rate=drop_path_rate))
 
 
 def _convert(model, **kw):
@@ -130,24 +126,7 @@ def test_swin_model_matches_timm(train):
     assert summary.fused == (("TE_SwinBlock", ("layers.0.blocks.0", "layers.0.blocks.1", "layers.1.blocks.0",
                                                "layers.1.blocks.1")),)
     assert model.layers[0].blocks[1].cfg.shift_size == (2, 2) and model.layers[1].blocks[1].cfg.shift_size == (0, 0)
-    x = torch.randn(2, 3, 32, 32)
-    ref.train(train), model.train(train)
-    torch.manual_seed(3)
-    a = ref(x)
-    torch.manual_seed(3)
-    b = model(x)
-    assert max_rel_err(a, b) < 1e-5
-    a.square().sum().backward(), b.square().sum().backward()
-    back = dict(fp8vit.convert_from_te(copy.deepcopy(model)).named_parameters())
-    grads = {}
-    for fqn, blk in model.named_modules():
-        if isinstance(blk, TE_SwinBlock):
-            grads.update({f"{fqn}.{k}": g for k, g in te_to_timm({k: p.grad for k, p in blk.named_parameters()},
-                                                                  blk.cfg).items()})
-    grads.update({n: p.grad for n, p in model.named_parameters() if ".blocks." not in n})
-    assert grads.keys() == back.keys()
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    assert_model_matches_timm(ref, model, torch.randn(2, 3, 32, 32), train)
 
 
 def test_convert_round_trip_and_pickles_keep_the_model():
@@ -203,14 +182,7 @@ def test_padded_maps_match_timm_in_a_model():
     model = _convert(copy.deepcopy(ref))
     assert fp8vit.conversion_summary(model).num_fused == 4
     assert model.layers[0].blocks[0]._windows(12, 12, torch.device("cpu")).padded is not None
-    x = torch.randn(2, 3, 48, 48)
-    a, b = ref(x), model(x)
-    assert max_rel_err(a, b) < 1e-5
-    a.square().sum().backward(), b.square().sum().backward()
-    for blk, tb in zip(model.layers[0].blocks, ref.layers[0].blocks):  # the padded stage
-        grads = te_to_timm({k: p.grad for k, p in blk.named_parameters()}, blk.cfg)
-        for k, p in tb.named_parameters():
-            torch.testing.assert_close(grads[k], p.grad, rtol=1e-4, atol=1e-6, msg=k)
+    assert_model_matches_timm(ref, model, torch.randn(2, 3, 48, 48), train=False)
 
 
 def test_bad_input_is_refused_with_the_shape():

@@ -12,7 +12,8 @@ import torch
 
 import fp8vit
 from fp8vit.blocks.swin import TE_SwinBlock
-from helpers import GRAD_DB, LOGITS_DB, fp8_step, max_rel_err, rel_l2_err, snr_db, train_steps
+from helpers import (GRAD_DB, LOGITS_DB, assert_stage_graphs_train_like_eager, fp8_step, max_rel_err,
+                     rel_l2_err, snr_db)
 
 pytestmark = pytest.mark.gpu
 
@@ -78,24 +79,6 @@ def test_fp8_snr_vs_bf16(recipe, batch):
 
 
 def test_stage_graphs_train_like_eager():
-    # convert_to_te(cuda_graphs=True) on Swin: no model.blocks, so each stage's blocks (an
-    # nn.Sequential of 4-D blocks) get a graph cache; the gathers, the per-kind attention calls
-    # and the bias gathers run inside the graphs.
-    g = torch.Generator("cuda").manual_seed(1)
-    data = [(torch.randn(16, 3, 224, 224, device="cuda", generator=g),
-             torch.randint(0, 100, (16,), device="cuda", generator=g)) for _ in range(4)]
-    eager = _convert(_model()).train()
-    graphed = _convert(_model(), cuda_graphs=True).train()
-
-    def train(model):
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-        return train_steps(model, data, opt, lambda: fp8vit.fp8_context("delayed"))
-
-    le, lg = train(eager), train(graphed)
-    handles = fp8vit.conversion_summary(graphed)
-    print(f"swin graphed: eager losses {le}, graphed {lg}; {handles.short()}")
-    from fp8vit.training.graphs import graphed_handles
-    hs = graphed_handles(graphed)
-    assert len(hs) == 2 and all(h.replays >= 2 for h in hs), [repr(h) for h in hs]
-    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
-        assert snr_db(a, b) > 40, n
+    # convert_to_te(cuda_graphs=True): no model.blocks, so each stage's blocks (an nn.Sequential of
+    # 4-D blocks) get a graph cache
+    assert_stage_graphs_train_like_eager(_model, _convert, stages=2)
