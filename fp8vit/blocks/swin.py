@@ -144,6 +144,50 @@ class _Windows:
     inv_token: torch.Tensor
     sizes: Tuple[int, ...]
     masks: Tuple[Optional[torch.Tensor], ...]
+    rows: Dict[int, tuple] = dataclasses.field(default_factory=dict)
+
+    def row_indices(self, batch: int) -> tuple:
+        """For ``batch`` images: ``(to_windows, to_map, pad)``. ``to_windows`` [nW * B * N]: the
+        row of ``x`` [B * H * W, C] each window-major token reads (0 for a padded one);
+        ``to_map`` [B * H * W]: the window-major row each map position comes back from; ``pad``
+        [nW * B * N, 1]: True at padded tokens, or an empty tensor (none). Cached per batch size."""
+        got = self.rows.get(batch)
+        if got is None:
+            nw, n = self.pos.shape
+            hw = self.inv_window.shape[0]
+            images = torch.arange(batch, device=self.pos.device)
+            pos = self.pos.clamp(max=hw - 1) if self.padded is not None else self.pos  # padded: any real row
+            to_windows = (images.view(1, batch, 1) * hw + pos.view(nw, 1, n)).reshape(-1)
+            to_map = ((self.inv_window.view(1, hw) * batch + images.view(batch, 1)) * n
+                      + self.inv_token.view(1, hw)).reshape(-1)
+            pad = (self.padded.expand(nw, batch, n, 1).reshape(-1, 1) if self.padded is not None
+                   else torch.zeros(0, 1, dtype=torch.bool, device=self.pos.device))
+            got = self.rows[batch] = (to_windows, to_map, pad)
+        return got
+
+
+class _MoveRows(torch.autograd.Function):
+    """``out = src[index]`` over rows (``[R, C]`` -> ``[M, C]``) where every row of ``src`` that
+    matters lands in exactly one row of ``out``, so the gradient is a gather too:
+    ``grad_src = grad_out[inverse]``. Autograd's own backward of an index is a scatter-add
+    (``index_put_`` with accumulate, which sorts its indices on CUDA) for what is a permutation.
+
+    ``zero_out`` ``[M, 1]``: rows of ``out`` set to zero (padded tokens, for which ``index`` points
+    at any row); ``zero_grad`` ``[R, 1]``: rows of ``grad_src`` set to zero (padded tokens on the
+    way back to the map: they never reach the output). Empty or None: none.
+    """
+
+    @staticmethod
+    def forward(ctx, src, index, inverse, zero_out, zero_grad):
+        ctx.save_for_backward(inverse, zero_grad)
+        out = src.index_select(0, index)
+        return out if zero_out is None else out.masked_fill_(zero_out, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, zero_grad = ctx.saved_tensors
+        grad = grad.index_select(0, inverse)
+        return (grad.masked_fill_(zero_grad, 0) if zero_grad.numel() else grad), None, None, None, None
 
 
 class WindowDropPath(DropPath):
@@ -293,16 +337,16 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
         for dp in (self.drop_path1, self.drop_path2):
             if isinstance(dp, WindowDropPath):
                 dp.windows = nw
-        images = torch.arange(B, device=x.device)
-        flat = x.reshape(B, H * W, C)
-        if plan.padded is not None:  # position H*W: a zero token for the padding
-            flat = torch.nn.functional.pad(flat, (0, 0, 0, 1))
-        # [B, H*W, C] -> [nW, B, N, C]: the cyclic shift, the partition and the window order in one gather
-        xw = flat[images.view(1, B, 1), plan.pos.unsqueeze(1)].view(nw * B, c.window_area, C)
+        to_windows, to_map, pad = plan.row_indices(B)
+        padded = pad if pad.numel() else None
+        # [B*H*W, C] -> [nW*B*N, C] window-major: the cyclic shift, the partition (zeros where timm
+        # pads) and the window order in one gather, whose gradient is one gather back
+        xw = _MoveRows.apply(x.reshape(B * H * W, C), to_windows, to_map, padded, pad[:0])
         biases = self._biases(plan)
-        out = self._dispatch(xw, None, None, False, (tuple(n * B for n in plan.sizes), biases, plan.padded))
-        out = out.view(nw, B, c.window_area, C)[plan.inv_window.unsqueeze(0), images.view(B, 1),
-                                                plan.inv_token.unsqueeze(0)]  # [B, H*W, C]
+        out = self._dispatch(xw.view(nw * B, c.window_area, C), None, None, False,
+                             (tuple(n * B for n in plan.sizes), biases, plan.padded))
+        # back to the map; padded tokens dropped (and their gradient zero)
+        out = _MoveRows.apply(out.reshape(-1, C), to_map, to_windows, None, pad)
         return out.view(B, H, W, C)
 
     def _windows(self, height: int, width: int, device: torch.device) -> _Windows:
