@@ -8,6 +8,7 @@ traceback comes back per rank, so each test fails on its own.
 """
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -187,6 +188,19 @@ def test_shard_model_needs_blocks_or_units_and_a_process_group():
     assert not torch.distributed.is_initialized()
     with pytest.raises(RuntimeError, match="not initialized.*init_process_group"):
         fp8vit.shard_model(_vit())
+
+
+def test_shard_model_units_of_a_model_in_stages_are_its_stages_blocks():
+    # Swin (layers[i].blocks) and ConvNeXt (stages[i].blocks) have no model.blocks: every stage's
+    # blocks are the units; a stage of kept blocks (no fp8vit block) is not looked into
+    import timm
+    from fp8vit.training.distributed import _units
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        swin = fp8vit.convert_to_te(timm.create_model("swin_tiny_patch4_window7_224", img_size=32, patch_size=4,
+                                                      window_size=4, embed_dim=32, depths=(2, 1), num_heads=(2, 4)),
+                                    backend="reference", module_filter_fn=lambda m, fqn: not fqn.startswith("layers.1"))
+    assert _units(swin) == list(swin.layers[0].blocks)
 
 
 class _ScaleState(torch.nn.Module):

@@ -45,6 +45,7 @@ from .detect import gpu_info
 from .graphs import WHY_NOT_WITH_FSDP2, graphed_modules
 from .._te.recipes import check_recipe, check_recipe_name, recipe_name
 from .detect import resolve_recipe
+from ..blocks.base import FP8Block
 
 __all__ = ["shard_model", "default_mp_policy", "fp8_weight_init", "fp8_weight_optimizer", "WHY_NOT_WITH_FSDP2"]
 
@@ -69,12 +70,18 @@ def default_mp_policy():
 
 
 def _units(model: nn.Module) -> List[nn.Module]:
+    """``model.blocks``' children; for a model whose blocks sit in stages (Swin's ``layers[i].blocks``,
+    ConvNeXt's ``stages[i].blocks``), the children of every ``blocks`` container holding fp8vit blocks."""
     blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or len(blocks) == 0:
+    if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and len(blocks):
+        return list(blocks)
+    staged = [b for m in model.modules() if isinstance(getattr(m, "blocks", None), (nn.Sequential, nn.ModuleList))
+              and any(isinstance(b, FP8Block) for b in m.blocks) for b in m.blocks]
+    if not staged:
         raise ValueError(f"shard_model: {type(model).__name__} has no nn.Sequential or nn.ModuleList 'blocks' "
-                         f"(found {type(blocks).__name__}); pass units=[...], the modules to shard one by one "
-                         "(e.g. every block of a Swin's model.layers[i].blocks)")
-    return list(blocks)
+                         f"(found {type(blocks).__name__}) and no stages whose 'blocks' hold fp8vit blocks; pass "
+                         "units=[...], the modules to shard one by one")
+    return staged
 
 
 def shard_model(
@@ -109,7 +116,8 @@ def shard_model(
             dtype. Its ``cast_forward_inputs`` applies to the root (the images) only: the units
             take their inputs as the model hands them on (the RoPE table that timm's ``Eva``
             hands every block stays fp32, as it does unsharded).
-        units: the modules sharded one by one before the root; default ``model.blocks``' children.
+        units: the modules sharded one by one before the root; default ``model.blocks``' children
+            (or every stage's, for a Swin or ConvNeXt: ``layers[i].blocks``, ``stages[i].blocks``).
 
     Returns:
         ``model``, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
