@@ -120,6 +120,8 @@ def test_refusals_are_named():
     model = timm.create_model("convnext_nano", pretrained=False, num_classes=5)  # conv_mlp=True: kept
     with pytest.warns(UserWarning, match="holds nothing fp8vit can convert"):
         _convert(model)
+    with pytest.raises(ValueError, match=r"blocks sit in stages: convert_to_te\(model, cuda_graphs=True\)"):
+        fp8vit.make_graphed_blocks(_convert(_convnext()), 2)
     te = _te(_block())
     with pytest.raises(ValueError, match=r"expects x of shape \[B, 32, H, W\], got \(2, 16, 32\)"):
         te(torch.randn(2, 16, 32))

@@ -111,9 +111,11 @@ def _blocks_of(model: nn.Module, fn: str) -> Tuple[nn.Module, bool, tuple]:
     """``(model.blocks, per_block, the modules whose forward gets graphed)``, or raise saying why not."""
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or len(blocks) == 0:
+        staged = " (its blocks sit in stages: convert_to_te(model, cuda_graphs=True) graphs each stage's)" if (
+            _vits_inside(model)) else ""
         raise ValueError(f"{fn} needs a timm ViT with its blocks in model.blocks; "
                          f"{type(model).__name__} has no nn.Sequential or nn.ModuleList 'blocks' "
-                         f"(found {type(blocks).__name__})")
+                         f"(found {type(blocks).__name__}){staged}")
     per_block = not isinstance(blocks, nn.Sequential)
     return blocks, per_block, (tuple(blocks) if per_block else (blocks,))
 
