@@ -91,6 +91,8 @@ def test_windows_of_one_mask_kind_share_one_attention_call():
     assert torch.equal(torch.sort(plan.pos.reshape(-1)).values, torch.arange(96))
     assert torch.equal(plan.pos[plan.inv_window, plan.inv_token], torch.arange(96))
     assert _te(_block(*CASES["unshifted"]))._windows(8, 8, torch.device("cpu")).sizes == (4,)
+    # one plan per map, window, shift and device, shared by the blocks that have them
+    assert _te(_block(*CASES["shifted_12x8"]))._windows(12, 8, torch.device("cpu")) is plan
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -49,7 +50,7 @@ from .base import aligned_rows
 from .eva import EvaBlockConfig, TE_EvaBlock, eva_like_config
 from .weights import Tie, block_from_timm, rename
 
-__all__ = ["TE_SwinBlock", "SwinBlockConfig", "swin_config_from_timm"]
+__all__ = ["TE_SwinBlock", "SwinBlockConfig", "swin_config_from_timm", "shift_mask", "window_plan"]
 
 # timm's additive value for logits between tokens of different regions in a shifted window
 _MASKED = -100.0
@@ -166,6 +167,40 @@ class _Windows:
         return got
 
 
+@functools.lru_cache(maxsize=None)
+def window_plan(height: int, width: int, window: Tuple[int, int], shift: Tuple[int, int], device: str) -> _Windows:
+    """How a ``height x width`` map moves into ``window`` windows shifted by ``shift`` and back.
+
+    One per map size, window, shift and device, shared by every block that has them (Swin-B's 24
+    blocks have 8), and never dropped: a captured CUDA graph reads the plan's index tensors."""
+    (wh, ww), (sh, sw) = window, shift
+    nh, nw = -(-height // wh), -(-width // ww)  # timm pads the shifted map to whole windows
+    # token (i, j) of window (wy, wx) of the shifted, padded map: ((h + sh) % H, (w + sw) % W) of
+    # the input for h = wy*wh + i < H and w = wx*ww + j < W, else padding
+    h = torch.arange(nh).view(nh, 1) * wh + torch.arange(wh)  # [nh, wh]
+    w = torch.arange(nw).view(nw, 1) * ww + torch.arange(ww)  # [nw, ww]
+    inside = (h < height).view(nh, 1, wh, 1) & (w < width).view(1, nw, 1, ww)
+    pos = ((h + sh) % height).view(nh, 1, wh, 1) * width + ((w + sw) % width).view(1, nw, 1, ww)
+    pos = torch.where(inside, pos, height * width).reshape(nh * nw, wh * ww)
+    mask = shift_mask(nh * wh, nw * ww, window, shift)
+    if mask is None:
+        order, sizes, masks = torch.arange(nh * nw), (nh * nw,), (None,)
+    else:  # windows of one mask kind next to each other: one attention call per kind
+        kinds, kind = torch.unique(mask.view(nh * nw, -1), dim=0, return_inverse=True)
+        order = torch.argsort(kind, stable=True)
+        sizes = tuple(int(n) for n in torch.bincount(kind, minlength=kinds.shape[0]))
+        masks = tuple(k.view(wh * ww, wh * ww).to(device) for k in kinds)
+    pos = pos[order]
+    flat = pos.reshape(-1)
+    real = flat < height * width
+    inv_window = torch.empty(height * width, dtype=torch.long)
+    inv_token = torch.empty(height * width, dtype=torch.long)
+    inv_window[flat[real]] = torch.arange(pos.shape[0]).repeat_interleave(wh * ww)[real]
+    inv_token[flat[real]] = torch.arange(wh * ww).repeat(pos.shape[0])[real]
+    padded = None if bool(real.all()) else (~real).view(pos.shape[0], 1, wh * ww, 1).to(device)
+    return _Windows(pos.to(device), padded, inv_window.to(device), inv_token.to(device), sizes, masks)
+
+
 class _MoveRows(torch.autograd.Function):
     """``out = src[index]`` over rows (``[R, C]`` -> ``[M, C]``) where every row of ``src`` that
     matters lands in exactly one row of ``out``, so the gradient is a gather too:
@@ -233,13 +268,10 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
         wh, ww = cfg.window_size
         self.relative_position_bias_table = nn.Parameter(
             torch.zeros((2 * wh - 1) * (2 * ww - 1), cfg.num_heads, device=ref.device, dtype=dtype))
-        # [N, N] rows of the table per (query, key) token pair; rebuilt, not saved (as timm's)
-        self.register_buffer("relative_position_index", get_relative_position_index(wh, ww).to(ref.device),
-                             persistent=False)
+        self.init_non_persistent_buffers()
         if cfg.drop_path > 0:  # per image, on window-major tokens
             self.drop_path1 = WindowDropPath(cfg.drop_path)
             self.drop_path2 = WindowDropPath(cfg.drop_path)
-        self._plans: Dict[tuple, _Windows] = {}
 
     @classmethod
     def from_timm(cls, block: nn.Module, *, exact_gelu: bool = False, backend: Optional[str] = None,
@@ -270,11 +302,9 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
                 table = resize_rel_pos_bias_table(old, new_window_size=window, old_window_size=c.window_size,
                                                   new_bias_shape=((2 * wh - 1) * (2 * ww - 1), c.num_heads))
             self.relative_position_bias_table = nn.Parameter(table, requires_grad=old.requires_grad)
-            self.register_buffer("relative_position_index", get_relative_position_index(wh, ww).to(old.device),
-                                 persistent=False)
         self.cfg = dataclasses.replace(c, window_size=window, shift_size=shift)
         object.__setattr__(self, "_timm_skeleton", trial)  # to_timm builds the block at this size
-        self._plans = {}
+        self.init_non_persistent_buffers()
 
     # timm's SwinTransformerBlock attributes that its model code and users read
     @property
@@ -309,12 +339,12 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
         return shift_mask(-(-h // wh) * wh, -(-w // ww) * ww, self.cfg.window_size, self.cfg.shift_size)
 
     def init_non_persistent_buffers(self) -> None:
-        """Rebuild the relative position index (timm's ``reinit_non_persistent_buffers`` after
-        ``to_empty``); the window plans are rebuilt at the next call."""
+        """(Re)build the relative position index for the block's window: ``[N, N]`` rows of the
+        table per (query, key) token pair, not saved (as timm's; its
+        ``reinit_non_persistent_buffers`` after ``to_empty`` calls this)."""
         wh, ww = self.cfg.window_size
         dev = self.relative_position_bias_table.device
         self.register_buffer("relative_position_index", get_relative_position_index(wh, ww).to(dev), persistent=False)
-        self._plans = {}
 
     # ------------------------------------------------------------------ forward
     @torch.compiler.disable  # as TE_Block.forward: the blocks run outside dynamo
@@ -326,7 +356,7 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
             ``[B, H, W, C]``, in the autocast dtype under autocast unless ``fp32_residual``.
 
         Raises:
-            ValueError: a wrong ``x`` shape, or a map the window does not divide.
+            ValueError: a wrong ``x`` shape.
         """
         c = self.cfg
         if x.dim() != 4 or x.shape[-1] != c.dim:
@@ -350,40 +380,8 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
         return out.view(B, H, W, C)
 
     def _windows(self, height: int, width: int, device: torch.device) -> _Windows:
-        """The window plan of a ``height x width`` map (cached per size and device)."""
-        key = (height, width, str(device))
-        plan = self._plans.get(key)
-        if plan is not None:
-            return plan
-        c = self.cfg
-        (wh, ww), (sh, sw) = c.window_size, c.shift_size
-        nh, nw = -(-height // wh), -(-width // ww)  # timm pads the shifted map to whole windows
-        # token (i, j) of window (wy, wx) of the shifted, padded map: ((h + sh) % H, (w + sw) % W) of
-        # the input for h = wy*wh + i < H and w = wx*ww + j < W, else padding
-        h = torch.arange(nh).view(nh, 1) * wh + torch.arange(wh)  # [nh, wh]
-        w = torch.arange(nw).view(nw, 1) * ww + torch.arange(ww)  # [nw, ww]
-        inside = (h < height).view(nh, 1, wh, 1) & (w < width).view(1, nw, 1, ww)
-        pos = ((h + sh) % height).view(nh, 1, wh, 1) * width + ((w + sw) % width).view(1, nw, 1, ww)
-        pos = torch.where(inside, pos, height * width).reshape(nh * nw, wh * ww)
-        mask = shift_mask(nh * wh, nw * ww, c.window_size, c.shift_size)
-        if mask is None:
-            order, sizes, masks = torch.arange(nh * nw), (nh * nw,), (None,)
-        else:  # windows of one mask kind next to each other: one attention call per kind
-            kinds, kind = torch.unique(mask.view(nh * nw, -1), dim=0, return_inverse=True)
-            order = torch.argsort(kind, stable=True)
-            sizes = tuple(int(n) for n in torch.bincount(kind, minlength=kinds.shape[0]))
-            masks = tuple(k.view(wh * ww, wh * ww).to(device) for k in kinds)
-        pos = pos[order]
-        flat = pos.reshape(-1)
-        real = flat < height * width
-        inv_window = torch.empty(height * width, dtype=torch.long)
-        inv_token = torch.empty(height * width, dtype=torch.long)
-        inv_window[flat[real]] = torch.arange(pos.shape[0]).repeat_interleave(wh * ww)[real]
-        inv_token[flat[real]] = torch.arange(wh * ww).repeat(pos.shape[0])[real]
-        padded = None if bool(real.all()) else (~real).view(pos.shape[0], 1, wh * ww, 1).to(device)
-        plan = _Windows(pos.to(device), padded, inv_window.to(device), inv_token.to(device), sizes, masks)
-        self._plans[key] = plan
-        return plan
+        """The window plan of a ``height x width`` map for this block's window and shift."""
+        return window_plan(height, width, self.cfg.window_size, self.cfg.shift_size, str(device))
 
     def _biases(self, plan: _Windows) -> Tuple[torch.Tensor, ...]:
         """Per mask kind, the attention logits' additive bias ``[1, H, N, N]``: the relative
