@@ -51,6 +51,26 @@ def _case_ddp(rank, tmp, key):
     return {"diff": max_diff(full_params(ref), full_params(model))}
 
 
+def _case_dcp(rank, tmp, key):
+    import os
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    batches = dp_batches() * 2
+    path = os.path.join(tmp, f"ckpt_{key}")
+    model = fp8vit.shard_model(_converted(key), mp_policy=MixedPrecisionPolicy())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp_train(model, batches[:2], rank, opt)
+    saved = full_params(model)
+    fp8vit.save_checkpoint(path, model, opt, extra={"step": 2})
+    dp_train(model, batches[2:], rank, opt)
+    fresh = fp8vit.shard_model(_converted(key), mp_policy=MixedPrecisionPolicy())
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    extra = fp8vit.load_checkpoint(path, fresh, fresh_opt)
+    loaded = full_params(fresh)
+    dp_train(fresh, batches[2:], rank, fresh_opt)
+    return {"loaded_diff": max_diff(saved, loaded), "continued_diff": max_diff(full_params(model), full_params(fresh)),
+            "extra": extra}
+
+
 CASES = {f"{name[len('_case_'):]}/{key}": functools.partial(fn, key=key)
          for name, fn in dict(globals()).items() if name.startswith("_case_") for key in MODELS}
 
@@ -73,3 +93,11 @@ def test_fsdp2_shards_every_stage_block_and_trains_as_one_process(ranks, key):
 def test_ddp_trains_as_one_process_on_the_whole_batch(ranks, key):
     for r in rank_results(ranks, f"ddp/{key}"):
         assert r["diff"] < FP32_ATOL
+
+
+@pytest.mark.parametrize("key", list(MODELS))
+def test_dcp_round_trip_into_a_fresh_sharded_model_is_exact(ranks, key):
+    # the checkpoint (weights, AdamW state) of a sharded stage model loads into a fresh one, which
+    # then trains on exactly as the original
+    for r in rank_results(ranks, f"dcp/{key}"):
+        assert r["loaded_diff"] == 0 and r["continued_diff"] == 0 and r["extra"]["step"] == 2
