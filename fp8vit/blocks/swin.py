@@ -264,10 +264,7 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
         check_type(type(self).__name__, "cfg", cfg, SwinBlockConfig, "a fp8vit SwinBlockConfig (swin_config_from_timm)")
         super().__init__(cfg, timm_skeleton=timm_skeleton, device=device, dtype=dtype, backend=backend,
                          fp32_residual=fp32_residual)
-        ref = self.qkv.weight
-        wh, ww = cfg.window_size
-        self.relative_position_bias_table = nn.Parameter(
-            torch.zeros((2 * wh - 1) * (2 * ww - 1), cfg.num_heads, device=ref.device, dtype=dtype))
+        self._init_position_bias(dtype)
         self.init_non_persistent_buffers()
         if cfg.drop_path > 0:  # per image, on window-major tokens
             self.drop_path1 = WindowDropPath(cfg.drop_path)
@@ -296,15 +293,35 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
         shift = tuple(int(v) for v in trial.shift_size)
         c = self.cfg
         if window != c.window_size:
-            old = self.relative_position_bias_table
-            wh, ww = window
-            with torch.no_grad():
-                table = resize_rel_pos_bias_table(old, new_window_size=window, old_window_size=c.window_size,
-                                                  new_bias_shape=((2 * wh - 1) * (2 * ww - 1), c.num_heads))
-            self.relative_position_bias_table = nn.Parameter(table, requires_grad=old.requires_grad)
+            self._resize_position_bias(c.window_size, window)
         self.cfg = dataclasses.replace(c, window_size=window, shift_size=shift)
         object.__setattr__(self, "_timm_skeleton", trial)  # to_timm builds the block at this size
         self.init_non_persistent_buffers()
+
+    # ------------------------------------------------------------------ the relative position bias
+    # (hooks: TE_SwinV2Block computes its bias with a small MLP instead of a table)
+    def _init_position_bias(self, dtype: Optional[torch.dtype]) -> None:
+        """The relative position bias table ``[(2 Wh - 1)(2 Ww - 1), H]`` (timm's)."""
+        wh, ww = self.cfg.window_size
+        self.relative_position_bias_table = nn.Parameter(
+            torch.zeros((2 * wh - 1) * (2 * ww - 1), self.cfg.num_heads, device=self.qkv.weight.device, dtype=dtype))
+
+    def _resize_position_bias(self, old: Tuple[int, int], new: Tuple[int, int]) -> None:
+        """The table resampled from ``old`` to ``new`` windows, as timm's ``set_window_size``."""
+        table = self.relative_position_bias_table
+        with torch.no_grad():
+            resized = resize_rel_pos_bias_table(table, new_window_size=new, old_window_size=old,
+                                                new_bias_shape=((2 * new[0] - 1) * (2 * new[1] - 1), self.cfg.num_heads))
+        self.relative_position_bias_table = nn.Parameter(resized, requires_grad=table.requires_grad)
+
+    def _position_bias(self) -> torch.Tensor:
+        """``[H, N, N]``: the table gathered by the index (timm's ``_get_rel_pos_bias``)."""
+        n = self.cfg.window_area
+        return self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+
+    def _qk(self, q: torch.Tensor, k: torch.Tensor):
+        """Hook on q and k ``[rows, N, H, D]`` before attention (TE_SwinV2Block: cosine attention)."""
+        return q, k
 
     # timm's SwinTransformerBlock attributes that its model code and users read
     @property
@@ -385,9 +402,8 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
 
     def _biases(self, plan: _Windows) -> Tuple[torch.Tensor, ...]:
         """Per mask kind, the attention logits' additive bias ``[1, H, N, N]``: the relative
-        position bias (timm's table gathered by the index), plus the kind's shift mask."""
-        n = self.cfg.window_area
-        rel = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+        position bias (:meth:`_position_bias`), plus the kind's shift mask."""
+        rel = self._position_bias()
         return tuple((rel if m is None else rel + m).unsqueeze(0) for m in plan.masks)
 
     def _attention(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool, mult: int,
@@ -408,6 +424,7 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
         outs = []
         for part, b in zip(parts, biases):
             q, k, v, _ = self._split_qkv(part)
+            q, k = self._qk(q, k)
             # TE wants the bias in q's dtype (bf16 under autocast), contiguous
             b = b.to(q.dtype, memory_format=torch.contiguous_format)
             outs.append(self._impl.attention(self.attn, q, k, v, core_attention_bias_type="post_scale_bias",
