@@ -33,7 +33,7 @@ from .training.distributed import default_mp_policy, fp8_weight_init, fp8_weight
 from .errors import Check, ConversionError, FP8UnavailableError, TEUnavailableError
 from .blocks.beit import TE_BeitBlock
 from .blocks.eva import TE_EvaBlock
-from .blocks.swin import TE_SwinBlock
+from .blocks.swin import TE_SwinBlock, TE_SwinV2Block
 from .blocks.convnext import TE_ConvNeXtBlock
 from .training.graphs import GraphedBlocks, make_graphed_blocks
 from .training.guards import NonFiniteEvent, NonFiniteGuard
@@ -53,6 +53,7 @@ __all__ = [
     "TE_EvaBlock",
     "TE_BeitBlock",
     "TE_SwinBlock",
+    "TE_SwinV2Block",
     "TE_ConvNeXtBlock",
     "convert_to_te",
     "convert_from_te",

@@ -28,7 +28,7 @@ from torch import nn
 
 import fp8vit
 from fp8vit.blocks.beit import beit_config_from_timm
-from fp8vit.blocks.swin import swin_config_from_timm
+from fp8vit.blocks.swin import swin_config_from_timm, swinv2_config_from_timm
 from fp8vit.blocks.convnext import convnext_config_from_timm
 from fp8vit.blocks.eva import eva_config_from_timm
 
@@ -77,6 +77,12 @@ def _beit_block(**bad) -> fp8vit.TE_BeitBlock:
 def _swin_block(**bad) -> fp8vit.TE_SwinBlock:
     return _family_block(fp8vit.TE_SwinBlock, SwinTransformerBlock(64, (4, 4), num_heads=2, window_size=2, shift_size=1),
                          swin_config_from_timm, **bad)
+
+
+def _swinv2_block(**bad) -> fp8vit.TE_SwinV2Block:
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+    return _family_block(fp8vit.TE_SwinV2Block, SwinTransformerV2Block(64, (4, 4), num_heads=2, window_size=2,
+                                                                       shift_size=1), swinv2_config_from_timm, **bad)
 
 
 def _convnext_block(**bad) -> fp8vit.TE_ConvNeXtBlock:
@@ -187,6 +193,13 @@ ROWS = [
     row("TE_SwinBlock", "dtype", torch.int64, lambda v: _swin_block(dtype=v), ValueError, "floating-point"),
     row("TE_SwinBlock", "backend", "bogus", lambda v: _swin_block(backend=v), ValueError, *BACKEND),
     row("TE_SwinBlock", "fp32_residual", 1, lambda v: _swin_block(fp32_residual=v), TypeError, BOOL),
+    row("TE_SwinV2Block", "cfg", _swin_block().cfg, lambda v: _swinv2_block(cfg=v), TypeError, "SwinV2BlockConfig",
+        shown="got SwinBlockConfig"),
+    row("TE_SwinV2Block", "timm_skeleton", None, lambda v: _swinv2_block(timm_skeleton=v), TypeError, "timm block"),
+    row("TE_SwinV2Block", "device", "gpu", lambda v: _swinv2_block(device=v), ValueError, "'cuda'"),
+    row("TE_SwinV2Block", "dtype", torch.int64, lambda v: _swinv2_block(dtype=v), ValueError, "floating-point"),
+    row("TE_SwinV2Block", "backend", "bogus", lambda v: _swinv2_block(backend=v), ValueError, *BACKEND),
+    row("TE_SwinV2Block", "fp32_residual", 1, lambda v: _swinv2_block(fp32_residual=v), TypeError, BOOL),
     row("TE_ConvNeXtBlock", "cfg", _eva_block().cfg, lambda v: _convnext_block(cfg=v), TypeError,
         "ConvNeXtBlockConfig", shown="got EvaBlockConfig"),
     row("TE_ConvNeXtBlock", "timm_skeleton", None, lambda v: _convnext_block(timm_skeleton=v), TypeError, "timm block"),

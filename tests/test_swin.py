@@ -44,9 +44,10 @@ def _te(block):
     return TE_SwinBlock.from_timm(block, backend="reference", exact_gelu=True)  # Swin's GELU is erf
 
 
-def _assert_block_matches(block, te, train=False):
+def _assert_block_matches(block, te, train=False, dtype=torch.float32):
     res = block.input_resolution
-    x = torch.randn(3, *res, 32, requires_grad=True)
+    block.to(dtype), te.to(dtype)
+    x = torch.randn(3, *res, 32, dtype=dtype, requires_grad=True)
     x2 = x.detach().clone().requires_grad_(True)
     block.train(train), te.train(train)
     torch.manual_seed(7)
@@ -216,3 +217,42 @@ def test_set_input_size_resizes_as_timm_and_refuses_a_map_the_window_does_not_di
     x = torch.randn(2, 3, 40, 40)
     assert model.layers[0].blocks[0].input_resolution == (10, 10)
     assert max_rel_err(ref(x), model(x)) < 1e-5
+
+
+# ------------------------------------------------------------------ Swin V2: TE_SwinV2Block
+def _v2_block(res, window, shift, drop_path=0.0, qkv_bias=True):
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+    torch.manual_seed(0)
+    return perturbed(SwinTransformerV2Block(32, res, num_heads=2, window_size=window, shift_size=shift,
+                                            drop_path=drop_path, qkv_bias=qkv_bias))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_v2_block_matches_timm(case):
+    # post-norm branches, cosine attention with the per-head logit scale, the bias MLP's
+    # 16 sigmoid(cpb_mlp(coords)) and its gradient, the shift masks and padding as Swin V1's
+    # In float64: in fp32 the two orders of summation differ by up to 1.3e-6 of a gradient's largest
+    # entry (measured), more than the elementwise 1e-4 / 1e-5 allows on its small entries (cosine
+    # attention's normalization, the bias MLP's sigmoid); in float64 by 2.5e-15.
+    block = _v2_block(*CASES[case])
+    te = fp8vit.TE_SwinV2Block.from_timm(block, backend="reference", exact_gelu=True)
+    _assert_block_matches(block, te, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("qkv_bias", [True, False])
+def test_v2_block_in_train_mode_with_drop_path_matches_timm(qkv_bias):
+    block = _v2_block(*CASES["shifted"], drop_path=0.5, qkv_bias=qkv_bias)
+    te = fp8vit.TE_SwinV2Block.from_timm(block, backend="reference", exact_gelu=True)
+    _assert_block_matches(block, te, train=True, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train_drop_path"])
+def test_swin_v2_model_matches_timm_and_round_trips(train):
+    ref = perturbed(timm.create_model("swinv2_tiny_window8_256", pretrained=False, img_size=64, window_size=4,
+                                      embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=5,
+                                      drop_path_rate=0.3))
+    model = _convert(copy.deepcopy(ref))
+    assert fp8vit.conversion_summary(model).num_fused == 4
+    assert_model_matches_timm(ref, model, torch.randn(2, 3, 64, 64), train)
+    back = fp8vit.convert_from_te(model)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), ref.state_dict().values()))

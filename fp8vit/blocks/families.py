@@ -45,6 +45,7 @@ FAMILIES: Tuple[Family, ...] = (
     Family("fp8vit.blocks.eva.TE_EvaBlock", ("timm.models.eva.EvaBlock", "timm.models.eva.EvaBlockPostNorm")),
     Family("fp8vit.blocks.beit.TE_BeitBlock", ("timm.models.beit.Block",)),
     Family("fp8vit.blocks.swin.TE_SwinBlock", ("timm.models.swin_transformer.SwinTransformerBlock",)),
+    Family("fp8vit.blocks.swin.TE_SwinV2Block", ("timm.models.swin_transformer_v2.SwinTransformerV2Block",)),
     Family("fp8vit.blocks.convnext.TE_ConvNeXtBlock", ("timm.models.convnext.ConvNeXtBlock",)),
 )
 

@@ -433,7 +433,10 @@ class UnfusedMlp(nn.Module):
         self.drop2 = nn.Dropout(cfg.drop[1])
         # An ungated padded unit outputs act(0); where that is not 0, slice it off before fc2, or
         # fc2's padded column would get gradient act(0) * sum(dy) and stop being zero.
-        act0 = self.act(torch.zeros(1)) if cfg.pad and not cfg.gated and self.norm is None else torch.zeros(1)
+        # (on the CPU explicitly: under a meta device context, as timm's create_model(device="meta")
+        # sets, a bare torch.zeros would be a meta tensor without a value)
+        zero = torch.zeros(1, device="cpu")
+        act0 = self.act(zero) if cfg.pad and not cfg.gated and self.norm is None else zero
         self._slice = bool(act0.ne(0).any())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

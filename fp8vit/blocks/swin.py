@@ -33,11 +33,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from timm.layers import DropPath, resize_rel_pos_bias_table
 from timm.models.swin_transformer import SwinTransformerBlock, WindowAttention, get_relative_position_index
+import torch.nn.functional as F
 from torch import nn
 
 try:
@@ -50,7 +52,8 @@ from .base import aligned_rows
 from .eva import EvaBlockConfig, TE_EvaBlock, eva_like_config
 from .weights import Tie, block_from_timm, rename
 
-__all__ = ["TE_SwinBlock", "SwinBlockConfig", "swin_config_from_timm", "shift_mask", "window_plan"]
+__all__ = ["TE_SwinBlock", "SwinBlockConfig", "swin_config_from_timm", "TE_SwinV2Block", "SwinV2BlockConfig",
+           "swinv2_config_from_timm", "shift_mask", "window_plan"]
 
 # timm's additive value for logits between tokens of different regions in a shifted window
 _MASKED = -100.0
@@ -379,6 +382,7 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
         if x.dim() != 4 or x.shape[-1] != c.dim:
             raise ValueError(f"TE_SwinBlock expects x of shape [B, H, W, {c.dim}], got {tuple(x.shape)}")
         B, H, W, C = x.shape
+        self._hook_k_bias()  # Swin V2's q and v biases: the k third of the fused bias held at zero
         plan = self._windows(H, W, x.device)
         nw = plan.pos.shape[0]
         for dp in (self.drop_path1, self.drop_path2):
@@ -437,5 +441,113 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
         return super().extra_repr() + f", window={c.window_size}, shift={c.shift_size}"
 
 
+@dataclasses.dataclass(frozen=True)
+class SwinV2BlockConfig(SwinBlockConfig):
+    """A timm ``SwinTransformerV2Block``'s settings: :class:`SwinBlockConfig`'s with post-norm
+    branches, cosine attention and the continuous position bias (no table)."""
+
+    def ties(self) -> List[Tie]:
+        """EVA's post-norm layout (q and v biases), the per-head logit scale and the bias MLP."""
+        return EvaBlockConfig.ties(self) + [rename("attn.logit_scale", "logit_scale"),
+                                            rename("attn.cpb_mlp.0.weight", "cpb_mlp.0.weight"),
+                                            rename("attn.cpb_mlp.0.bias", "cpb_mlp.0.bias"),
+                                            rename("attn.cpb_mlp.2.weight", "cpb_mlp.2.weight")]
+
+
+def swinv2_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> SwinV2BlockConfig:
+    """Read the settings of a built timm ``SwinTransformerV2Block``.
+
+    Raises:
+        ValueError: a part of the block TE_SwinV2Block does not implement, named.
+    """
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Block, WindowAttention as V2Attention
+    name = f"{type(block).__module__}.{type(block).__name__}"
+    if type(block) is not SwinTransformerV2Block:
+        raise ValueError(f"{name} cannot be converted to TE_SwinV2Block (only timm's SwinTransformerV2Block)")
+    attn = block.attn
+    if type(attn) is not V2Attention:
+        raise ValueError(f"SwinTransformerV2Block with attn of type {type(attn).__name__} cannot be converted")
+    if attn.qkv.bias is not None:
+        raise ValueError("SwinTransformerV2Block whose attn.qkv Linear has a bias of its own cannot be converted "
+                         "to TE_SwinV2Block (timm's has q and v biases beside it)")
+    for dp in (block.drop_path1, block.drop_path2):
+        if isinstance(dp, DropPath) and not dp.scale_by_keep:
+            raise ValueError("SwinTransformerV2Block with DropPath(scale_by_keep=False) cannot be converted")
+    H = attn.num_heads
+    D = attn.qkv.weight.shape[0] // (3 * H)
+    eva = eva_like_config(block, num_heads=H, head_dim=D, qkv_bias="none" if attn.q_bias is None else "qv",
+                          exact_gelu=exact_gelu, post_norm=True)
+    fields = {f.name: getattr(eva, f.name) for f in dataclasses.fields(eva)}
+    fields["attn_type"] = "swinv2"
+    return SwinV2BlockConfig(**fields, window_size=tuple(int(w) for w in block.window_size),
+                             shift_size=tuple(int(v) for v in block.shift_size))
+
+
+class TE_SwinV2Block(TE_SwinBlock):  # noqa: N801 - named like TE_Block
+    """timm's ``SwinTransformerV2Block`` on Transformer Engine: :class:`TE_SwinBlock`'s windows with
+    Swin V2's post-norm branches (``x + norm1(attn(x))``), cosine attention (q and k normalized per
+    head, the logits scaled by ``exp(min(logit_scale, log 100))`` per head, no ``D^-0.5``) and the
+    continuous position bias ``16 sigmoid(cpb_mlp(coords))`` as TE's post_scale_bias.
+
+    Args and Raises: as :class:`TE_SwinBlock`'s, with a :class:`SwinV2BlockConfig`.
+    """
+
+    def __init__(self, cfg: SwinV2BlockConfig, *, timm_skeleton: nn.Module, device=None,
+                 dtype: Optional[torch.dtype] = None, backend: Optional[str] = None,
+                 fp32_residual: bool = False) -> None:
+        check_type(type(self).__name__, "cfg", cfg, SwinV2BlockConfig, "a fp8vit SwinV2BlockConfig (swinv2_config_from_timm)")
+        super().__init__(cfg, timm_skeleton=timm_skeleton, device=device, dtype=dtype, backend=backend,
+                         fp32_residual=fp32_residual)
+        # cosine attention: the scale is in q (logit_scale), none in the softmax
+        self.attn = self._impl.modules.DotProductAttention(cfg.num_heads, cfg.head_dim, attention_dropout=cfg.attn_drop,
+                                                           qkv_format="bshd", attn_mask_type="no_mask",
+                                                           softmax_scale=1.0)
+
+    @classmethod
+    def from_timm(cls, block: nn.Module, *, exact_gelu: bool = False, backend: Optional[str] = None,
+                  fp32_residual: bool = False) -> "TE_SwinV2Block":
+        """A ``TE_SwinV2Block`` with the settings, weights, device, dtype, ``requires_grad`` flags
+        and mode of a timm ``SwinTransformerV2Block``.
+
+        Raises:
+            ValueError: a part of ``block`` that TE_SwinV2Block does not implement, named.
+        """
+        cfg = swinv2_config_from_timm(block, exact_gelu=exact_gelu)
+        return block_from_timm(cls, block, cfg, block.attn.qkv.weight, backend=backend, fp32_residual=fp32_residual)
+
+    def _init_position_bias(self, dtype: Optional[torch.dtype]) -> None:
+        ref = self.qkv.weight
+        attn = self._timm_skeleton.attn
+        self.logit_scale = nn.Parameter(torch.empty(self.cfg.num_heads, 1, 1, device=ref.device, dtype=dtype))
+        self.cpb_mlp = copy.deepcopy(attn.cpb_mlp).to_empty(device=ref.device)
+        if dtype is not None:
+            self.cpb_mlp.to(dtype)
+
+    def _resize_position_bias(self, old: Tuple[int, int], new: Tuple[int, int]) -> None:
+        """Nothing to resample: the bias MLP takes the new window's coordinates (rebuilt with the
+        buffers)."""
+
+    def init_non_persistent_buffers(self) -> None:
+        """(Re)build the coordinates the bias MLP reads and the index of its output per token pair,
+        by timm's own code for the block's window (and pretraining window)."""
+        dev = self.logit_scale.device
+        table, index = self._timm_skeleton.attn._make_pair_wise_relative_positions(device=dev, dtype=torch.float32)
+        self.register_buffer("relative_coords_table", table, persistent=False)
+        self.register_buffer("relative_position_index", index, persistent=False)
+
+    def _position_bias(self) -> torch.Tensor:
+        """``[H, N, N]``: ``16 sigmoid(cpb_mlp(coords))`` gathered by the index (timm's)."""
+        n = self.cfg.window_area
+        table = self.cpb_mlp(self.relative_coords_table.to(self.cpb_mlp[0].weight.dtype)).view(-1, self.cfg.num_heads)
+        return 16 * torch.sigmoid(table[self.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1))
+
+    def _qk(self, q: torch.Tensor, k: torch.Tensor):
+        """Cosine attention: q and k ``[rows, N, H, D]`` normalized per head, q times the head's
+        clamped logit scale (timm multiplies the logits by it)."""
+        scale = torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp().view(1, 1, -1, 1)
+        return (F.normalize(q, dim=-1) * scale).to(q.dtype), F.normalize(k, dim=-1).to(k.dtype)
+
+
 # A TE_SwinBlock is one leaf for timm's FX feature extraction (TE's modules cannot be traced).
 register_notrace_module(TE_SwinBlock)
+register_notrace_module(TE_SwinV2Block)

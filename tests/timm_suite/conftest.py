@@ -78,6 +78,8 @@ CONVERTED_MODELS = [
                                          # smallest BEiT: about 1 min here)
     "swin_tiny_patch4_window7_224",      # swin_transformer: SwinTransformerBlock -> TE_SwinBlock,
                                          # shifted windows, padding, set_input_size (28M)
+    "swinv2_tiny_window8_256",           # swin_transformer_v2: -> TE_SwinV2Block, cosine attention,
+                                         # the bias MLP, post-norm (28M)
     "test_convnext",                     # convnext: ConvNeXtBlock (Linear MLP) -> TE_ConvNeXtBlock
 ]
 # Models without a timm Block: convert_to_te must leave them alone.
@@ -132,14 +134,14 @@ _FULLGRAPH = "fp8vit's blocks run outside dynamo (torch.compiler.disable): no fu
 # torch.jit.trace records one forward: TE_SwinBlock moves tokens with index plans made per map size
 #   (Python-level, cached), so a trace at one size cannot run at another (timm's block computes its
 #   dynamic mask from traced shapes).
-_TRACE = "TE_SwinBlock's window plans are per map size: a torch.jit.trace holds the traced size's"
+_TRACE = "TE_SwinBlock's (and V2's) window plans are per map size: a torch.jit.trace holds the traced size's"
 XFAIL: list = [
     ("test_model_forward_torchscript", ("*",), _SCRIPT),
     ("test_model_forward_fx_torchscript", ("*",), _SCRIPT),
     ("test_radio_checkpoint_filter", ("*radio*",), _KEYS),
-    ("test_swin_family_script_after_resize", ("swin_*",), _SCRIPT),
-    ("test_swin_family_compile_resize_guards", ("swin_*",), _FULLGRAPH),
-    ("test_swin_family_dynamic_mask_trace", ("swin_*",), _TRACE),
+    ("test_swin_family_script_after_resize", ("swin_*", "swinv2_*"), _SCRIPT),
+    ("test_swin_family_compile_resize_guards", ("swin_*", "swinv2_*"), _FULLGRAPH),
+    ("test_swin_family_dynamic_mask_trace", ("swin_*", "swinv2_*"), _TRACE),
 ]
 
 # Markers the vendored file uses (registered so that pytest does not warn about them).
