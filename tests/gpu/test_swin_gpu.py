@@ -82,3 +82,35 @@ def test_stage_graphs_train_like_eager():
     # convert_to_te(cuda_graphs=True): no model.blocks, so each stage's blocks (an nn.Sequential of
     # 4-D blocks) get a graph cache
     assert_stage_graphs_train_like_eager(_model, _convert, stages=2)
+
+
+def test_v2_fp32_matches_timm_and_fp8_snr_vs_bf16():
+    # Swin V2: cosine attention (q and k normalized, the logit scale in q, TE's softmax_scale 1), the
+    # bias MLP, post-norm branches and the unfused MLP; 256 px, window 8 (32 x 32 map: 16 windows)
+    torch.manual_seed(0)
+    model = timm.create_model("swinv2_tiny_window8_256", pretrained=False, depths=(2, 2), num_heads=(3, 6),
+                              num_classes=100)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model = model.cuda().eval()
+    x = torch.randn(2, 3, 256, 256, device="cuda")
+    with torch.no_grad():
+        ref = model(x)
+    fp8vit.convert_to_te(model, exact_gelu=True)
+    assert {type(b) for s in model.layers for b in s.blocks} == {fp8vit.TE_SwinV2Block}
+    with torch.no_grad():
+        out = model(x)
+    print(f"swin v2: fp32 logits max rel err {max_rel_err(ref, out):.2e}")
+    assert max_rel_err(ref, out) < 2e-3
+    model.train()
+    xs = torch.randn(8, 3, 256, 256, device="cuda")
+    bf16 = fp8_step(model, xs, "delayed", enabled=False)
+    for _ in range(2):
+        fp8_step(model, xs, "delayed")
+    test = fp8_step(model, xs, "delayed")
+    snrs = {"logits": snr_db(bf16[0], test[0])}
+    snrs.update({k: snr_db(bf16[1][k], test[1][k]) for k in bf16[1] if ".blocks." in k and k.endswith("weight")})
+    worst = min(snrs, key=snrs.get)
+    print(f"swin v2 delayed batch 8: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB")
+    assert snrs["logits"] >= LOGITS_DB and snrs[worst] >= GRAD_DB
