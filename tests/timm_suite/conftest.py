@@ -20,7 +20,7 @@ CI subset (the default, part of ``python -m pytest tests``): the tests parametri
 name in ``CI_MODELS`` (small models, each converted family at least once, plus models without
 timm Blocks that must pass through unchanged), except timm's slow pruning test, which runs on
 ``CI_SLOW_MODELS`` only, and the model-specific tests in ``CI_EXTRA_TESTS``. Everything else is
-deselected (reported as deselected, never as passed or skipped). 272 tests; the EVA, RoPE ViT,
+deselected (reported as deselected, never as passed or skipped). 299 tests; the EVA, RoPE ViT,
 PE and ViTamin models (EVA models converted since issue 32) take about 30 s of it on 2 idle CPU
 cores.
 
