@@ -99,16 +99,23 @@ def swin_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> Swin
     if abs(attn.scale - D ** -0.5) > 1e-12:  # TE scales the logits by D^-0.5
         raise ValueError(f"SwinTransformerBlock whose attention scale {attn.scale} is not head_dim ** -0.5 "
                          f"({D ** -0.5}) cannot be converted to TE_SwinBlock")
-    window = tuple(int(w) for w in block.window_size)
-    shift = tuple(int(s) for s in block.shift_size)
+    return _windowed_config(SwinBlockConfig, "swin", block, H, D, "qkv" if attn.qkv.bias is not None else "none",
+                            exact_gelu=exact_gelu)
+
+
+def _windowed_config(cfg_cls: type, attn_type: str, block: nn.Module, heads: int, head_dim: int, qkv_bias: str, *,
+                     exact_gelu: bool, post_norm: bool = False):
+    """What Swin's blocks (V1, V2) share, read from ``block``: EVA's settings (:func:`eva_like_config`),
+    the window and the shift; drop path as timm's ``DropPath`` with ``scale_by_keep``."""
     for dp in (block.drop_path1, block.drop_path2):
         if isinstance(dp, DropPath) and not dp.scale_by_keep:
-            raise ValueError("SwinTransformerBlock with DropPath(scale_by_keep=False) cannot be converted to TE_SwinBlock")
-    eva = eva_like_config(block, num_heads=H, head_dim=D, qkv_bias="qkv" if attn.qkv.bias is not None else "none",
-                          exact_gelu=exact_gelu)
+            raise ValueError(f"{type(block).__name__} with DropPath(scale_by_keep=False) cannot be converted")
+    eva = eva_like_config(block, num_heads=heads, head_dim=head_dim, qkv_bias=qkv_bias, exact_gelu=exact_gelu,
+                          post_norm=post_norm)
     fields = {f.name: getattr(eva, f.name) for f in dataclasses.fields(eva)}
-    fields["attn_type"] = "swin"
-    return SwinBlockConfig(**fields, window_size=window, shift_size=shift)
+    fields["attn_type"] = attn_type
+    return cfg_cls(**fields, window_size=tuple(int(w) for w in block.window_size),
+                   shift_size=tuple(int(v) for v in block.shift_size))
 
 
 def shift_mask(height: int, width: int, window: Tuple[int, int], shift: Tuple[int, int]) -> Optional[torch.Tensor]:
@@ -470,17 +477,9 @@ def swinv2_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> Sw
     if attn.qkv.bias is not None:
         raise ValueError("SwinTransformerV2Block whose attn.qkv Linear has a bias of its own cannot be converted "
                          "to TE_SwinV2Block (timm's has q and v biases beside it)")
-    for dp in (block.drop_path1, block.drop_path2):
-        if isinstance(dp, DropPath) and not dp.scale_by_keep:
-            raise ValueError("SwinTransformerV2Block with DropPath(scale_by_keep=False) cannot be converted")
     H = attn.num_heads
-    D = attn.qkv.weight.shape[0] // (3 * H)
-    eva = eva_like_config(block, num_heads=H, head_dim=D, qkv_bias="none" if attn.q_bias is None else "qv",
-                          exact_gelu=exact_gelu, post_norm=True)
-    fields = {f.name: getattr(eva, f.name) for f in dataclasses.fields(eva)}
-    fields["attn_type"] = "swinv2"
-    return SwinV2BlockConfig(**fields, window_size=tuple(int(w) for w in block.window_size),
-                             shift_size=tuple(int(v) for v in block.shift_size))
+    return _windowed_config(SwinV2BlockConfig, "swinv2", block, H, attn.qkv.weight.shape[0] // (3 * H),
+                            "none" if attn.q_bias is None else "qv", exact_gelu=exact_gelu, post_norm=True)
 
 
 class TE_SwinV2Block(TE_SwinBlock):  # noqa: N801 - named like TE_Block
