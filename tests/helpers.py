@@ -13,6 +13,7 @@ import traceback
 import pytest
 import torch
 from timm.models.swin_transformer import SwinTransformerBlock
+from timm.models.swin_transformer_v2 import SwinTransformerV2Block
 import torch.nn.functional as F
 from torch import nn
 
@@ -427,13 +428,18 @@ class KeptSwinBlock(SwinTransformerBlock):
     """timm's Swin block under another class name: fp8vit keeps it (it fuses exact classes only)."""
 
 
+class KeptSwinV2Block(SwinTransformerV2Block):
+    """The same for Swin V2's block."""
+
+
 def kept_swin_blocks(model):
-    """Give ``model``'s Swin blocks the class :class:`KeptSwinBlock` (same code and weights), which
-    fp8vit has no family for: a model of blocks fp8vit does not fuse, for the generic paths (Linear
-    fallback, compile fallback) on [B, H, W, C] blocks."""
+    """Give ``model``'s Swin (V1, V2) blocks the classes :class:`KeptSwinBlock` / :class:`KeptSwinV2Block`
+    (same code and weights), which fp8vit has no family for: a model of blocks fp8vit does not fuse,
+    for the generic paths (Linear fallback, compile fallback) on [B, H, W, C] blocks."""
+    kept = {SwinTransformerBlock: KeptSwinBlock, SwinTransformerV2Block: KeptSwinV2Block}
     for m in model.modules():
-        if type(m) is SwinTransformerBlock:
-            m.__class__ = KeptSwinBlock
+        if type(m) in kept:
+            m.__class__ = kept[type(m)]
     return model
 
 

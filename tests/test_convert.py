@@ -387,8 +387,8 @@ def test_linear_fallback_keeps_weights_keys_and_maths():
 def test_linear_fallback_round_trip_gives_nn_linears_back():
     from timm.models.swin_transformer_v2 import SwinTransformerV2
     torch.manual_seed(0)
-    model = SwinTransformerV2(img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(1, 1),
-                              num_heads=(2, 4), num_classes=5).eval()
+    model = kept_swin_blocks(SwinTransformerV2(img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(1, 1),
+                                               num_heads=(2, 4), num_classes=5).eval())  # its blocks unfused
     attn = model.layers[0].blocks[0].attn
     assert attn.qkv_bias_separate is False
     x = torch.randn(2, 3, 32, 32)
