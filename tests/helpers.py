@@ -351,7 +351,13 @@ def _rank_worker(rank, port, tmp, cases):
                 results[name] = {"traceback": traceback.format_exc()}
     finally:
         torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
-        torch.distributed.destroy_process_group()
+        # Both ranks done before either tears gloo down: a rank that left while the other still ran
+        # a collective (or DCP's file I/O) ended with "terminate called without an active exception"
+        # (SIGABRT) at exit, now and then (tests/checkpoint_child.py and the example do the same)
+        try:
+            torch.distributed.barrier()
+        finally:
+            torch.distributed.destroy_process_group()
 
 
 def run_ranks(cases, tmp):
