@@ -42,10 +42,9 @@ from torch import nn
 from .. import _te
 from .._validate import check_bool, check_items, check_number, check_type
 from .detect import gpu_info
-from .graphs import WHY_NOT_WITH_FSDP2, graphed_modules
+from .graphs import WHY_NOT_WITH_FSDP2, _vits_inside, graphed_modules
 from .._te.recipes import check_recipe, check_recipe_name, recipe_name
 from .detect import resolve_recipe
-from ..blocks.base import FP8Block
 
 __all__ = ["shard_model", "default_mp_policy", "fp8_weight_init", "fp8_weight_optimizer", "WHY_NOT_WITH_FSDP2"]
 
@@ -75,8 +74,7 @@ def _units(model: nn.Module) -> List[nn.Module]:
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and len(blocks):
         return list(blocks)
-    staged = [b for m in model.modules() if isinstance(getattr(m, "blocks", None), (nn.Sequential, nn.ModuleList))
-              and any(isinstance(b, FP8Block) for b in m.blocks) for b in m.blocks]
+    staged = [b for m in _vits_inside(model) for b in m.blocks]  # the modules whose blocks hold fp8vit blocks
     if not staged:
         raise ValueError(f"shard_model: {type(model).__name__} has no nn.Sequential or nn.ModuleList 'blocks' "
                          f"(found {type(blocks).__name__}) and no stages whose 'blocks' hold fp8vit blocks; pass "
