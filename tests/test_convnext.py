@@ -53,6 +53,19 @@ def test_block_matches_timm(kw):
         torch.testing.assert_close(grads[k], p.grad, rtol=1e-4, atol=1e-5, msg=k)
 
 
+def test_depthwise_conv_gets_channels_last_input():
+    # NCHW input (a stage's first block) goes channels-last before the depthwise conv: on NCHW bf16,
+    # torch's CUDA depthwise conv is its generic kernel, ~7x slower than cuDNN's NHWC one (H200)
+    te = _te(_block())
+    seen = []
+    te.conv_dw.register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    x = torch.randn(2, 32, 6, 5)
+    assert x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last)
+    y = te(x)
+    assert seen == [True]
+    torch.testing.assert_close(te(x.contiguous(memory_format=torch.channels_last)), y, rtol=0, atol=0)
+
+
 def test_weights_round_trip_bit_exact():
     block = _block()
     back = _te(block).to_timm()

@@ -5,8 +5,12 @@
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out=${OUT:-docs/results}
 mkdir -p "$out"
-if python3 -c 'import transformer_engine.pytorch' 2>/dev/null; then :
-elif [ -f /tmp/te_env.sh ] || bash .kit/setup.sh > /tmp/te_setup.log 2>&1; then . /tmp/te_env.sh
+# The kit's /tmp/te_env.sh first whenever it exists: it points TE at torch's cuDNN. A TE that imports
+# without it (PYTHONPATH=/tmp/site on a machine where the kit ran before) loads another cuDNN and
+# loses its fused attention (seen: Swin's and BEiT's attention unfused on a reused machine).
+if [ -f /tmp/te_env.sh ]; then . /tmp/te_env.sh
+elif python3 -c 'import transformer_engine.pytorch' 2>/dev/null; then :
+elif bash .kit/setup.sh > /tmp/te_setup.log 2>&1; then . /tmp/te_env.sh
 else tail -30 /tmp/te_setup.log; exit 1
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
