@@ -227,7 +227,6 @@ def test_a_swapped_linear_keeps_its_state_key_so_that_timm_model_ema_stays_align
         # ModelEmaV3 copies into the tensor state_dict() returned, so the EMA copy keeps scaling
         # state of its own (from its own forwards, as a plain TE module's EMA does)
         assert "scaling_fwd" not in e.fp8_meta
-    other = SwappedModule()
     SwappedModule().load_state_dict({"weight": torch.randn(4)}, strict=True)  # a checkpoint without it loads
 
 

@@ -87,8 +87,9 @@ def _no_attention_kernel(q: torch.Tensor, k: torch.Tensor, kwargs: dict) -> str:
     recipe = active_fp8_recipe()
     if getattr(recipe, "fp8_dpa", False):
         return (f"fp8vit: Transformer Engine has no FP8 attention kernel for this block ({what}). FP8 "
-                f"attention (make_recipe(..., fp8_attention=True), TE's fp8_dpa) is on: on the H200 "
-                f"(TE 2.20, cuDNN 9.19) TE's FP8 attention takes head dim 128 only, this block's is {d}. "
+                f"attention (make_recipe(..., fp8_attention=True), TE's fp8_dpa) is on"
+                + (f": on the H200 (TE 2.20, cuDNN 9.19) TE's FP8 attention takes head dim 128 only, this "
+                   f"block's is {d}. " if d != 128 else ". ") +
                 "Use the recipe without fp8_attention (the attention then runs in bf16, as by default); "
                 "NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 prints TE's reasons")
     return (f"fp8vit: Transformer Engine has no attention kernel for this block ({what}); "

@@ -20,7 +20,7 @@ import enum
 from typing import Any, Optional, Tuple
 
 from .._validate import check_bool, check_choice, show
-from .loader import te_module
+from .loader import te_module, te_version
 
 __all__ = ["RecipeName", "RECIPE_NAMES", "check_recipe_name", "check_recipe", "make_recipe", "recipe_name",
            "row_multiple"]
@@ -85,15 +85,19 @@ def make_recipe(name: str, *, fp8_attention: bool = False) -> Any:
     Args:
         name: one of :data:`RECIPE_NAMES`.
         fp8_attention: also run the attention's two matmuls in FP8 (TE's ``fp8_dpa``, a beta
-            feature of TE: cuDNN's FP8 attention). On the H200 with TE 2.20.2 and cuDNN 9.19 it has
-            kernels for head dim 128 only: not ViT-B/L (64) nor ViT-H (80), whose blocks then raise
-            naming their head dim (docs/performance.md). Not with ``"block"``, which TE refuses it
-            for. Off by default: measure it (``fp8vit-bench`` variant ``fp8vit-fp8-delayed-fp8attn-graphed``)
-            and check its numerics (SNR against bf16) before relying on it.
+            feature of TE: cuDNN's FP8 attention). Refused on Hopper with TE up to 2.20 (below);
+            elsewhere unmeasured: check its numerics (SNR against bf16, the GPU suite's
+            ``test_fp8_attention_snr_vs_bf16``) before relying on it. Not with ``"block"``, which
+            TE refuses it for.
 
     Raises:
         TypeError: ``name`` is not a str, ``fp8_attention`` not a bool.
-        ValueError: an unknown name, or ``fp8_attention`` with ``"block"`` (checked before TE is loaded).
+        ValueError: an unknown name, ``fp8_attention`` with ``"block"`` (checked before TE is loaded),
+            or ``fp8_attention`` on a Hopper GPU (compute capability 9.x) with TE <= 2.20: there
+            (H200, TE 2.20.2, cuDNN 9.19) TE has FP8 attention kernels for head dim 128 only, with
+            delayed scaling they gave logits 1.1 dB from bf16's (noise, not FP8 rounding:
+            docs/results/tests/gpu_test_fp8_gpu_h200.log), and current scaling has none before
+            compute capability 10.0.
         TEUnavailableError: TE cannot be imported; the message says why.
     """
     name = check_recipe_name(name, "make_recipe")
@@ -101,6 +105,8 @@ def make_recipe(name: str, *, fp8_attention: bool = False) -> Any:
     if fp8_attention and name == "block":
         raise ValueError("make_recipe('block', fp8_attention=True): TE's block scaling recipe has no FP8 "
                          "attention; use 'delayed', 'current' or 'mxfp8'")
+    if fp8_attention:
+        _check_fp8_attention(name)
     rec = te_module("transformer_engine.common.recipe")
     dpa = {"fp8_dpa": True} if fp8_attention else {}
     if name == "delayed":
@@ -110,6 +116,29 @@ def make_recipe(name: str, *, fp8_attention: bool = False) -> Any:
     if name == "block":
         return rec.Float8BlockScaling()
     return rec.MXFP8BlockScaling(**dpa)
+
+
+# The last TE release whose FP8 attention was measured unusable on Hopper (see make_recipe)
+_FP8_ATTENTION_BROKEN_UP_TO = "2.20"
+
+
+def _check_fp8_attention(name: str) -> None:
+    """Refuse ``fp8_attention`` where it was measured to give noise: Hopper with TE <= 2.20."""
+    import torch
+    from packaging.version import Version
+
+    if not torch.cuda.is_available():
+        return
+    cap = torch.cuda.get_device_capability()
+    ver = te_version()
+    if cap[0] != 9 or ver is None or Version(Version(ver).base_version).release[:2] > Version(_FP8_ATTENTION_BROKEN_UP_TO).release:
+        return
+    why = ("with delayed scaling its logits were 1.1 dB from bf16's on the H200 (noise, not FP8 rounding: "
+           "docs/results/tests/gpu_test_fp8_gpu_h200.log)" if name == "delayed" else
+           f"TE has no FP8 attention kernel for recipe {name!r} before compute capability 10.0")
+    raise ValueError(f"make_recipe({name!r}, fp8_attention=True): refused on this GPU (compute capability "
+                     f"{cap[0]}.{cap[1]}, Hopper) with Transformer Engine {ver}: {why}. Use "
+                     f"make_recipe({name!r}) (attention in bf16, as by default: the GEMMs stay FP8)")
 
 
 def recipe_name(recipe: Any) -> str:

@@ -17,7 +17,7 @@ import torch
 
 import fp8vit
 import fp8vit.blocks.eva
-from fp8vit.blocks.eva import forward_rope_angles, rope_angles
+from fp8vit.blocks.eva import forward_rope_angles
 from helpers import max_rel_err, rope_angles_uncached, snr_db
 
 pytestmark = pytest.mark.gpu

@@ -38,11 +38,10 @@ except ImportError:
 
 import timm
 from timm import list_models, list_pretrained, create_model, set_scriptable, get_pretrained_cfg_value
-from timm.layers import Format, get_spatial_dim, get_channel_dim
+from timm.layers import get_spatial_dim, get_channel_dim
 from timm.models import get_notrace_modules, get_notrace_functions
 
 import importlib
-import os
 
 torch_backend = os.environ.get('TORCH_BACKEND')
 if torch_backend is not None:
