@@ -36,10 +36,13 @@ def _te(block):
     return TE_BeitBlock.from_timm(block, backend="reference", exact_gelu=True)  # BEiT's GELU is erf
 
 
+@pytest.mark.parametrize("kernel", ["te", "torch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_block_matches_timm(case):
+def test_block_matches_timm(case, kernel):
     block = _block(CASES[case])
-    assert_matches_timm_on_cpu(block, _te(block))
+    te = _te(block)
+    te.bias_attention = kernel  # "torch": SDPA with the bias broadcast, instead of TE's post_scale_bias
+    assert_matches_timm_on_cpu(block, te)
 
 
 @pytest.mark.parametrize("case", list(CASES))

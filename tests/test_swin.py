@@ -64,10 +64,30 @@ def _assert_block_matches(block, te, train=False, dtype=torch.float32):
         torch.testing.assert_close(grads[k], p.grad, rtol=1e-4, atol=1e-5, msg=k)
 
 
+@pytest.mark.parametrize("kernel", ["te", "torch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_block_matches_timm(case):
+def test_block_matches_timm(case, kernel):
+    # bias_attention "torch": torch's SDPA with the per-kind bias broadcast over the windows (its
+    # gradient summed by autograd) instead of TE's post_scale_bias
     block = _block(*CASES[case])
-    _assert_block_matches(block, _te(block))
+    te = _te(block)
+    te.bias_attention = kernel
+    _assert_block_matches(block, te)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "te"])
+def test_v2_block_with_the_torch_bias_kernel_matches_timm(kernel):
+    block = _v2_block(*CASES["padded_shifted"], drop_path=0.5)
+    te = fp8vit.TE_SwinV2Block.from_timm(block, backend="reference", exact_gelu=True)
+    te.bias_attention = kernel
+    _assert_block_matches(block, te, train=True, dtype=torch.float64)
+
+
+def test_unknown_bias_attention_is_named():
+    te = _te(_block(*CASES["shifted"]))
+    te.bias_attention = "cudnn"
+    with pytest.raises(ValueError, match="TE_SwinBlock.bias_attention='cudnn': expected 'te' or 'torch'"):
+        te(torch.randn(1, 8, 8, 32))
 
 
 @pytest.mark.parametrize("qkv_bias", [True, False])

@@ -85,7 +85,16 @@ class FP8Block(nn.Module):
             by default): ViT-H step -2.0 ms, ViT-B -0.5 ms on an H200 (docs/performance.md, lever
             12). TE always fuses it when FP8 is off. False: TE's separate GELU+cast kernel.
         fp32_residual: the residual stream stays fp32 under autocast (timm's behaviour).
+        bias_attention: the kernel of attention with a learned logits bias (BEiT's and Swin's
+            relative position bias): ``"te"``, TE's attention with the bias as its
+            ``post_scale_bias`` (cuDNN computes the bias gradient, summed over the batch), or
+            ``"torch"``, torch's ``scaled_dot_product_attention`` (memory-efficient kernel, which
+            writes the bias gradient per batch row; autograd sums it). Settable per block, as
+            timm's ``attn.fused_attn``; blocks without such a bias ignore it, and a call that also
+            has a mask runs TE's.
     """
+
+    bias_attention: str = "te"
 
     def _init_switches(self, backend: Optional[str], fp32_residual: bool) -> None:
         self.backend = resolve_backend(backend, fn=type(self).__name__)
@@ -188,13 +197,36 @@ class FP8Block(nn.Module):
         if rope is not None:
             q, k = self._rope(q, k, rope)
         kwargs = te_mask_kwargs(attn_mask, is_causal)
-        if bias is not None:  # TE wants it in q's dtype (bf16 under autocast), contiguous: one copy for both
-            bias = bias.to(q.dtype, memory_format=torch.contiguous_format)
-            kwargs.update(core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
-        o = self._impl.attention(self.attn, q, k, v, **kwargs)  # [B, N, H*D]
+        if bias is not None:
+            o = self._biased_attention(q, k, v, bias, **kwargs)
+        else:
+            o = self._impl.attention(self.attn, q, k, v, **kwargs)  # [B, N, H*D]
         if gate is not None:  # timm's order: the (inner) norm, then the gate, then proj
             o = self.gate_norm(o) * torch.sigmoid(gate)
         return self.proj_drop(aligned_rows(self.proj, o, mult))
+
+    def _biased_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                          **kwargs) -> torch.Tensor:
+        """Attention of q, k, v ``[B, N, H, D]`` with ``bias`` ``[1, H, N, N]`` added to the scaled
+        logits, by the kernel :attr:`bias_attention` names; ``kwargs``: TE's mask keywords.
+
+        Returns:
+            ``[B, N, H*D]``.
+        """
+        # the bias in q's dtype (bf16 under autocast), as both kernels want
+        if self.bias_attention == "torch" and not kwargs:
+            attn, bias = self.attn, bias.to(q.dtype)
+            # [B, H, N, D] views; the bias broadcast over the batch (a stride-0 view: the kernel
+            # writes its gradient per row, and autograd's expand sums them)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias.expand(q.shape[0], -1, -1, -1),
+                dropout_p=attn.attention_dropout if self.training else 0.0, scale=attn.softmax_scale)
+            return o.transpose(1, 2).flatten(2)
+        if self.bias_attention not in ("te", "torch"):
+            raise ValueError(f"{type(self).__name__}.bias_attention={self.bias_attention!r}: expected 'te' or 'torch'")
+        kwargs.update(core_attention_bias_type="post_scale_bias",  # TE wants it contiguous too: one copy
+                      core_attention_bias=bias.to(q.dtype, memory_format=torch.contiguous_format))
+        return self._impl.attention(self.attn, q, k, v, **kwargs)
 
     def _split_qkv(self, qkv: torch.Tensor):
         """Hook of :meth:`_attention`: the qkv GEMM's output ``[B, N, 3 * H * D]`` (timm's

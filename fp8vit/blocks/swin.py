@@ -436,10 +436,7 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
         for part, b in zip(parts, biases):
             q, k, v, _ = self._split_qkv(part)
             q, k = self._qk(q, k)
-            # TE wants the bias in q's dtype (bf16 under autocast), contiguous
-            b = b.to(q.dtype, memory_format=torch.contiguous_format)
-            outs.append(self._impl.attention(self.attn, q, k, v, core_attention_bias_type="post_scale_bias",
-                                             core_attention_bias=b))  # [rows, N, H*D]
+            outs.append(self._biased_attention(q, k, v, b))  # [rows, N, H*D]
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.proj_drop(aligned_rows(self.proj, o, mult))
 

@@ -25,6 +25,8 @@ A variant's name says what runs the blocks, in which precision, and how:
                                    as TE kernels or, ``-graphed``, CUDA graphs) is compiled
 ``fp8vit-fp8-delayed-fp8attn[-graphed]``  the attention's matmuls in FP8 too
                                    (``make_recipe("delayed", fp8_attention=True)``: TE's ``fp8_dpa``)
+``fp8vit-fp8-delayed-torchbias-graphed[-compile]``  attention with a learned bias (BEiT, Swin) by
+                                   torch's SDPA instead of TE's (the blocks' ``bias_attention``)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` (``-cudnn-norm-graphed``:
@@ -48,6 +50,7 @@ from ..training.context import fp8_context
 from ..convert import convert_to_te
 from ..training.switches import set_mlp_recompute
 from ..training.graphs import GraphedBlocks, graphed_handles, install_graphs, make_graphed_blocks
+from ..blocks.base import FP8Block
 from ..blocks.linear import is_block
 from .._te.recipes import RECIPE_NAMES, make_recipe
 
@@ -70,6 +73,7 @@ VARIANTS = (
     "fp8vit-fp8-delayed-blockcompile", "fp8vit-fp8-delayed-blockcompile-graphed",
     "fp8vit-fp8-delayed-compile", "fp8vit-fp8-delayed-graphed-compile",
     "fp8vit-fp8-delayed-fp8attn", "fp8vit-fp8-delayed-fp8attn-graphed",
+    "fp8vit-fp8-delayed-torchbias-graphed", "fp8vit-fp8-delayed-torchbias-graphed-compile",
 )
 
 
@@ -88,6 +92,7 @@ class Variant:
         block_compile: the blocks fp8vit cannot fuse are compiled (a Sequential of them as one)
             (``convert_to_te(fallback="compile")``).
         fp8_attention: the attention's matmuls run in FP8 too (TE's ``fp8_dpa``).
+        torch_bias: attention with a learned bias runs torch's SDPA (``bias_attention="torch"``).
     """
 
     name: str
@@ -99,6 +104,7 @@ class Variant:
     linear: bool = False
     block_compile: bool = False
     fp8_attention: bool = False
+    torch_bias: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -114,7 +120,8 @@ class Variant:
             return cls(name, "te-layer", "delayed", False, graphed)
         fp8 = parts[2] if name.startswith("fp8vit-fp8") else None
         return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm, linear="linear" in parts,
-                   block_compile="blockcompile" in parts, fp8_attention="fp8attn" in parts)
+                   block_compile="blockcompile" in parts, fp8_attention="fp8attn" in parts,
+                   torch_bias="torchbias" in parts)
 
     @property
     def te_fp8(self) -> bool:
@@ -230,6 +237,10 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         set_cudnn_layernorm(eager_cudnn_norm)
     if v.blocks == "fp8vit":
         convert_to_te(net, backend=backend, fallback="linear" if v.linear else "compile" if v.block_compile else "keep")
+        if v.torch_bias:
+            for m in net.modules():
+                if isinstance(m, FP8Block):
+                    m.bias_attention = "torch"
         if mlp_recompute:
             set_mlp_recompute(net, every=mlp_recompute)
     if v.fp8 == "torchao":
