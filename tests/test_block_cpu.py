@@ -63,6 +63,26 @@ def test_drop_path_is_per_sample_like_timm():
     assert 0 < sum(branch_dropped) < 16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drop_path_mask_draws_what_timms_drop_path_draws(dtype):
+    # the branch's drop path as one addcmul (x + y * mask) must draw timm's masks: the same RNG
+    # calls (the generator ends in the same state), the mask in y's dtype scaled by 1 / keep
+    from timm.layers import DropPath
+    from fp8vit.blocks.base import drop_path_mask
+    dp = DropPath(0.3).train()
+    y = torch.randn(64, 5, 8, dtype=dtype)
+    torch.manual_seed(3)
+    want = dp(y)
+    after = torch.random.get_rng_state()
+    torch.manual_seed(3)
+    mask = drop_path_mask(dp, y)
+    assert torch.equal(torch.random.get_rng_state(), after)
+    assert mask.shape == (64, 1, 1) and mask.dtype == dtype and torch.equal(y * mask, want)
+    assert drop_path_mask(dp.eval(), y) is None and drop_path_mask(torch.nn.Identity(), y) is None
+    from fp8vit.blocks import base
+    assert drop_path_mask(torch.nn.Dropout(0.1), y) is base._NOT_A_DROP_PATH  # another module: called as is
+
+
 def test_bool_mask_and_causal_match_timm():
     block, te = _pair("vit")
     x = torch.randn(2, 9, 64)

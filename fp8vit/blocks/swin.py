@@ -243,14 +243,19 @@ class WindowDropPath(DropPath):
     windows: int = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = self.row_mask(x)
+        return x if mask is None else x * mask
+
+    def row_mask(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The draw for ``x`` ``[nW * B, N, C]`` as a per-row mask ``[nW * B, 1, 1]`` (None: nothing
+        dropped): one draw per image ``[B, 1, 1]`` as timm draws it, repeated for each window."""
         if self.drop_prob == 0.0 or not self.training:
-            return x
+            return None
         keep = 1 - self.drop_prob
-        nw = self.windows
-        mask = x.new_empty((x.shape[0] // nw, 1, 1)).bernoulli_(keep)  # [B, 1, 1], as timm draws it
+        mask = x.new_empty((x.shape[0] // self.windows, 1, 1)).bernoulli_(keep)  # [B, 1, 1]
         if keep > 0.0 and self.scale_by_keep:
             mask.div_(keep)
-        return (x.view(nw, -1, *x.shape[1:]) * mask.unsqueeze(0)).view_as(x)
+        return mask.repeat(self.windows, 1, 1)  # window-major rows: row w * B + b gets image b's
 
 
 class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
