@@ -721,18 +721,22 @@ def test_graphed_variants_of_a_model_in_stages_get_one_graph_cache_per_stage():
         assert build_workload("convnext_tiny", "fp8vit-fp8-delayed", **kw).graphs == ()
 
 
-def test_torchbias_variants_set_every_fused_block_to_torchs_bias_attention():
-    # -torchbias: BEiT's and Swin's biased attention by torch's SDPA (the blocks' bias_attention),
-    # the rest as the plain graphed variant; on a Swin in stages, every stage's blocks
+def test_bias_variants_set_every_fused_block_to_that_bias_attention():
+    # -torchbias / -tebias: BEiT's and Swin's biased attention by torch's SDPA or TE's (the blocks'
+    # bias_attention), the rest as the plain graphed variant, which keeps each family's default
+    # (Swin: torch); on a Swin in stages, every stage's blocks
     from fp8vit.blocks.base import FP8Block
     from fp8vit.tools.workload import build_workload
     v = Variant.parse("fp8vit-fp8-delayed-torchbias-graphed-compile")
-    assert (v.fp8, v.graphed, v.compile, v.torch_bias) == ("delayed", True, True, True)
-    assert not Variant.parse("fp8vit-fp8-delayed-graphed").torch_bias
+    assert (v.fp8, v.graphed, v.compile, v.bias_attention) == ("delayed", True, True, "torch")
+    assert Variant.parse("fp8vit-fp8-delayed-tebias-graphed").bias_attention == "te"
+    assert Variant.parse("fp8vit-fp8-delayed-graphed").bias_attention is None
     kw = dict(batch_size=2, img_size=64, num_classes=10, device="cpu", backend="reference")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for variant, want in (("fp8vit-fp8-delayed-torchbias-graphed", "torch"), ("fp8vit-fp8-delayed-graphed", "te")):
-            net = build_workload("swin_tiny_patch4_window7_224", variant, **kw).model
+        for model, variant, want in (("swin_tiny_patch4_window7_224", "fp8vit-fp8-delayed-tebias-graphed", "te"),
+                                     ("swin_tiny_patch4_window7_224", "fp8vit-fp8-delayed-graphed", "torch"),
+                                     ("beit_base_patch16_224", "fp8vit-fp8-delayed", "te")):
+            net = build_workload(model, variant, **kw).model
             kinds = {m.bias_attention for m in net.modules() if isinstance(m, FP8Block)}
-            assert kinds == {want}, (variant, kinds)
+            assert kinds == {want}, (model, variant, kinds)

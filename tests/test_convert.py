@@ -638,3 +638,36 @@ def test_a_model_with_nothing_in_fp8_says_convert_does_not_make_it_faster(fallba
         fp8vit.convert_to_te(model, backend="reference", fallback=fallback)
     said = " ".join(str(w.message) for w in seen)
     assert ("not faster converted: torch.compile(model)" in said) is (fallback == "keep"), said
+
+
+def _family_blocks():
+    """(fp8vit block name, a small timm block of that family): one per family."""
+    from timm.models import beit, convnext, eva, swin_transformer, swin_transformer_v2
+    return [
+        ("TE_Block", lambda cls=Block: cls(32, 2)),
+        ("TE_EvaBlock", lambda cls=eva.EvaBlock: cls(32, 2)),
+        ("TE_BeitBlock", lambda cls=beit.Block: cls(32, 2, window_size=(4, 4))),
+        ("TE_SwinBlock", lambda cls=swin_transformer.SwinTransformerBlock: cls(32, (8, 8), 2, window_size=4)),
+        ("TE_SwinV2Block", lambda cls=swin_transformer_v2.SwinTransformerV2Block: cls(32, (8, 8), 2, window_size=4)),
+        ("TE_ConvNeXtBlock", lambda cls=convnext.ConvNeXtBlock: cls(32)),
+    ]
+
+
+@pytest.mark.parametrize("fused, make", _family_blocks(), ids=[f for f, _ in _family_blocks()])
+def test_from_timm_refuses_subclasses_of_the_block_and_its_attention(fused, make):
+    # A subclass may override forward: fusing it would silently run timm's math instead of the user's.
+    cls = getattr(fp8vit, fused)
+    timm_cls = type(make())
+    sub = type(f"My{timm_cls.__name__}", (timm_cls,), {})
+    with pytest.raises(ValueError, match=f"My{timm_cls.__name__} cannot be converted to {fused}: it takes "
+                                         f"exactly timm's {timm_cls.__module__}.{timm_cls.__qualname__}"):
+        cls.from_timm(make(sub), backend="reference")
+    block = make()
+    assert isinstance(cls.from_timm(block, backend="reference"), cls)  # the exact class converts
+    if not hasattr(block, "attn"):  # ConvNeXt: no attention
+        return
+    attn_cls = type(block.attn)
+    block.attn.__class__ = type("MyAttention", (attn_cls,), {})
+    with pytest.raises(ValueError, match=f"{timm_cls.__name__}.attn of type .*MyAttention cannot be converted to "
+                                         f"{fused}: it takes exactly timm's .*{attn_cls.__qualname__}"):
+        cls.from_timm(block, backend="reference")

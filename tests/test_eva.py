@@ -296,7 +296,7 @@ def test_rejections_are_named():
     class MyEvaBlock(EvaBlock):
         pass
 
-    with pytest.raises(ValueError, match="MyEvaBlock.*only timm's EvaBlock and EvaBlockPostNorm"):
+    with pytest.raises(ValueError, match="MyEvaBlock cannot be converted to TE_EvaBlock.*eva.EvaBlock or .*eva.EvaBlockPostNorm"):
         TE_EvaBlock.from_timm(MyEvaBlock(64, 4), backend="reference")
     if _block_kw("gated_attn"):  # a gate whose bias flag differs from q/k/v's cannot join their GEMM
         blk = EvaBlock(64, 4, gated_attn=True)

@@ -123,7 +123,8 @@ class FP8Block(nn.Module):
             ``"torch"``, torch's ``scaled_dot_product_attention`` (memory-efficient kernel, which
             writes the bias gradient per batch row; autograd sums it). Settable per block, as
             timm's ``attn.fused_attn``; blocks without such a bias ignore it, and a call that also
-            has a mask runs TE's.
+            has a mask runs TE's. Default: each family's measured faster kernel ("te" for BEiT,
+            "torch" for Swin V1/V2).
     """
 
     bias_attention: str = "te"
@@ -245,9 +246,13 @@ class FP8Block(nn.Module):
         Returns:
             ``[B, N, H*D]``.
         """
-        # the bias in q's dtype (bf16 under autocast), as both kernels want
+        # The bias in q's dtype (bf16 under autocast) and contiguous, as both kernels want: the
+        # families gather it as a permuted view [1, H, N, N], with which torch's SDPA refuses its
+        # fused kernels and runs its fp32 math path (H200, Swin-B: no faster than TE's).
+        # (``.to(dtype, memory_format=...)`` would return a view unchanged where the dtype matches)
+        bias = bias.to(q.dtype).contiguous()
         if self.bias_attention == "torch" and not kwargs:
-            attn, bias = self.attn, bias.to(q.dtype)
+            attn = self.attn
             # [B, H, N, D] views; the bias broadcast over the batch (a stride-0 view: the kernel
             # writes its gradient per row, and autograd's expand sums them)
             o = F.scaled_dot_product_attention(
@@ -256,8 +261,7 @@ class FP8Block(nn.Module):
             return o.transpose(1, 2).flatten(2)
         if self.bias_attention not in ("te", "torch"):
             raise ValueError(f"{type(self).__name__}.bias_attention={self.bias_attention!r}: expected 'te' or 'torch'")
-        kwargs.update(core_attention_bias_type="post_scale_bias",  # TE wants it contiguous too: one copy
-                      core_attention_bias=bias.to(q.dtype, memory_format=torch.contiguous_format))
+        kwargs.update(core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
         return self._impl.attention(self.attn, q, k, v, **kwargs)
 
     def _split_qkv(self, qkv: torch.Tensor):

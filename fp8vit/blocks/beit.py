@@ -37,6 +37,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
 
 from .._validate import check_type
 from .eva import EvaBlockConfig, TE_EvaBlock, eva_like_config
+from .timm_layers import require_timm_class
 from .weights import Tie, block_from_timm, rename
 
 __all__ = ["TE_BeitBlock", "BeitBlockConfig", "beit_config_from_timm"]
@@ -74,12 +75,9 @@ def beit_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> Beit
     Raises:
         ValueError: a part of the block TE_BeitBlock does not implement, named.
     """
-    if type(block) is not BeitBlock:
-        raise ValueError(f"{type(block).__module__}.{type(block).__name__} cannot be converted to TE_BeitBlock "
-                         "(only timm.models.beit.Block)")
+    require_timm_class(block, (BeitBlock,), "TE_BeitBlock")
+    require_timm_class(block, (BeitAttention,), "TE_BeitBlock", "attn")
     attn = block.attn
-    if type(attn) is not BeitAttention:
-        raise ValueError(f"BEiT Block with attn of type {type(attn).__name__} cannot be converted to TE_BeitBlock")
     if attn.qkv.bias is not None:
         raise ValueError("BEiT Block whose attn.qkv Linear has a bias of its own cannot be converted to TE_BeitBlock")
     H = attn.num_heads

@@ -14,11 +14,11 @@ from typing import Callable, List, Optional, Union
 
 from torch import nn
 from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, get_act_layer
-from timm.models.vision_transformer import Attention
+from timm.models.vision_transformer import Attention, Block
 
 from .._validate import check_bool, check_callable, check_choice, check_int, check_number, check_type
 from .mlp import MlpConfig, mlp_config_from_kwargs, mlp_config_from_timm, mlp_ties
-from .timm_layers import resolve_norm, resolve_norm_module
+from .timm_layers import require_timm_class, resolve_norm, resolve_norm_module
 from .weights import Tie, rename
 
 __all__ = ["BlockConfig", "config_from_timm_block"]
@@ -241,9 +241,9 @@ def config_from_timm_block(block: nn.Module, *, exact_gelu: bool = False) -> Blo
         ValueError: a part of the block TE_Block does not implement, named.
     """
 
-    attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
-    if not isinstance(attn, Attention):
-        _reject(block, f"attn of type {type(attn).__name__} (only timm's Attention)")
+    require_timm_class(block, (Block,), "TE_Block")
+    require_timm_class(block, (Attention,), "TE_Block", "attn")
+    attn, mlp = block.attn, block.mlp
     if getattr(attn, "gate", None) is not None:
         _reject(block, "a gated attention output (gated=True)")
     if attn.qkv.out_features != 3 * block.norm1.weight.shape[0]:

@@ -32,7 +32,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
 
 from .base import FP8Block
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties
-from .timm_layers import resolve_norm_module
+from .timm_layers import require_timm_class, resolve_norm_module
 from .weights import Tie, block_from_timm, load_timm_state, rename, timm_block_of
 
 __all__ = ["TE_ConvNeXtBlock", "ConvNeXtBlockConfig", "convnext_config_from_timm"]
@@ -79,9 +79,7 @@ def convnext_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> 
     Raises:
         ValueError: a part of the block TE_ConvNeXtBlock does not implement, named.
     """
-    name = f"{type(block).__module__}.{type(block).__name__}"
-    if type(block) is not ConvNeXtBlock:
-        raise ValueError(f"{name} cannot be converted to TE_ConvNeXtBlock (only timm's ConvNeXtBlock)")
+    require_timm_class(block, (ConvNeXtBlock,), "TE_ConvNeXtBlock")
     if block.use_conv_mlp:
         raise ValueError("ConvNeXtBlock with conv_mlp=True (1x1-convolution MLP on [B, C, H, W]) cannot be converted "
                          "to TE_ConvNeXtBlock: it fuses the Linear MLP of conv_mlp=False")

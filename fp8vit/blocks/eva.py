@@ -50,7 +50,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
 from .._validate import check_type
 from .base import FP8Block, LastResult
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties, norm_in_dtype, torch_norm
-from .timm_layers import resolve_norm
+from .timm_layers import require_timm_class, resolve_norm
 from .weights import Part, Tie, block_from_timm, load_timm_state, rename, timm_block_of
 
 __all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "eva_like_config", "rope_angles",
@@ -151,12 +151,9 @@ def eva_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> EvaBl
     Raises:
         ValueError: a part of the block TE_EvaBlock does not implement, named.
     """
-    if type(block) not in (EvaBlock, EvaBlockPostNorm):
-        _reject(block, f"class {type(block).__module__}.{type(block).__name__} (only timm's EvaBlock and "
-                       "EvaBlockPostNorm)")
+    require_timm_class(block, (EvaBlock, EvaBlockPostNorm), "TE_EvaBlock")
+    require_timm_class(block, (EvaAttention, AttentionRope), "TE_EvaBlock", "attn")
     attn = block.attn
-    if not isinstance(attn, (EvaAttention, AttentionRope)):
-        _reject(block, f"attn of type {type(attn).__name__} (EvaAttention or AttentionRope)")
     if attn.qkv is not None:
         fused = True
         if isinstance(attn, EvaAttention):

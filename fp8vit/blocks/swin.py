@@ -50,6 +50,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
 from .._validate import check_type
 from .base import aligned_rows
 from .eva import EvaBlockConfig, TE_EvaBlock, eva_like_config
+from .timm_layers import require_timm_class
 from .weights import Tie, block_from_timm, rename
 
 __all__ = ["TE_SwinBlock", "SwinBlockConfig", "swin_config_from_timm", "TE_SwinV2Block", "SwinV2BlockConfig",
@@ -88,12 +89,9 @@ def swin_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> Swin
     Raises:
         ValueError: a part of the block TE_SwinBlock does not implement, named.
     """
-    name = f"{type(block).__module__}.{type(block).__name__}"
-    if type(block) is not SwinTransformerBlock:
-        raise ValueError(f"{name} cannot be converted to TE_SwinBlock (only timm's SwinTransformerBlock)")
+    require_timm_class(block, (SwinTransformerBlock,), "TE_SwinBlock")
+    require_timm_class(block, (WindowAttention,), "TE_SwinBlock", "attn")
     attn = block.attn
-    if type(attn) is not WindowAttention:
-        raise ValueError(f"SwinTransformerBlock with attn of type {type(attn).__name__} cannot be converted to TE_SwinBlock")
     H = attn.num_heads
     D = attn.qkv.weight.shape[0] // (3 * H)
     if abs(attn.scale - D ** -0.5) > 1e-12:  # TE scales the logits by D^-0.5
@@ -272,6 +270,11 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
     Raises:
         TypeError: ``cfg`` is not a :class:`SwinBlockConfig`; the rest as ``TE_EvaBlock``.
     """
+
+    # torch's SDPA for the biased window attention: at 49 tokens per window TE/cuDNN's biased
+    # attention is ~3-6x slower (H200, Swin-B b128: 116.5 -> 69.4 ms/step graphed; per-stage
+    # microbench in docs/performance.md). BEiT (197 tokens) keeps TE's: there TE is faster.
+    bias_attention = "torch"
 
     def __init__(self, cfg: SwinBlockConfig, *, timm_skeleton: nn.Module, device=None,
                  dtype: Optional[torch.dtype] = None, backend: Optional[str] = None,
@@ -470,12 +473,9 @@ def swinv2_config_from_timm(block: nn.Module, *, exact_gelu: bool = False) -> Sw
         ValueError: a part of the block TE_SwinV2Block does not implement, named.
     """
     from timm.models.swin_transformer_v2 import SwinTransformerV2Block, WindowAttention as V2Attention
-    name = f"{type(block).__module__}.{type(block).__name__}"
-    if type(block) is not SwinTransformerV2Block:
-        raise ValueError(f"{name} cannot be converted to TE_SwinV2Block (only timm's SwinTransformerV2Block)")
+    require_timm_class(block, (SwinTransformerV2Block,), "TE_SwinV2Block")
+    require_timm_class(block, (V2Attention,), "TE_SwinV2Block", "attn")
     attn = block.attn
-    if type(attn) is not V2Attention:
-        raise ValueError(f"SwinTransformerV2Block with attn of type {type(attn).__name__} cannot be converted")
     if attn.qkv.bias is not None:
         raise ValueError("SwinTransformerV2Block whose attn.qkv Linear has a bias of its own cannot be converted "
                          "to TE_SwinV2Block (timm's has q and v biases beside it)")

@@ -1,4 +1,5 @@
-"""timm's norm and activation layers -> what TE's fused kernels run: every block family asks here.
+"""timm's norm and activation layers -> what TE's fused kernels run, and the exact timm classes a
+family accepts: every block family asks here.
 
 A norm becomes TE's normalization name and eps (TE fuses LayerNorm and RMSNorm into the GEMM
 that follows); an activation becomes the TE kernel that computes exactly it (or, for timm's erf
@@ -16,7 +17,7 @@ from torch import nn
 
 from .._warn import warn_once
 
-__all__ = ["resolve_norm", "resolve_norm_module", "resolve_activation", "GELU_TANH_NOTE"]
+__all__ = ["resolve_norm", "resolve_norm_module", "resolve_activation", "require_timm_class", "GELU_TANH_NOTE"]
 
 # Measured once on CPU in fp32 (docs/numerics.md, tests/test_config.py checks the bound):
 # max |gelu_erf(x) - gelu_tanh(x)| over all x is below 5e-4, at |x| ~ 2.
@@ -109,3 +110,21 @@ def resolve_activation(act_layer: Union[str, Callable], exact_gelu: bool,
     if gated:
         return act_layer, _GATED_KERNELS.get(base)
     return act_layer, base if base != "sigmoid" else None  # None: torch activation, exact
+
+
+def require_timm_class(block: nn.Module, classes: Tuple[type, ...], fused: str, part: Optional[str] = None) -> None:
+    """Refuse ``block`` (or its submodule ``part``, e.g. ``"attn"``) unless its class is exactly one of
+    ``classes``: a subclass may compute something else in its ``forward``, which the fused block
+    would silently replace by timm's math.
+
+    Raises:
+        ValueError: naming the class found, where, and the classes ``fused`` takes.
+    """
+    obj = block if part is None else getattr(block, part, None)
+    if type(obj) in classes:
+        return
+    where = "" if part is None else f"{type(block).__name__}.{part} of type "
+    found = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    want = " or ".join(f"{c.__module__}.{c.__qualname__}" for c in classes)
+    raise ValueError(f"{where}{found} cannot be converted to {fused}: it takes exactly timm's {want} "
+                     "(a subclass may compute something else)")

@@ -25,8 +25,9 @@ A variant's name says what runs the blocks, in which precision, and how:
                                    as TE kernels or, ``-graphed``, CUDA graphs) is compiled
 ``fp8vit-fp8-delayed-fp8attn[-graphed]``  the attention's matmuls in FP8 too
                                    (``make_recipe("delayed", fp8_attention=True)``: TE's ``fp8_dpa``)
-``fp8vit-fp8-delayed-torchbias-graphed[-compile]``  attention with a learned bias (BEiT, Swin) by
-                                   torch's SDPA instead of TE's (the blocks' ``bias_attention``)
+``fp8vit-fp8-delayed-{torch,te}bias-graphed[-compile]``  attention with a learned bias (BEiT, Swin)
+                                   by torch's SDPA or by TE's, whatever the family's default (the
+                                   blocks' ``bias_attention``: Swin "torch", BEiT "te")
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` (``-cudnn-norm-graphed``:
@@ -73,7 +74,7 @@ VARIANTS = (
     "fp8vit-fp8-delayed-blockcompile", "fp8vit-fp8-delayed-blockcompile-graphed",
     "fp8vit-fp8-delayed-compile", "fp8vit-fp8-delayed-graphed-compile",
     "fp8vit-fp8-delayed-fp8attn", "fp8vit-fp8-delayed-fp8attn-graphed",
-    "fp8vit-fp8-delayed-torchbias-graphed", "fp8vit-fp8-delayed-torchbias-graphed-compile",
+    *(f"fp8vit-fp8-delayed-{k}bias-graphed{c}" for k in ("torch", "te") for c in ("", "-compile")),
 )
 
 
@@ -92,7 +93,8 @@ class Variant:
         block_compile: the blocks fp8vit cannot fuse are compiled (a Sequential of them as one)
             (``convert_to_te(fallback="compile")``).
         fp8_attention: the attention's matmuls run in FP8 too (TE's ``fp8_dpa``).
-        torch_bias: attention with a learned bias runs torch's SDPA (``bias_attention="torch"``).
+        bias_attention: the fused blocks' ``bias_attention`` (``"torch"`` or ``"te"``), or None
+            for each family's default.
     """
 
     name: str
@@ -104,7 +106,7 @@ class Variant:
     linear: bool = False
     block_compile: bool = False
     fp8_attention: bool = False
-    torch_bias: bool = False
+    bias_attention: Optional[str] = None
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -121,7 +123,7 @@ class Variant:
         fp8 = parts[2] if name.startswith("fp8vit-fp8") else None
         return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm, linear="linear" in parts,
                    block_compile="blockcompile" in parts, fp8_attention="fp8attn" in parts,
-                   torch_bias="torchbias" in parts)
+                   bias_attention=next((p[:-4] for p in parts if p in ("torchbias", "tebias")), None))
 
     @property
     def te_fp8(self) -> bool:
@@ -237,10 +239,10 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         set_cudnn_layernorm(eager_cudnn_norm)
     if v.blocks == "fp8vit":
         convert_to_te(net, backend=backend, fallback="linear" if v.linear else "compile" if v.block_compile else "keep")
-        if v.torch_bias:
+        if v.bias_attention:
             for m in net.modules():
                 if isinstance(m, FP8Block):
-                    m.bias_attention = "torch"
+                    m.bias_attention = v.bias_attention
         if mlp_recompute:
             set_mlp_recompute(net, every=mlp_recompute)
     if v.fp8 == "torchao":
