@@ -721,6 +721,21 @@ def test_graphed_variants_of_a_model_in_stages_get_one_graph_cache_per_stage():
         assert build_workload("convnext_tiny", "fp8vit-fp8-delayed", **kw).graphs == ()
 
 
+def test_bf16narrow_variant_turns_fp8_off_in_the_narrow_blocks_only():
+    # Swin-T: stages of width 96, 192, 384, 768; NARROW = 512: the first three stages run bf16
+    from fp8vit.blocks.base import FP8Block
+    from fp8vit.tools.workload import NARROW, build_workload
+    assert Variant.parse("fp8vit-fp8-delayed-bf16narrow-graphed-compile").bf16_narrow
+    assert not Variant.parse("fp8vit-fp8-delayed-graphed").bf16_narrow
+    kw = dict(batch_size=2, img_size=64, num_classes=10, device="cpu", backend="reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for variant, narrow_fp8 in (("fp8vit-fp8-delayed-bf16narrow-graphed", False), ("fp8vit-fp8-delayed-graphed", True)):
+            net = build_workload("swin_tiny_patch4_window7_224", variant, **kw).model
+            by_width = {(m.cfg.dim, m.fp8_enabled) for m in net.modules() if isinstance(m, FP8Block)}
+            assert by_width == {(d, narrow_fp8 if d < NARROW else True) for d in (96, 192, 384, 768)}, (variant, by_width)
+
+
 def test_bias_variants_set_every_fused_block_to_that_bias_attention():
     # -torchbias / -tebias: BEiT's and Swin's biased attention by torch's SDPA or TE's (the blocks'
     # bias_attention), the rest as the plain graphed variant, which keeps each family's default

@@ -28,6 +28,10 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-delayed-{torch,te}bias-graphed[-compile]``  attention with a learned bias (BEiT, Swin)
                                    by torch's SDPA or by TE's, whatever the family's default (the
                                    blocks' ``bias_attention``: Swin "torch", BEiT "te")
+``fp8vit-fp8-delayed-bf16narrow-graphed[-compile]``  FP8 off (``set_block_fp8``) in the fused
+                                   blocks narrower than :data:`NARROW` channels (Swin's and
+                                   ConvNeXt's first two stages), whose skinny GEMMs gain less than
+                                   their FP8 casts cost
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` (``-cudnn-norm-graphed``:
@@ -49,7 +53,7 @@ from .. import _te
 from ..blocks.backend import set_cudnn_layernorm
 from ..training.context import fp8_context
 from ..convert import convert_to_te
-from ..training.switches import set_mlp_recompute
+from ..training.switches import set_block_fp8, set_mlp_recompute
 from ..training.graphs import GraphedBlocks, graphed_handles, install_graphs, make_graphed_blocks
 from ..blocks.base import FP8Block
 from ..blocks.linear import is_block
@@ -75,7 +79,11 @@ VARIANTS = (
     "fp8vit-fp8-delayed-compile", "fp8vit-fp8-delayed-graphed-compile",
     "fp8vit-fp8-delayed-fp8attn", "fp8vit-fp8-delayed-fp8attn-graphed",
     *(f"fp8vit-fp8-delayed-{k}bias-graphed{c}" for k in ("torch", "te") for c in ("", "-compile")),
+    "fp8vit-fp8-delayed-bf16narrow-graphed", "fp8vit-fp8-delayed-bf16narrow-graphed-compile",
 )
+
+# -bf16narrow: fused blocks whose width (``cfg.dim``) is below this run with FP8 off
+NARROW = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +103,7 @@ class Variant:
         fp8_attention: the attention's matmuls run in FP8 too (TE's ``fp8_dpa``).
         bias_attention: the fused blocks' ``bias_attention`` (``"torch"`` or ``"te"``), or None
             for each family's default.
+        bf16_narrow: FP8 off in the fused blocks narrower than :data:`NARROW`.
     """
 
     name: str
@@ -107,6 +116,7 @@ class Variant:
     block_compile: bool = False
     fp8_attention: bool = False
     bias_attention: Optional[str] = None
+    bf16_narrow: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -123,7 +133,8 @@ class Variant:
         fp8 = parts[2] if name.startswith("fp8vit-fp8") else None
         return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm, linear="linear" in parts,
                    block_compile="blockcompile" in parts, fp8_attention="fp8attn" in parts,
-                   bias_attention=next((p[:-4] for p in parts if p in ("torchbias", "tebias")), None))
+                   bias_attention=next((p[:-4] for p in parts if p in ("torchbias", "tebias")), None),
+                   bf16_narrow="bf16narrow" in parts)
 
     @property
     def te_fp8(self) -> bool:
@@ -243,6 +254,10 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
             for m in net.modules():
                 if isinstance(m, FP8Block):
                     m.bias_attention = v.bias_attention
+        if v.bf16_narrow:
+            narrow = [n for n, m in net.named_modules() if isinstance(m, FP8Block) and m.cfg.dim < NARROW]
+            if narrow:
+                set_block_fp8(net, narrow, False)
         if mlp_recompute:
             set_mlp_recompute(net, every=mlp_recompute)
     if v.fp8 == "torchao":

@@ -101,14 +101,12 @@ def _timm_named(model, grads):
 def test_v2_fp32_matches_timm_and_fp8_snr_vs_bf16():
     # Swin V2: cosine attention (q and k normalized, the logit scale in q, TE's softmax_scale 1), the
     # bias MLP, post-norm branches and the unfused MLP; 256 px, window 8 (32 x 32 map: 16 windows).
-    # This perturbed model is ill-conditioned: on the H200 its bf16 step was itself only ~18 dB from
-    # fp32 in the logits and ~3 dB in the bias MLP's gradients, and FP8 through TE Linears in timm's
-    # own V2 blocks 16.4 dB from bf16. So the fused block's FP8 step is held to the generic path on
-    # the same model (TE Linears in timm's blocks: KeptSwinV2Block) rather than to the fixed floors:
-    # logits and every weight gradient at most 2 dB worse than that path's, or above the floors.
+    # drop_path_rate=0: timm's V2 default (0.1) draws new masks every training step, and an SNR
+    # between two steps then measures the masks (the H200 showed 15-18 dB "FP8 errors" that were
+    # drop path). The generic path (TE Linears in timm's own V2 blocks) is printed beside it.
     torch.manual_seed(0)
     model = timm.create_model("swinv2_tiny_window8_256", pretrained=False, depths=(2, 2), num_heads=(3, 6),
-                              num_classes=100)
+                              num_classes=100, drop_path_rate=0.0)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -127,6 +125,7 @@ def test_v2_fp32_matches_timm_and_fp8_snr_vs_bf16():
     snrs = {}
     for name, m in (("fused", model.train()), ("generic", generic.train())):
         bf16 = fp8_step(m, xs, "delayed", enabled=False)
+        assert torch.equal(bf16[0], fp8_step(m, xs, "delayed", enabled=False)[0])  # nothing random in a step
         for _ in range(2):
             fp8_step(m, xs, "delayed")
         test = fp8_step(m, xs, "delayed")
@@ -134,11 +133,8 @@ def test_v2_fp32_matches_timm_and_fp8_snr_vs_bf16():
         a, b = _timm_named(m, bf16[1]), _timm_named(m, test[1])  # the fused blocks' mapped back
         snrs[name].update({k: snr_db(a[k], b[k]) for k in a if ".blocks." in k and k.endswith("weight")})
     f, g = snrs["fused"], snrs["generic"]
-    worst = min(f, key=f.get)
-    print(f"swin v2 delayed batch 8: fused logits {f['logits']:.1f} dB (generic path {g['logits']:.1f}), "
-          f"worst fused {worst} {f[worst]:.1f} dB")
-    assert f["logits"] >= min(LOGITS_DB, g["logits"] - 2)
-    shared = [k for k in f if k in g and k != "logits"]
-    assert len(shared) >= 8, sorted(f)  # the comparison covers the blocks' weights
-    low = {k: (round(f[k], 1), round(g[k], 1)) for k in shared if f[k] < min(GRAD_DB, g[k] - 2)}
-    assert not low, f"weight gradients more than 2 dB below the generic path's (fused, generic): {low}"
+    worst, gworst = min(f, key=f.get), min(g, key=g.get)
+    print(f"swin v2 delayed batch 8: fused logits {f['logits']:.1f} dB, worst {worst} {f[worst]:.1f} dB; "
+          f"generic path logits {g['logits']:.1f} dB, worst {gworst} {g[gworst]:.1f} dB")
+    assert len([k for k in f if "cpb_mlp" in k]) >= 8, sorted(f)  # the bias MLPs' gradients are compared
+    assert f["logits"] >= LOGITS_DB and f[worst] >= GRAD_DB
