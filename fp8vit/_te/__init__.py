@@ -11,6 +11,7 @@ see ``pyproject.toml``). One concern per module:
                     FP8-aware activation checkpointing, delayed-scaling state (read and repaired)
 ``extra_state``     FP8 scaling state checkpointed as plain tensors (never a pickle); modules that
                     pickle whole
+``recipe_switch``   delayed scaling that keeps updating after a switch of recipe kind (a TE 2.20 gap)
 ``module_types``    the TE modules the blocks are built from, and the FP8 ``Linear`` swapped in for a
                     model's ``nn.Linear``
 ``ops``             kernels called one by one: packed-QKV attention, fused RoPE, gated activations,

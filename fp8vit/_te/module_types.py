@@ -19,6 +19,7 @@ from .extra_state import SafeExtraState
 from .fp8 import active_fp8_recipe, autocast
 from .loader import load_te
 from .ops import gated_activation
+from .recipe_switch import RecipeSwitchFix
 from .recipes import recipe_name, row_multiple
 
 __all__ = ["MODULE_NAMES", "modules", "SwappedLinear", "fp8_linear_class", "transformer_layer_class"]
@@ -31,12 +32,14 @@ MODULE_NAMES = ("LayerNormLinear", "Linear", "LayerNormMLP", "DotProductAttentio
 
 @functools.lru_cache(maxsize=None)
 def modules() -> types.SimpleNamespace:
-    """TE's block modules with :class:`~fp8vit._te.extra_state.SafeExtraState` mixed in."""
+    """TE's block modules with :class:`~fp8vit._te.extra_state.SafeExtraState` and
+    :class:`~fp8vit._te.recipe_switch.RecipeSwitchFix` mixed in."""
     te = load_te()
 
     def safe(name: str) -> type:
         # Module-level name and qualname: pickle finds the class again through __getattr__ below.
-        return type(name, (SafeExtraState, getattr(te, name)), {"__module__": _PICKLE_MODULE, "__qualname__": name})
+        return type(name, (RecipeSwitchFix, SafeExtraState, getattr(te, name)),
+                    {"__module__": _PICKLE_MODULE, "__qualname__": name})
 
     return types.SimpleNamespace(
         **{name: safe(name) for name in MODULE_NAMES}, gated_activation=gated_activation,
@@ -120,10 +123,10 @@ class SwappedLinear:
 
 @functools.lru_cache(maxsize=None)
 def fp8_linear_class() -> type:
-    """``FP8Linear``: TE's ``Linear`` with :class:`SwappedLinear` and :class:`~fp8vit._te.extra_state.SafeExtraState`
-    mixed in. Build it with ``device="meta"`` and assign the ``nn.Linear``'s parameters."""
+    """``FP8Linear``: TE's ``Linear`` with :class:`SwappedLinear`, :class:`RecipeSwitchFix` and
+    :class:`~fp8vit._te.extra_state.SafeExtraState` mixed in. Build it with ``device="meta"`` and assign the ``nn.Linear``'s parameters."""
     te = load_te()
-    return type("FP8Linear", (SwappedLinear, SafeExtraState, te.Linear),
+    return type("FP8Linear", (SwappedLinear, RecipeSwitchFix, SafeExtraState, te.Linear),
                 {"__module__": _PICKLE_MODULE, "__qualname__": "FP8Linear"})
 
 
