@@ -249,8 +249,9 @@ class FP8Block(nn.Module):
         # The bias in q's dtype (bf16 under autocast) and contiguous, as both kernels want: the
         # families gather it as a permuted view [1, H, N, N], with which torch's SDPA refuses its
         # fused kernels and runs its fp32 math path (H200, Swin-B: no faster than TE's).
-        # (``.to(dtype, memory_format=...)`` would return a view unchanged where the dtype matches)
-        bias = bias.to(q.dtype).contiguous()
+        # One copy either way: ``.to`` makes it where the dtype differs (under autocast), and returns
+        # the view unchanged where it matches; then ``.contiguous()`` does.
+        bias = bias.to(q.dtype, memory_format=torch.contiguous_format).contiguous()
         if self.bias_attention == "torch" and not kwargs:
             attn = self.attn
             # [B, H, N, D] views; the bias broadcast over the batch (a stride-0 view: the kernel
