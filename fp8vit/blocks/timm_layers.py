@@ -113,9 +113,15 @@ def resolve_activation(act_layer: Union[str, Callable], exact_gelu: bool,
 
 
 def require_timm_class(block: nn.Module, classes: Tuple[type, ...], fused: str, part: Optional[str] = None) -> None:
-    """Refuse ``block`` (or its submodule ``part``, e.g. ``"attn"``) unless its class is exactly one of
-    ``classes``: a subclass may compute something else in its ``forward``, which the fused block
-    would silently replace by timm's math.
+    """Refuse ``block`` (or its submodule ``part``) unless its class is exactly one of ``classes``: a
+    subclass may compute something else in its ``forward``, which the fused block would silently
+    replace by timm's math.
+
+    Args:
+        block: the timm block being converted.
+        classes: the timm classes the family reproduces.
+        fused: the fp8vit block's name, for the message (``"TE_SwinBlock"``).
+        part: the attribute of ``block`` to check instead (``"attn"``), or None for the block.
 
     Raises:
         ValueError: naming the class found, where, and the classes ``fused`` takes.
