@@ -25,6 +25,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .loader import te_module
+from .recipe_switch import BUFFER_KEY
 
 __all__ = ["EXTRA_STATE_FORMAT", "SafeExtraState", "encode_state", "decode_state", "state_bytes"]
 
@@ -125,7 +126,7 @@ class SafeExtraState:
             )
         extra = {
             k: v for k, v in meta.items()
-            if k != "buffer_index_and_autocast_key" and isinstance(v, (bool, int, float, str))
+            if k != BUFFER_KEY and isinstance(v, (bool, int, float, str))
         }
         return encode_state({
             "recipe": {
@@ -219,7 +220,7 @@ class SafeExtraState:
 # fp8_meta keys that hold a module's positions in TE's process-wide state (TE 2.x): its slot in the
 # delayed-scaling amax/scale buffers (``FP8GlobalStateManager.get_buffer_info()``) and in the stash
 # of scaling tensors for activation recompute.
-_PROCESS_POSITIONS = ("buffer_index_and_autocast_key", "global_fp8_buffer_pos_fwd_recompute")
+_PROCESS_POSITIONS = (BUFFER_KEY, "global_fp8_buffer_pos_fwd_recompute")
 
 
 def _is_local(fn, name: str) -> bool:

@@ -124,7 +124,8 @@ class SwappedLinear:
 @functools.lru_cache(maxsize=None)
 def fp8_linear_class() -> type:
     """``FP8Linear``: TE's ``Linear`` with :class:`SwappedLinear`, :class:`RecipeSwitchFix` and
-    :class:`~fp8vit._te.extra_state.SafeExtraState` mixed in. Build it with ``device="meta"`` and assign the ``nn.Linear``'s parameters."""
+    :class:`~fp8vit._te.extra_state.SafeExtraState` mixed in. Build it with ``device="meta"`` and
+    assign the ``nn.Linear``'s parameters."""
     te = load_te()
     return type("FP8Linear", (SwappedLinear, RecipeSwitchFix, SafeExtraState, te.Linear),
                 {"__module__": _PICKLE_MODULE, "__qualname__": "FP8Linear"})
