@@ -16,15 +16,17 @@
 #            the graphed blocks outside dynamo)
 #   hybrid   the same: for ViTamin and the R50 hybrid, -graphed-compile compiles the conv stems
 #            (fallback="compile" compiles blocks holding Linears only: none there)
-#   generic  timm-bf16, timm-bf16-compile, fp8vit-fp8-delayed-blockcompile (fallback="compile": the
-#            unfused blocks compiled, a Sequential of them as one unit) and fp8vit-fp8-delayed-compile (convert_to_te, then
-#            torch.compile(model): everything but fused blocks compiled). fallback="linear" (FP8
-#            Linears, eager: 0.90-1.00x timm eager, docs/performance.md) is left out. The partly fused
+#   generic  timm-bf16, timm-bf16-compile and fp8vit-fp8-delayed-compile (convert_to_te, then
+#            torch.compile(model): everything but fused blocks compiled, what convert_to_te(compile=True)
+#            does). fallback="compile" (-blockcompile: per-block compiles) is left out: one more
+#            compile per model (30-110 s each on the H200, by the estimates below) for a variant that
+#            compiles less of the model than that one. fallback="linear" (FP8 Linears, eager:
+#            0.90-1.00x timm eager, docs/performance.md) is left out too. The partly fused
 #            models are here too, their fused blocks eager: PiT keeps its blocks under
 #            transformers.N, not model.blocks, which make_graphed_blocks refuses; CrossViT's
 #            model.blocks are MultiScaleBlocks called with a list of two branches' tensors, where
 #            the graphs take one tensor: a -graphed variant of either could only fail. ResNet-50, the
-#            control, holds nothing fp8vit converts: both fp8vit variants run it as timm eager does.
+#            control, holds nothing fp8vit converts: its fp8vit variant is timm + compile again.
 # Logs and JSON under $OUT (default docs/results) by docs/perf/h200.sh's names:
 # bench/MODEL_bBATCH_sweep_h200.{log,json}; at the end, also the run's logs and JSONs in one tarball,
 # sweep_N_h200.tgz under $OUT (N: the arguments joined by '_', the group's number for a group; paths
@@ -67,19 +69,19 @@ SWEEP="
 2 aimv2_large_patch14_224        64 224 fused    12  45  11  15
 2 vitamin_base_224              128 224 hybrid   10  60  12  30
 2 vit_base_r50_s16_224          128 224 hybrid    8  50  10  25
-2 pit_b_224                     128 224 generic   6  35  30  35
-8 resnet50                      256 224 generic   8  50   8  50
-7 crossvit_15_240               256 240 generic   8  60  45  60
+2 pit_b_224                     128 224 generic   6  35  35
+8 resnet50                      256 224 generic   8  50   50
+7 crossvit_15_240               256 240 generic   8  60  60
 3 beit_base_patch16_224         128 224 fused     6  40   8  16
 3 swin_base_patch4_window7_224  128 224 fused    10 120  20  60
 4 convnext_base                 128 224 fused     8  70  15  45
-8 maxvit_tiny_tf_224            128 224 generic   8 110  80 110
-5 cait_s24_224                  256 224 generic   8  55  45  55
-5 xcit_small_12_p16_224         256 224 generic   7  55  40  55
-7 davit_base                    128 224 generic  10  90  70  90
-6 efficientformer_l3            256 224 generic   6  60  25  60
-6 hiera_base_224                128 224 generic   7  70  55  70
-4 mvitv2_small                  128 224 generic   7  80  60  80
+8 maxvit_tiny_tf_224            128 224 generic   8 110  110
+5 cait_s24_224                  256 224 generic   8  55  55
+5 xcit_small_12_p16_224         256 224 generic   7  55  55
+7 davit_base                    128 224 generic  10  90  90
+6 efficientformer_l3            256 224 generic   6  60  60
+6 hiera_base_224                128 224 generic   7  70  70
+4 mvitv2_small                  128 224 generic   7  80  80
 "
 
 variants_of() {  # kind -> comma-separated variants
@@ -87,7 +89,7 @@ variants_of() {  # kind -> comma-separated variants
   case $1 in
     fused) echo "$base,fp8vit-fp8-delayed-graphed,fp8vit-fp8-delayed-graphed-compile" ;;
     hybrid) echo "$base,fp8vit-fp8-delayed-graphed,fp8vit-fp8-delayed-graphed-compile" ;;
-    generic) echo "$base,fp8vit-fp8-delayed-blockcompile,fp8vit-fp8-delayed-compile" ;;
+    generic) echo "$base,fp8vit-fp8-delayed-compile" ;;
     *) echo "sweep.sh: unknown kind $1" >&2; return 2 ;;
   esac
 }
