@@ -792,3 +792,20 @@ def test_cuda_graphs_on_a_module_with_no_vit_inside_says_why():
     cnn = timm.create_model("convnext_atto", num_classes=2)
     with pytest.warns(UserWarning, match=r"cuda_graphs=True\): .*has no nn.Sequential or nn.ModuleList 'blocks'"):
         fp8vit.convert_to_te(cnn, backend="reference", cuda_graphs=True)
+
+
+def test_blocks_called_with_a_list_run_eagerly_and_say_why():
+    # CrossViT's model.blocks are MultiScaleBlocks called with a list of two branches' tokens: the
+    # graphs (one tensor in) cannot take them; the blocks run eagerly, as without graphs.
+    name = "crossvit_tiny_240"
+    torch.manual_seed(0)
+    ref = fp8vit.convert_to_te(timm.create_model(name, num_classes=3), backend="reference")
+    model = copy.deepcopy(ref)
+    fp8vit.convert_to_te(model, backend="reference", cuda_graphs=True)
+    x = torch.randn(2, 3, 240, 240)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [m.train()(x) for m in (ref, model)]
+        outs[1].sum().backward()
+    assert torch.equal(outs[0], outs[1])
+    assert any("called with a list, not one tensor" in str(w.message) for w in caught), [str(w.message) for w in caught]
