@@ -259,7 +259,7 @@ def stub_sweep(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedPr
 
 
 def test_sweep_runs_past_a_failed_model(tmp_path):
-    res = stub_sweep(tmp_path, "pit_b_224", "resnet50", STUB_FAIL="pit_b_224:fp8vit-fp8-delayed-compile")
+    res = stub_sweep(tmp_path, "pit_b_224", "resnet50", STUB_FAIL="pit_b_224:fp8vit-fp8-delayed-graphed-compile")
     assert res.returncode == 1, res.stdout + res.stderr
     bench = tmp_path / "out" / "bench"
     assert sorted(p.name for p in bench.iterdir()) == [
@@ -268,7 +268,7 @@ def test_sweep_runs_past_a_failed_model(tmp_path):
     log = (bench / "resnet50_b256_sweep_h200.log").read_text()
     assert ("--batch-size 256 --img-size 224 --steps 20 --warmup 8 --variants timm-bf16 timm-bf16-compile "
             "fp8vit-fp8-delayed-compile --json") in log
-    assert "FAILED pit_b_224: fp8vit-fp8-delayed-compile: failed: InductorError: stub" in res.stdout
+    assert "FAILED pit_b_224: fp8vit-fp8-delayed-graphed-compile: failed: InductorError: stub" in res.stdout
     assert "| resnet50 | 256 |" in res.stdout and "| pit_b_224 | 128 |" in res.stdout  # the group's table
     assert "1 of 2 models ran every variant" in res.stdout
 

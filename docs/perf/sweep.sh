@@ -14,18 +14,18 @@
 #   fused    timm-bf16, timm-bf16-compile, fp8vit-fp8-delayed-graphed (fp8vit fuses every block) and
 #            fp8vit-fp8-delayed-graphed-compile (then torch.compile(model): stem and head compiled,
 #            the graphed blocks outside dynamo)
-#   hybrid   the same: for ViTamin and the R50 hybrid, -graphed-compile compiles the conv stems
+#   hybrid   the same: for ViTamin, the R50 hybrid and PiT, -graphed-compile compiles the conv stems
 #            (fallback="compile" compiles blocks holding Linears only: none there)
 #   generic  timm-bf16, timm-bf16-compile and fp8vit-fp8-delayed-compile (convert_to_te, then
 #            torch.compile(model): everything but fused blocks compiled, what convert_to_te(compile=True)
 #            does). fallback="compile" (-blockcompile: per-block compiles) is left out: one more
 #            compile per model (30-110 s each on the H200, by the estimates below) for a variant that
 #            compiles less of the model than that one. fallback="linear" (FP8 Linears, eager:
-#            0.90-1.00x timm eager, docs/performance.md) is left out too. The partly fused
-#            models are here too, their fused blocks eager: PiT keeps its blocks under
-#            transformers.N, not model.blocks, which make_graphed_blocks refuses; CrossViT's
-#            model.blocks are MultiScaleBlocks called with a list of two branches' tensors, where
-#            the graphs take one tensor: a -graphed variant of either could only fail. ResNet-50, the
+#            0.90-1.00x timm eager, docs/performance.md) is left out too. CrossViT, partly fused,
+#            is here with its fused blocks eager: its model.blocks are MultiScaleBlocks called with
+#            a list of two branches' tokens, which the graphs cannot take (they run those blocks
+#            eagerly, with a warning). PiT runs as a hybrid: its blocks sit in stages
+#            (transformers.N.blocks), graphed per stage as Swin's. ResNet-50, the
 #            control, holds nothing fp8vit converts: its fp8vit variant is timm + compile again.
 # Logs and JSON under $OUT (default docs/results) by docs/perf/h200.sh's names:
 # bench/MODEL_bBATCH_sweep_h200.{log,json}; at the end, also the run's logs and JSONs in one tarball,
@@ -69,7 +69,7 @@ SWEEP="
 2 aimv2_large_patch14_224        64 224 fused    12  45  11  15
 2 vitamin_base_224              128 224 hybrid   10  60  12  30
 2 vit_base_r50_s16_224          128 224 hybrid    8  50  10  25
-2 pit_b_224                     128 224 generic   6  35  35
+2 pit_b_224                     128 224 hybrid    6  35  10  35
 8 resnet50                      256 224 generic   8  50   50
 7 crossvit_15_240               256 240 generic   8  60  60
 3 beit_base_patch16_224         128 224 fused     6  40   8  16
