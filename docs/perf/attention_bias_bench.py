@@ -15,6 +15,9 @@ Which path gives the bias gradient cheapest?
   te-nobias       TE, no bias
   sdpa-efficient  torch SDPA, memory-efficient kernel, attn_mask the bias expanded to [B, H, N, N]
                   (a stride-0 view; its gradient summed back by autograd)
+  sdpa-aligned    the same kernel, the bias passed as fp8vit passes it (``blocks.base._sdpa_bias``):
+                  [1, H, N, N] in a [1, H, N, 64] buffer (strides multiples of 16), unexpanded, so
+                  that SDPA does not pad a copy of the batch-expanded bias per call
   sdpa-cudnn      torch SDPA on its cuDNN backend, the same mask (may refuse the bias gradient)
   compiled        torch.compile of softmax(q k^T * s + bias) v in [B, H, N, D] (Inductor: two
                   GEMMs and a fused bias + softmax kernel; the bias gradient a reduction)
@@ -32,6 +35,11 @@ average); te-bias-const 3-5x faster; sdpa-efficient and compiled within 2x of te
 that a Swin-B step saves 20-30 ms by taking the bias gradient outside cuDNN. BEiT-B: te-dbias
 about 0.4 ms per block more than te-bias-const (the 5-6 ms BEiT's graphed step was slower than
 predicted).
+
+Prediction for sdpa-aligned (added after the first run, in which sdpa-efficient was 2.33 ms per Swin
+stage-1 call): SDPA's pad of the expanded bias zero-fills and copies [8192, 4, 49, 56] bf16 (180 MB
+twice) and saves it for backward; without it, 1.5-1.9 ms per stage-1 call, and the Swin-B step's
+attention (23.0 ms summed over the stages) -3 to -5 ms.
 """
 
 import math
@@ -74,6 +82,14 @@ def sdpa(backend):
     return run
 
 
+def sdpa_aligned(q, k, v, bias):
+    m = bias.shape[-1]
+    buf = bias.new_zeros(*bias.shape[:-1], -(-m // 16) * 16)
+    buf[..., :m] = bias
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=buf[..., :m])
+    return o.transpose(1, 2).flatten(2)
+
+
 def te_path(heads, dim, with_bias):
     import transformer_engine.pytorch as te
 
@@ -100,7 +116,7 @@ def main():
         reference(qr, kr, vr, br).backward(g.float())
         paths = {"te-dbias": (te_path(H, D, True), True), "te-bias-const": (te_path(H, D, True), False),
                  "te-nobias": (te_path(H, D, False), False),
-                 "sdpa-efficient": (sdpa(SDPBackend.EFFICIENT_ATTENTION), True),
+                 "sdpa-efficient": (sdpa(SDPBackend.EFFICIENT_ATTENTION), True), "sdpa-aligned": (sdpa_aligned, True),
                  "sdpa-cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION), True),
                  "compiled": (torch.compile(manual), True), "eager": (manual, True)}
         for path, (fn, bias_grad) in paths.items():

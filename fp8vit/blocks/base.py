@@ -246,22 +246,18 @@ class FP8Block(nn.Module):
         Returns:
             ``[B, N, H*D]``.
         """
-        # The bias in q's dtype (bf16 under autocast) and contiguous, as both kernels want: the
-        # families gather it as a permuted view [1, H, N, N], with which torch's SDPA refuses its
-        # fused kernels and runs its fp32 math path (H200, Swin-B: no faster than TE's).
-        # One copy either way: ``.to`` makes it where the dtype differs (under autocast), and returns
-        # the view unchanged where it matches; then ``.contiguous()`` does.
-        bias = bias.to(q.dtype, memory_format=torch.contiguous_format).contiguous()
-        if self.bias_attention == "torch" and not kwargs:
-            attn = self.attn
-            # [B, H, N, D] views; the bias broadcast over the batch (a stride-0 view: the kernel
-            # writes its gradient per row, and autograd's expand sums them)
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias.expand(q.shape[0], -1, -1, -1),
-                dropout_p=attn.attention_dropout if self.training else 0.0, scale=attn.softmax_scale)
-            return o.transpose(1, 2).flatten(2)
         if self.bias_attention not in ("te", "torch"):
             raise ValueError(f"{type(self).__name__}.bias_attention={self.bias_attention!r}: expected 'te' or 'torch'")
+        if self.bias_attention == "torch" and not kwargs:
+            attn = self.attn
+            o = F.scaled_dot_product_attention(  # [B, H, N, D] views
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=_sdpa_bias(bias, q.dtype),
+                dropout_p=attn.attention_dropout if self.training else 0.0, scale=attn.softmax_scale)
+            return o.transpose(1, 2).flatten(2)
+        # TE's post_scale_bias: in q's dtype (bf16 under autocast) and contiguous; the families
+        # gather it as a permuted view. One copy either way: ``.to`` makes it where the dtype differs,
+        # and returns the view unchanged where it matches; then ``.contiguous()`` does.
+        bias = bias.to(q.dtype, memory_format=torch.contiguous_format).contiguous()
         kwargs.update(core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
         return self._impl.attention(self.attn, q, k, v, **kwargs)
 
@@ -345,6 +341,24 @@ def aligned_rows(module: nn.Module, x: torch.Tensor, multiple: int) -> torch.Ten
         return module(x)
     y = module(F.pad(x.reshape(B * N, C), (0, 0, 0, pad)))  # [B*N + pad, Cout]
     return y[: B * N].view(B, N, -1)
+
+
+def _sdpa_bias(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``bias`` ``[1, H, N, M]`` as torch's memory-efficient attention reads it in place: in
+    ``dtype``, every stride but the last a multiple of 16 elements, not expanded over the batch.
+
+    torch's SDPA (``preprocess_mask``) pads a bias whose strides are not multiples of 8 to M rounded
+    up to 8 before use: given the batch-expanded bias, that pad is a copy of the whole
+    ``[B, H, N, M8]`` (Swin-B stage 1: 8192 x 4 x 49 x 56 bf16, 180 MB) per call, zero-filled
+    first, and saved for backward. A non-contiguous bias (the families gather it as a permuted
+    view) sends it to its fp32 math kernel instead (H200 Swin-B: 116 ms a step against 69). So the
+    bias goes into the first M columns of one small zeroed ``[1, H, N, M16]`` buffer; SDPA
+    broadcasts it over the batch, the kernel writes its gradient per row, and autograd sums them.
+    """
+    m = bias.shape[-1]
+    buf = bias.new_zeros(*bias.shape[:-1], -(-m // 16) * 16, dtype=dtype)
+    buf[..., :m] = bias  # its gradient flows back through the copy
+    return buf[..., :m]
 
 
 class SplitQKV(torch.autograd.Function):
