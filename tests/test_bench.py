@@ -306,7 +306,7 @@ def test_sweep_packs_its_logs_and_jsons_in_one_tarball(tmp_path):
     import tarfile
 
     from test_sweep_table import stub_sweep
-    res = stub_sweep(tmp_path, "pit_b_224", "resnet50", STUB_FAIL="pit_b_224:fp8vit-fp8-delayed-blockcompile")
+    res = stub_sweep(tmp_path, "pit_b_224", "resnet50", STUB_FAIL="pit_b_224:fp8vit-fp8-delayed-graphed-compile")
     assert res.returncode == 1, res.stdout + res.stderr
     out = tmp_path / "out"
     names = ["bench/pit_b_224_b128_sweep_h200.log", "bench/pit_b_224_b128_sweep_h200.json",

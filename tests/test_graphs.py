@@ -809,3 +809,33 @@ def test_blocks_called_with_a_list_run_eagerly_and_say_why():
         outs[1].sum().backward()
     assert torch.equal(outs[0], outs[1])
     assert any("called with a list, not one tensor" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+def test_cudnn_layernorm_by_default_only_where_it_was_measured_faster(monkeypatch):
+    # lever 8: cuDNN's LayerNorm in the graphs at ViT-H's width (1280) under delayed scaling; not at
+    # ViT-B/L (768, 1024: unchanged), not from 1536 (TE's tuned kernels), not under current scaling
+    # (TE's fused norm + amax kernel), not without TE's switch, and never against an explicit choice.
+    from types import SimpleNamespace
+
+    def blocks(*widths):
+        return [SimpleNamespace(cfg=SimpleNamespace(dim=w)) for w in widths]
+
+    def recipe(kind):  # a TE recipe object as recipe_name reads it (TE is not needed here)
+        return SimpleNamespace(delayed=lambda: kind == "delayed",
+                               float8_current_scaling=lambda: kind == "current")
+
+    monkeypatch.setattr(GC._te, "cudnn_norm_available", lambda: True)
+    assert GC.cudnn_norm_pays(blocks(1280, 1280)) and GC.cudnn_norm_pays(blocks(1408))
+    assert not any(GC.cudnn_norm_pays(blocks(*w)) for w in ((768,), (1024,), (1536,), (1280, 1024), ()))
+    handle = GC.GraphedBlocks(nn.Sequential(), False)
+    handle._fp8_blocks = blocks(1280, 1280)
+    delayed, current = recipe("delayed"), recipe("current")
+    assert handle._cudnn_norm_for(delayed) and not handle._cudnn_norm_for(current)
+    assert not handle._cudnn_norm_for(None)  # FP8 off
+    handle.cudnn_layernorm = False
+    assert not handle._cudnn_norm_for(delayed)
+    handle.cudnn_layernorm, handle._fp8_blocks = True, blocks(768)
+    assert handle._cudnn_norm_for(current)
+    monkeypatch.setattr(GC._te, "cudnn_norm_available", lambda: False)
+    handle.cudnn_layernorm, handle._fp8_blocks = None, blocks(1280)
+    assert not handle._cudnn_norm_for(delayed)

@@ -31,7 +31,7 @@ from .graphs import make_graphed_callables, release_main_grad, restore_scaling, 
 from .loader import (INSTALL_HINT, MIN_TE_VERSION, clear_cache, installed, load_te, preload, release_import_warnings,
                      te_check, te_module, te_status, te_version)
 from .module_types import MODULE_NAMES, SwappedLinear, fp8_linear_class, modules, transformer_layer_class
-from .ops import attention_backend, cudnn_norm, cudnn_norm_enabled, fused_rope, gated_activation, packed_attention, set_cudnn_norm
+from .ops import attention_backend, cudnn_norm, cudnn_norm_available, cudnn_norm_enabled, fused_rope, gated_activation, packed_attention, set_cudnn_norm
 
 __all__ = [
     # importing TE
@@ -42,7 +42,7 @@ __all__ = [
     "scaling_state", "repair_amax_histories", "EXTRA_STATE_FORMAT",
     # modules and kernels
     "modules", "MODULE_NAMES", "SwappedLinear", "fp8_linear_class", "transformer_layer_class",
-    "packed_attention", "attention_backend", "fused_rope", "gated_activation", "cudnn_norm", "cudnn_norm_enabled", "set_cudnn_norm",
+    "packed_attention", "attention_backend", "fused_rope", "gated_activation", "cudnn_norm", "cudnn_norm_available", "cudnn_norm_enabled", "set_cudnn_norm",
     # CUDA graphs
     "make_graphed_callables", "wgrad_into_main_grad", "release_main_grad", "save_scaling", "restore_scaling",
 ]

@@ -15,9 +15,10 @@ from torch import nn
 from ..errors import TEUnavailableError
 from .._warn import warn_once
 from .fp8 import active_fp8_recipe
-from .loader import te_module, te_version
+from .loader import te_module, te_status, te_version
 
-__all__ = ["packed_attention", "attention_backend", "fused_rope", "gated_activation", "cudnn_norm_enabled", "set_cudnn_norm", "cudnn_norm"]
+__all__ = ["packed_attention", "attention_backend", "fused_rope", "gated_activation", "cudnn_norm_available",
+           "cudnn_norm_enabled", "set_cudnn_norm", "cudnn_norm"]
 
 
 def packed_attention(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -154,15 +155,23 @@ def cudnn_norm_enabled() -> bool:
     return _cudnn_norm["on"]
 
 
+def _cudnn_norm_switches():
+    lib = getattr(te_module("transformer_engine.common"), "_TE_LIB_CTYPES", None)
+    return getattr(lib, "nvte_enable_cudnn_norm_fwd", None), getattr(lib, "nvte_enable_cudnn_norm_bwd", None)
+
+
+def cudnn_norm_available() -> bool:
+    """Whether TE imports and its core library has the cuDNN LayerNorm switch (:func:`set_cudnn_norm`)."""
+    return te_status().ok and None not in _cudnn_norm_switches()
+
+
 def set_cudnn_norm(enabled: bool) -> bool:
     """Run TE's LayerNorm forward and backward on cuDNN's kernels (process-wide). Returns the old setting."""
-    lib = getattr(te_module("transformer_engine.common"), "_TE_LIB_CTYPES", None)
-    try:
-        switches = (lib.nvte_enable_cudnn_norm_fwd, lib.nvte_enable_cudnn_norm_bwd)
-    except AttributeError:
+    switches = _cudnn_norm_switches()
+    if None in switches:
         raise TEUnavailableError(
             f"Transformer Engine {te_version()} does not expose nvte_enable_cudnn_norm_fwd/bwd in its "
-            "core library; upgrade TE, or leave fp8vit.set_cudnn_layernorm off") from None
+            "core library; upgrade TE, or leave fp8vit.set_cudnn_layernorm off")
     for switch, var in zip(switches, _CUDNN_NORM_VARS):
         switch(bool(enabled))
         os.environ[var] = "1" if enabled else "0"

@@ -34,8 +34,8 @@ A variant's name says what runs the blocks, in which precision, and how:
                                    their FP8 casts cost
 =================================  ===========================================================
 
-``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` (``-cudnn-norm-graphed``:
-with ``cudnn_layernorm=True``). Building a workload sets the process-wide LayerNorm kernel choice
+``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
+kernels (``-cudnn-norm-graphed``: ``cudnn_layernorm=True``). Building a workload sets the process-wide LayerNorm kernel choice
 for what it runs eagerly: cuDNN for an eager ``-cudnn-norm`` variant, else TE's own.
 """
 
@@ -268,7 +268,7 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
             raise ValueError(f"variant {variant!r} captures CUDA graphs: pass batch_size")
         if isinstance(getattr(net, "blocks", None), (nn.Sequential, nn.ModuleList)):
             graphs = (make_graphed_blocks(net.train(), batch_size, recipe=recipe, fp8=v.te_fp8,
-                                          cudnn_layernorm=v.cudnn_norm),)
+                                          cudnn_layernorm=True if v.cudnn_norm else None),)
         elif v.cudnn_norm:
             raise ValueError(f"variant {variant!r}: cuDNN LayerNorm graphs need the blocks in model.blocks; "
                              f"{type(net).__name__} keeps them in stages: use the variant without -cudnn-norm")

@@ -27,7 +27,7 @@ from ..blocks.base import FP8Block
 from ..blocks.weights import is_sharded
 from .detect import gpu_info
 
-__all__ = ["GraphedBlocks", "GraphShape", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES"]
+__all__ = ["GraphedBlocks", "GraphShape", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES", "CUDNN_NORM_WIDTHS", "cudnn_norm_pays"]
 
 # Why make_graphed_blocks and FSDP2 (fully_shard) are refused together, from the sources (not
 # measured: it needs a GPU). Said by make_graphed_blocks and by fp8vit.training.distributed.shard_model.
@@ -213,6 +213,22 @@ class _BeforeBackward:
         self.handle._copy_aliased_grads(only=self.handle._main_ptrs)
 
 
+# TE's LayerNorm on cuDNN's kernels inside the graphs, by default, for blocks of these widths under
+# delayed scaling: ViT-H/16 (1280) on an H200 -7.1 ms a graphed step (160 -> 152), ViT-B and ViT-L
+# (768, 1024) unchanged (docs/performance.md, lever 8); from 1536 TE has tuned kernels of its own,
+# and under current scaling TE's fused norm + amax kernel has no cuDNN counterpart.
+CUDNN_NORM_WIDTHS = (1280, 1536)
+
+
+def cudnn_norm_pays(blocks) -> bool:
+    """Whether graphs of the fp8vit ``blocks`` (an iterable of them) capture cuDNN's LayerNorm by
+    default: every block's width in :data:`CUDNN_NORM_WIDTHS` ``[low, high)`` and TE's core library
+    has the switch."""
+    widths = {b.cfg.dim for b in blocks}
+    lo, hi = CUDNN_NORM_WIDTHS
+    return bool(widths) and all(lo <= w < hi for w in widths) and _te.cudnn_norm_available()
+
+
 class GraphedBlocks:
     """The CUDA graphs of a model's blocks (:func:`make_graphed_blocks`, ``convert_to_te(cuda_graphs=True)``):
     which call signatures are captured, their memory, and how often the graphs ran.
@@ -232,7 +248,7 @@ class GraphedBlocks:
     """
 
     def __init__(self, blocks: nn.Module, per_block: bool, *, max_shapes: int = MAX_SHAPES,
-                 num_warmup_iters: int = 3, cudnn_layernorm: bool = False, fused_wgrad: bool = True,
+                 num_warmup_iters: int = 3, cudnn_layernorm: Optional[bool] = None, fused_wgrad: bool = True,
                  fp8: bool = True, amax_reduction_group: Any = None):
         self._blocks = blocks  # may be half-built here (unpickling, deepcopy): read on first use
         self._target_list: Optional[tuple] = None
@@ -725,6 +741,13 @@ class GraphedBlocks:
         self._seen.pop(key, None)
         return entry
 
+    def _cudnn_norm_for(self, recipe: Any) -> bool:
+        """Whether a capture under ``recipe`` runs TE's LayerNorm on cuDNN's kernels: as
+        ``cudnn_layernorm`` says, or with None where that was measured faster (:func:`cudnn_norm_pays`)."""
+        if self.cudnn_layernorm is not None:
+            return self.cudnn_layernorm
+        return recipe is not None and recipe_name(recipe) == "delayed" and cudnn_norm_pays(self._fp8_blocks)
+
     def _run_capture(self, samples: tuple, sample_kwargs: Optional[tuple], recipe: Any, dtype: torch.dtype,
                      first: bool):
         """TE's capture of the graphed modules: ``(graphed forwards, memory added, grads_alias, the
@@ -743,7 +766,7 @@ class GraphedBlocks:
         weights: tuple = ()
         try:
             with contextlib.ExitStack() as stack:
-                if self.cudnn_layernorm:
+                if self._cudnn_norm_for(recipe):
                     stack.enter_context(_te.cudnn_norm(True))
                 if self._fused_wgrad:
                     # fp8vit's blocks only: their TE modules' weights are known to reach the GEMMs as is.

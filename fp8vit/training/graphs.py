@@ -187,7 +187,7 @@ def make_graphed_blocks(
     fp8: bool = True,
     dtype: torch.dtype = torch.bfloat16,
     num_warmup_iters: int = 3,
-    cudnn_layernorm: bool = False,
+    cudnn_layernorm: Optional[bool] = None,
     fused_wgrad: bool = True,
     amax_reduction_group: Any = None,
     max_shapes: int = MAX_SHAPES,
@@ -215,8 +215,10 @@ def make_graphed_blocks(
             gradient or FP8 state).
         cudnn_layernorm: capture TE's LayerNorm forward and backward with cuDNN's kernels
             (:func:`set_cudnn_layernorm`) instead of TE's own; only the graphs use them, and the
-            process-wide setting is restored after capture. ViT-H/16 on an H200: -4% step time;
-            ViT-B and L: unchanged (docs/performance.md, lever 8).
+            process-wide setting is restored after capture. None (default): where that was
+            measured faster, i.e. blocks of width 1280 to 1535 under delayed scaling
+            (``graph_cache.CUDNN_NORM_WIDTHS``; ViT-H/16 on an H200: -4% step time; ViT-B and L:
+            unchanged; docs/performance.md, lever 8); False: TE's own kernels.
         fused_wgrad: the backward graphs' weight-gradient GEMMs write each weight's gradient in
             the weight's dtype (fp32) into a buffer kept on the weight (``weight.main_grad``, one
             for all shapes), which becomes ``p.grad``, instead of writing bf16 that autograd then
@@ -256,7 +258,8 @@ def make_graphed_blocks(
     check_bool(fn, "fp8", fp8)
     check_autocast_dtype(fn, dtype)
     check_int(fn, "num_warmup_iters", num_warmup_iters, min=0)
-    check_bool(fn, "cudnn_layernorm", cudnn_layernorm)
+    if cudnn_layernorm is not None:
+        check_bool(fn, "cudnn_layernorm", cudnn_layernorm)
     check_bool(fn, "fused_wgrad", fused_wgrad)
     check_process_group(fn, "amax_reduction_group", amax_reduction_group)
     check_int(fn, "max_shapes", max_shapes, min=1)
