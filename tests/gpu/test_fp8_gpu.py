@@ -288,6 +288,23 @@ def test_cudnn_layernorm_runs_cudnn_kernels_as_accurately(recipe):
             assert abs(sb[name][0] - sa[name][0]) <= 0.05 * sa[name][0], (name, sa[name], sb[name])
 
 
+@pytest.mark.parametrize("width, want_cudnn", [(1280, True), (768, False)])
+def test_graphs_take_cudnn_layernorm_by_default_at_vit_h_width(width, want_cudnn):
+    # make_graphed_blocks(cudnn_layernorm=None): cuDNN's LayerNorm in the captured graphs at widths
+    # 1280-1535 under delayed scaling (lever 8), TE's own elsewhere; the eager setting is untouched.
+    model = _vit(embed_dim=width, num_heads=16).train()
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    fp8vit.make_graphed_blocks(model, batch_size=8)
+    for _ in range(2):
+        fp8_step(model, x, "delayed")
+    _, kernels = _kernel_names(lambda: fp8_step(model, x, "delayed"))
+    te_norm = any("normalization::ln_" in k for k in kernels)
+    print(f"width {width} graphed: TE LayerNorm kernels {te_norm}; "
+          f"{sorted({k[:40] for k in kernels if 'norm' in k.lower()})[:6]}")
+    assert te_norm != want_cudnn
+    assert not fp8vit._te.cudnn_norm_enabled()  # the process-wide switch is restored after capture
+
+
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_gelu_in_fc1_gemm_epilogue(recipe):
     # Under delayed scaling fc1's GEMM computes GELU in its epilogue and writes fc2's FP8 input
