@@ -2,8 +2,9 @@
 Swin, and the models built from its stages) built from Transformer Engine modules.
 
     x [B, H, W, C] -> cyclic shift + window partition, one gather -> [nW * B, Wh*Ww, C] (window-major)
-      --+-- qkv: norm1 + Linear (fused) -> DotProductAttention per mask kind, with the relative
-        |   position bias [1, H, N, N] (+ the shift mask of that kind) as TE's post_scale_bias
+      --+-- qkv: norm1 + Linear (fused) -> attention per mask kind, with the relative position
+        |   bias [1, H, N, N] (+ the shift mask of that kind): torch's SDPA by default, or TE's
+        |   DotProductAttention with it as post_scale_bias (``bias_attention``)
         |   -> proj -> drop_path1 (per image)
         +-- (+) -> mlp: norm2 fused into fc1, GELU, fc2 -> drop_path2 (per image) -> (+)
       -> windows back + reverse shift, one gather -> [B, H, W, C]
@@ -16,8 +17,9 @@ windows as a batch, between two gathers; timm's roll, pad, partition, reverse an
 copies, here two.
 
 The shift mask. A shifted block masks attention between tokens that came from different image
-regions (timm: -100 added to those logits). The mask differs per window, which TE's bias cannot
-take with its gradient (cuDNN returns the bias gradient for one ``[1, H, N, N]`` bias only). But
+regions (timm: -100 added to those logits). The mask differs per window, which one bias with its
+gradient cannot take (cuDNN returns the gradient of one ``[1, H, N, N]`` bias only; SDPA's bias
+broadcast over the windows is one such bias too). But
 only a few kinds of window exist (unshifted interior, right column, bottom row, corner): the
 windows are ordered by kind, so each kind is one slice of the batch, and attention runs once per
 kind with ``relative position bias + that kind's mask``. Unshifted blocks: one call.
