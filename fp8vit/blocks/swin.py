@@ -490,7 +490,7 @@ class TE_SwinV2Block(TE_SwinBlock):  # noqa: N801 - named like TE_Block
     """timm's ``SwinTransformerV2Block`` on Transformer Engine: :class:`TE_SwinBlock`'s windows with
     Swin V2's post-norm branches (``x + norm1(attn(x))``), cosine attention (q and k normalized per
     head, the logits scaled by ``exp(min(logit_scale, log 100))`` per head, no ``D^-0.5``) and the
-    continuous position bias ``16 sigmoid(cpb_mlp(coords))`` as TE's post_scale_bias.
+    continuous position bias ``16 sigmoid(cpb_mlp(coords))`` as the attention's bias.
 
     Args and Raises: as :class:`TE_SwinBlock`'s, with a :class:`SwinV2BlockConfig`.
     """
