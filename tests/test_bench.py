@@ -708,7 +708,7 @@ def test_a_run_whose_attention_te_ran_unfused_is_named_under_the_table():
 def test_graphed_variants_of_a_model_in_stages_get_one_graph_cache_per_stage():
     # Swin and ConvNeXt hold their blocks in stages (no model.blocks): -graphed variants use
     # convert_to_te(cuda_graphs=True)'s shape cache, one handle per stage (captured at the shape's
-    # second training step, on a GPU); cuDNN-norm graphs need model.blocks and are refused by name
+    # second training step, on a GPU); -cudnn-norm-graphed: each cache captures cuDNN's LayerNorm
     from fp8vit.tools.workload import build_workload
     kw = dict(batch_size=2, img_size=64, num_classes=10, device="cpu", backend="reference")
     with warnings.catch_warnings():
@@ -716,8 +716,9 @@ def test_graphed_variants_of_a_model_in_stages_get_one_graph_cache_per_stage():
         wl = build_workload("convnext_tiny", "fp8vit-fp8-delayed-graphed", **kw)
         assert len(wl.graphs) == 4 and all(isinstance(g, fp8vit.GraphedBlocks) for g in wl.graphs)
         assert fp8vit.conversion_summary(wl.model).cuda_graphs is not None
-        with pytest.raises(ValueError, match=r"cuDNN LayerNorm graphs need the blocks in model.blocks; ConvNeXt"):
-            build_workload("convnext_tiny", "fp8vit-fp8-delayed-cudnn-norm-graphed", **kw)
+        assert all(g.cudnn_layernorm is None for g in wl.graphs)  # the default: decided per capture
+        cudnn = build_workload("convnext_tiny", "fp8vit-fp8-delayed-cudnn-norm-graphed", **kw).graphs
+        assert len(cudnn) == 4 and all(g.cudnn_layernorm is True for g in cudnn)
         assert build_workload("convnext_tiny", "fp8vit-fp8-delayed", **kw).graphs == ()
 
 

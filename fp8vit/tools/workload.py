@@ -269,11 +269,8 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         if isinstance(getattr(net, "blocks", None), (nn.Sequential, nn.ModuleList)):
             graphs = (make_graphed_blocks(net.train(), batch_size, recipe=recipe, fp8=v.te_fp8,
                                           cudnn_layernorm=True if v.cudnn_norm else None),)
-        elif v.cudnn_norm:
-            raise ValueError(f"variant {variant!r}: cuDNN LayerNorm graphs need the blocks in model.blocks; "
-                             f"{type(net).__name__} keeps them in stages: use the variant without -cudnn-norm")
         else:  # blocks in stages (Swin): convert_to_te(cuda_graphs=True)'s shape cache, one per stage
-            why = install_graphs(net)
+            why = install_graphs(net, True if v.cudnn_norm else None)
             if why is not None:
                 raise ValueError(f"variant {variant!r}: {why}")
             graphs = tuple(graphed_handles(net))

@@ -143,10 +143,11 @@ def graphed_handles(model: nn.Module) -> list:
     return [h for h in (GraphedBlocks.of(m) for m in _vits_inside(model)) if h is not None]
 
 
-def install_graphs(model: nn.Module) -> Optional[str]:
+def install_graphs(model: nn.Module, cudnn_layernorm: Optional[bool] = None) -> Optional[str]:
     """``convert_to_te(cuda_graphs=True)``: graphs for ``model.blocks``, each shape captured as it
     comes (:func:`make_graphed_blocks` with no batch size, its defaults). Nothing needs a GPU yet.
-    A model without ``blocks`` that holds ViTs (a LightningModule's ``self.model``): theirs.
+    A model without ``blocks`` that holds ViTs (a LightningModule's ``self.model``, a Swin's
+    stages): theirs. ``cudnn_layernorm``: as :func:`make_graphed_blocks`'s.
 
     Returns:
         None, or why nothing was installed (no ``blocks`` and no ViT of fp8vit blocks inside,
@@ -155,7 +156,7 @@ def install_graphs(model: nn.Module) -> Optional[str]:
     if not isinstance(getattr(model, "blocks", None), (nn.Sequential, nn.ModuleList)):
         inner = _vits_inside(model)
         if inner:
-            why = [w for w in (install_graphs(m) for m in inner) if w is not None]
+            why = [w for w in (install_graphs(m, cudnn_layernorm) for m in inner) if w is not None]
             return "; ".join(why) or None
     try:
         blocks, per_block, targets = _blocks_of(model, "cuda_graphs=True")
@@ -168,7 +169,7 @@ def install_graphs(model: nn.Module) -> Optional[str]:
     param = next(iter(blocks.parameters()), None)
     if param is not None and is_sharded(param):
         return f"the blocks are sharded by FSDP2 (fully_shard), so they are not graphed: {WHY_NOT_WITH_FSDP2}"
-    GraphedBlocks(blocks, per_block)._install()
+    GraphedBlocks(blocks, per_block, cudnn_layernorm=cudnn_layernorm)._install()
     return None
 
 
