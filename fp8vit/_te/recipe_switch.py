@@ -41,8 +41,8 @@ class RecipeSwitchFix:
     """
 
     def init_fp8_metadata(self, *args: Any, **kwargs: Any):
-        meta = self.fp8_meta
-        if BUFFER_KEY in meta:
+        meta = getattr(self, "fp8_meta", None)  # set by TE's __init__; read defensively all the same
+        if isinstance(meta, dict) and BUFFER_KEY in meta:
             state, delayed = meta.get("scaling_fwd"), _delayed_state_type()
             if state is not None and delayed is not None and not isinstance(state, delayed):
                 recipe = active_fp8_recipe()
