@@ -35,8 +35,9 @@ A variant's name says what runs the blocks, in which precision, and how:
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
-kernels (``-cudnn-norm-graphed``: ``cudnn_layernorm=True``). Building a workload sets the process-wide LayerNorm kernel choice
-for what it runs eagerly: cuDNN for an eager ``-cudnn-norm`` variant, else TE's own.
+kernels (``-cudnn-norm-graphed``: ``cudnn_layernorm=True``). Building a workload sets the
+process-wide LayerNorm kernel choice for what it runs eagerly: cuDNN for an eager ``-cudnn-norm``
+variant, else TE's own.
 """
 
 from __future__ import annotations
