@@ -264,14 +264,15 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if v.fp8 == "torchao":
         _torchao_fp8(net)
     graphs = ()
+    cudnn_norm = True if v.cudnn_norm else None  # None: make_graphed_blocks' default, per width
     if v.graphed:
         if batch_size is None:
             raise ValueError(f"variant {variant!r} captures CUDA graphs: pass batch_size")
         if isinstance(getattr(net, "blocks", None), (nn.Sequential, nn.ModuleList)):
             graphs = (make_graphed_blocks(net.train(), batch_size, recipe=recipe, fp8=v.te_fp8,
-                                          cudnn_layernorm=True if v.cudnn_norm else None),)
+                                          cudnn_layernorm=cudnn_norm),)
         else:  # blocks in stages (Swin): convert_to_te(cuda_graphs=True)'s shape cache, one per stage
-            why = install_graphs(net, True if v.cudnn_norm else None)
+            why = install_graphs(net, cudnn_norm)
             if why is not None:
                 raise ValueError(f"variant {variant!r}: {why}")
             graphs = tuple(graphed_handles(net))
