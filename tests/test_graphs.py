@@ -812,21 +812,26 @@ def test_blocks_called_with_a_list_run_eagerly_and_say_why():
 
 
 def test_cudnn_layernorm_by_default_only_where_it_was_measured_faster(monkeypatch):
-    # lever 8: cuDNN's LayerNorm in the graphs at ViT-H's width (1280) under delayed scaling; not at
-    # ViT-B/L (768, 1024: unchanged), not from 1536 (TE's tuned kernels), not under current scaling
-    # (TE's fused norm + amax kernel), not without TE's switch, and never against an explicit choice.
+    # levers 8 and 32: cuDNN's LayerNorm in the graphs at widths TE has no tuned kernel for (ViT-H's
+    # 1280, Swin's and ConvNeXt's 128-512) under delayed scaling; not at tuned widths (768, 1024, 1536:
+    # ViT-B/L unchanged), not for RMSNorm blocks (not measured), not under current scaling (TE's fused
+    # norm + amax kernel), not without TE's switch, and never against an explicit choice.
     from types import SimpleNamespace
 
-    def blocks(*widths):
-        return [SimpleNamespace(cfg=SimpleNamespace(dim=w)) for w in widths]
+    def blocks(*widths, norm="LayerNorm"):
+        return [SimpleNamespace(cfg=SimpleNamespace(dim=w, norm=norm)) for w in widths]
 
     def recipe(kind):  # a TE recipe object as recipe_name reads it (TE is not needed here)
         return SimpleNamespace(delayed=lambda: kind == "delayed",
                                float8_current_scaling=lambda: kind == "current")
 
     monkeypatch.setattr(GC._te, "cudnn_norm_available", lambda: True)
-    assert GC.cudnn_norm_pays(blocks(1280, 1280)) and GC.cudnn_norm_pays(blocks(1408))
-    assert not any(GC.cudnn_norm_pays(blocks(*w)) for w in ((768,), (1024,), (1536,), (1280, 1024), ()))
+    assert all(GC.cudnn_norm_pays(blocks(*w)) for w in ((1280, 1280), (1408,), (128, 128), (256,), (512,), (1664,)))
+    assert not any(GC.cudnn_norm_pays(blocks(*w)) for w in ((768,), (1024,), (1536,), (3072,), (1280, 1024), ()))
+    assert not GC.cudnn_norm_pays(blocks(1280, norm="RMSNorm"))
+    monkeypatch.setattr(GC._te, "cudnn_norm_available", lambda: False)
+    assert not GC.cudnn_norm_pays(blocks(1280))
+    monkeypatch.setattr(GC._te, "cudnn_norm_available", lambda: True)
     handle = GC.GraphedBlocks(nn.Sequential(), False)
     handle._fp8_blocks = blocks(1280, 1280)
     delayed, current = recipe("delayed"), recipe("current")

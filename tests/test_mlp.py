@@ -368,6 +368,34 @@ def test_norm_in_dtype_keeps_bf16_under_autocast(kind):
         assert torch.equal(norm_in_dtype(norm, h.float()), norm(h.float()))
 
 
+def test_norm_before_geglu_mlp_runs_in_the_stream_dtype(monkeypatch):
+    # ViTamin's GeGluMlp normalizes its input after the block's norm2: norm2 runs in torch, and CUDA
+    # autocast ran it in fp32 (a bf16 -> fp32 copy, fp32 norm kernels, an fp32 input for TE's fused
+    # MLP). It goes through norm_in_dtype (bf16 in and out; CPU autocast keeps bf16 by itself, so
+    # the dtype itself is checked on the GPU: tests/gpu/test_fp8_gpu.py).
+    import fp8vit.blocks.vit as vit
+    from helpers import MLP_CASES, block_pair
+
+    block, te = block_pair(MLP_CASES["geglu_mlp"], backend="reference")
+    assert type(te.norm2) is nn.LayerNorm
+    calls = []
+
+    def spy(norm, h):
+        calls.append(norm)
+        return vit.norm_in_dtype.__wrapped__(norm, h)
+
+    spy.__wrapped__ = vit.norm_in_dtype
+    monkeypatch.setattr(vit, "norm_in_dtype", spy)
+    x = torch.randn(2, 9, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(te(x), block(x), rtol=1e-5, atol=1e-5)
+    assert calls == [te.norm2]
+    ident = nn.Identity()  # not a torch norm: passed through
+    h = torch.randn(3, 4).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert spy.__wrapped__(ident, h) is h
+
+
 def test_naflexvit_float_mask_under_inference_mode():
     # NaFlexViT builds its additive padding mask inside the forward: under torch.inference_mode it is
     # an inference tensor, which has no version counter to key a cache on (reading it raised).

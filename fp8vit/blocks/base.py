@@ -20,6 +20,7 @@ from torch import nn
 from .._validate import check_bool, check_device, check_dtype, check_type
 from .._warn import warn_once
 from .backend import Backend, check_backend, get_backend, resolve_backend
+from .mlp import norm_in_dtype
 from .._te.kernels import layerscale_backward, triton_support
 from .._te.recipes import recipe_name, row_multiple
 
@@ -235,7 +236,7 @@ class FP8Block(nn.Module):
         else:
             o = self._impl.attention(self.attn, q, k, v, **kwargs)  # [B, N, H*D]
         if gate is not None:  # timm's order: the (inner) norm, then the gate, then proj
-            o = self.gate_norm(o) * torch.sigmoid(gate)
+            o = norm_in_dtype(self.gate_norm, o) * torch.sigmoid(gate)  # bf16 in and out (lever 33)
         return self.proj_drop(aligned_rows(self.proj, o, mult))
 
     def _biased_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,

@@ -31,7 +31,7 @@ except ImportError:  # timm < 1.0 keeps it with the FX helpers
     from timm.models._features_fx import register_notrace_module
 
 from .base import FP8Block
-from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties
+from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties, norm_in_dtype
 from .timm_layers import require_timm_class, resolve_norm_module
 from .weights import Tie, block_from_timm, load_timm_state, rename, timm_block_of
 
@@ -182,7 +182,7 @@ class TE_ConvNeXtBlock(FP8Block):  # noqa: N801 - named like TE_Block
         x = x.contiguous(memory_format=torch.channels_last)
         y = self.conv_dw(x)  # [B, C, H, W]; channels-last in, channels-last out
         tokens = y.permute(0, 2, 3, 1).reshape(B, H * W, C)  # [B, H*W, C], a view
-        h = tokens if self.norm is None else self.norm(tokens)
+        h = tokens if self.norm is None else norm_in_dtype(self.norm, tokens)
         h = self._run_mlp(self.mlp, h, mult, gelu_gemm)
         shortcut = self._stream(x.permute(0, 2, 3, 1).reshape(B, H * W, C))
         out = self._add_branch(shortcut, h, self.gamma, self.drop_path)  # [B, H*W, C]

@@ -471,7 +471,7 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         if post:
             a = norm_in_dtype(self.post_norm1, a)
         x = self._add_branch(x, a, self.gamma_1, self.drop_path1)
-        h = x if self.norm2 is None else self.norm2(x)
+        h = x if self.norm2 is None else norm_in_dtype(self.norm2, x)  # GeGluMlp's first norm (lever 33)
         h = self._run_mlp(self.mlp, h, mult, gelu_gemm)
         if post:
             h = norm_in_dtype(self.post_norm2, h)

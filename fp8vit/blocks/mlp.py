@@ -299,11 +299,12 @@ def norm_in_dtype(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
     rounded to ``h``'s dtype (the output is rounded to bf16 before fc2's GEMM either way; the
     weight gradient comes back through that rounding, 2^-9 relative in bf16). A bf16 weight (FSDP2's
     bf16 compute) takes the same path, so a sharded model computes what the unsharded one does.
-    Without autocast, or for an fp32 ``h``, it is ``norm(h)``.
+    Without autocast, for an fp32 ``h``, or for any module but torch's own ``nn.LayerNorm`` and
+    ``nn.RMSNorm`` (``nn.Identity``, a subclass with its own forward), it is ``norm(h)``.
     """
     dev = h.device.type
     if h.dtype not in (torch.bfloat16, torch.float16) or dev not in ("cuda", "cpu") \
-            or not torch.is_autocast_enabled(dev):
+            or not torch.is_autocast_enabled(dev) or type(norm) not in (nn.LayerNorm, nn.RMSNorm):
         return norm(h)
     with torch.autocast(dev, enabled=False):
         w = norm.weight.to(h.dtype)

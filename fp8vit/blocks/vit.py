@@ -35,7 +35,7 @@ from .._validate import check_bool, check_type
 from .._warn import warn_once
 from .config import BlockConfig, config_from_timm_block
 from .base import FP8Block, check_block_args
-from .mlp import build_mlp
+from .mlp import build_mlp, norm_in_dtype
 from .weights import copy_requires_grad, te_requires_grad, te_to_timm, timm_requires_grad, timm_to_te
 
 __all__ = ["TE_Block"]
@@ -279,7 +279,7 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
     def _forward(self, x, attn_mask, is_causal, mult: int, gelu_gemm: bool):
         x = self._stream(x)
         x = self._ls_add(x, self._attention(x, attn_mask, is_causal, mult), self.ls1, self.drop_path1)
-        h = x if self.norm2 is None else self.norm2(x)
+        h = x if self.norm2 is None else norm_in_dtype(self.norm2, x)  # GeGluMlp's first norm (lever 33)
         if mult > 1 and not self.cfg.mlp.fp8_widths_ok(mult):
             # MXFP8 scales blocks of 32: an MLP whose widths are not multiples of it runs without FP8.
             warn_once(f"fp8vit: {self.cfg.mlp.describe()} has widths that are not multiples of {mult}, "

@@ -27,7 +27,8 @@ from ..blocks.base import FP8Block
 from ..blocks.weights import is_sharded
 from .detect import gpu_info
 
-__all__ = ["GraphedBlocks", "GraphShape", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES", "CUDNN_NORM_WIDTHS", "cudnn_norm_pays"]
+__all__ = ["GraphedBlocks", "GraphShape", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES", "TE_TUNED_LAYERNORM_WIDTHS",
+           "cudnn_norm_pays"]
 
 # Why make_graphed_blocks and FSDP2 (fully_shard) are refused together, from the sources (not
 # measured: it needs a GPU). Said by make_graphed_blocks and by fp8vit.training.distributed.shard_model.
@@ -213,20 +214,26 @@ class _BeforeBackward:
         self.handle._copy_aliased_grads(only=self.handle._main_ptrs)
 
 
-# TE's LayerNorm on cuDNN's kernels inside the graphs, by default, for blocks of these widths under
-# delayed scaling: ViT-H/16 (1280) on an H200 -7.1 ms a graphed step (160 -> 152), ViT-B and ViT-L
-# (768, 1024) unchanged (docs/performance.md, lever 8); from 1536 TE has tuned kernels of its own,
-# and under current scaling TE's fused norm + amax kernel has no cuDNN counterpart.
-CUDNN_NORM_WIDTHS = (1280, 1536)
+# The LayerNorm widths TE 2.20 has tuned kernels for (REGISTER_NORM_LAUNCHER(LayerNorm, ..., tuned,
+# ...) in transformer_engine/common/normalization/layernorm/ln_{fwd,bwd_semi}_cuda_kernel.cu); at
+# any other width it runs its general kernels. There cuDNN's LayerNorm was faster inside the graphs
+# under delayed scaling: ViT-H/16 (1280) -7.1 ms a step, Swin-B and ConvNeXt-B (stages of 128 to
+# 1024; 1024 tuned) -1.4 and -1.1 ms; at tuned widths it was not: ViT-B (768) +0.5 ms, ViT-L and
+# EVA02-L (1024) unchanged (docs/performance.md, levers 8 and 32). Under current scaling TE's fused
+# norm + amax kernel has no cuDNN counterpart; RMSNorm was not measured.
+TE_TUNED_LAYERNORM_WIDTHS = frozenset((768, 1024, 1536, 2048, 2304, 3072, 3840, 4096, 5120, 6144, 8192, 10240,
+                                       12288, 12800, 15360, 16384, 18432, 20480, 24576, 25600, 30720, 32768,
+                                       40960, 49152, 65536))
 
 
 def cudnn_norm_pays(blocks) -> bool:
     """Whether graphs of the fp8vit ``blocks`` (an iterable of them) capture cuDNN's LayerNorm by
-    default: every block's width in :data:`CUDNN_NORM_WIDTHS` ``[low, high)`` and TE's core library
+    default: every block a LayerNorm block of a width TE has no tuned kernel for
+    (:data:`TE_TUNED_LAYERNORM_WIDTHS`; a Swin stage's blocks share one), and TE's core library
     has the switch."""
-    widths = {b.cfg.dim for b in blocks}
-    lo, hi = CUDNN_NORM_WIDTHS
-    return bool(widths) and all(lo <= w < hi for w in widths) and _te.cudnn_norm_available()
+    cfgs = [b.cfg for b in blocks]
+    return bool(cfgs) and all(c.norm == "LayerNorm" and c.dim not in TE_TUNED_LAYERNORM_WIDTHS for c in cfgs) \
+        and _te.cudnn_norm_available()
 
 
 class GraphedBlocks:

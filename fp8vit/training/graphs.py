@@ -217,9 +217,10 @@ def make_graphed_blocks(
         cudnn_layernorm: capture TE's LayerNorm forward and backward with cuDNN's kernels
             (:func:`set_cudnn_layernorm`) instead of TE's own; only the graphs use them, and the
             process-wide setting is restored after capture. None (default): where that was
-            measured faster, i.e. blocks of width 1280 to 1535 under delayed scaling
-            (``graph_cache.CUDNN_NORM_WIDTHS``; ViT-H/16 on an H200: -4% step time; ViT-B and L:
-            unchanged; docs/performance.md, lever 8); False: TE's own kernels.
+            measured faster, i.e. under delayed scaling for LayerNorm blocks of a width TE has
+            no tuned kernel for (``graph_cache.TE_TUNED_LAYERNORM_WIDTHS``; on an H200 ViT-H/16:
+            -4% step time, Swin-B -2.2%, ConvNeXt-B -1.6%; ViT-B and L, at tuned widths:
+            unchanged; docs/performance.md, levers 8 and 32); False: TE's own kernels.
         fused_wgrad: the backward graphs' weight-gradient GEMMs write each weight's gradient in
             the weight's dtype (fp32) into a buffer kept on the weight (``weight.main_grad``, one
             for all shapes), which becomes ``p.grad``, instead of writing bf16 that autograd then

@@ -73,11 +73,13 @@ def test_fp8_step_snr_vs_bf16(recipe):
     assert logits >= LOGITS_DB and worst_grad >= GRAD_DB
 
 
-def _delayed_scales(model):
-    """The forward scales of every TE module whose state is delayed scaling's."""
-    metas = [m.fp8_meta for m in model.modules() if isinstance(getattr(m, "fp8_meta", None), dict)]
-    return [m["scaling_fwd"].scale for m in metas
-            if type(m.get("scaling_fwd")).__name__ == "DelayedScalingRecipeState"]
+def _stuck_delayed_scales(model):
+    """The TE modules (by name) whose delayed-scaling forward scales are all still 1.0, and how many
+    TE modules hold a delayed-scaling state."""
+    states = {n: m.fp8_meta["scaling_fwd"] for n, m in model.named_modules()
+              if isinstance(getattr(m, "fp8_meta", None), dict)
+              and type(m.fp8_meta.get("scaling_fwd")).__name__ == "DelayedScalingRecipeState"}
+    return {n for n, st in states.items() if bool((st.scale == 1).all())}, len(states)
 
 
 def test_delayed_scaling_updates_after_a_recipe_switch():
@@ -97,20 +99,23 @@ def test_delayed_scaling_updates_after_a_recipe_switch():
             y = lin(xl)
         y.float().square().mean().backward()
 
+    control = _vit().train()  # delayed scaling only, as many steps: which scales stay 1.0 anyway
     for recipe, steps in (("delayed", 3), ("current", 2), ("delayed", 3)):
         for _ in range(steps):
             fp8_step(model, x, recipe)
+            fp8_step(control, x, "delayed")
             lin_step(recipe)
     ref = fp8_step(model, x, "delayed", enabled=False)
     snrs = _snrs(ref, fp8_step(model, x, "delayed"))
     worst = min(snrs, key=snrs.get)
-    scales = _delayed_scales(model)
-    stuck = sum(bool((s == 1).all()) for s in scales)
+    (stuck, n), (stuck_anyway, n_control) = _stuck_delayed_scales(model), _stuck_delayed_scales(control)
     te_stuck = bool((lin.fp8_meta["scaling_fwd"].scale == 1).all())
-    print(f"after delayed -> current -> delayed: {stuck} of {len(scales)} fp8vit modules with every scale 1.0, "
+    # Attention without FP8 (fp8_dpa off) keeps its delayed-scaling state at 1.0 in either model.
+    print(f"after delayed -> current -> delayed: {len(stuck)} of {n} fp8vit modules with every scale 1.0 "
+          f"({sorted(stuck)}); delayed only: {len(stuck_anyway)} of {n_control} ({sorted(stuck_anyway)}); "
           f"logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB; "
           f"TE's own Linear stuck at 1.0: {te_stuck}")
-    assert scales and stuck == 0
+    assert n == n_control and len(stuck_anyway) < n and stuck == stuck_anyway
     assert snrs["logits"] >= LOGITS_DB and snrs[worst] >= GRAD_DB
     assert te_stuck, "TE's Linear now updates its scales after a recipe switch: fp8vit._te.recipe_switch may go"
 
@@ -291,7 +296,8 @@ def test_cudnn_layernorm_runs_cudnn_kernels_as_accurately(recipe):
 @pytest.mark.parametrize("width, want_cudnn", [(1280, True), (768, False)])
 def test_graphs_take_cudnn_layernorm_by_default_at_vit_h_width(width, want_cudnn):
     # make_graphed_blocks(cudnn_layernorm=None): cuDNN's LayerNorm in the captured graphs at widths
-    # 1280-1535 under delayed scaling (lever 8), TE's own elsewhere; the eager setting is untouched.
+    # TE has no tuned kernel for under delayed scaling (levers 8, 32), TE's own at tuned widths; the
+    # eager setting is untouched.
     model = _vit(embed_dim=width, num_heads=16).train()
     x = torch.randn(8, 3, 224, 224, device="cuda")
     fp8vit.make_graphed_blocks(model, batch_size=8)

@@ -76,6 +76,22 @@ def test_bf16_error_is_bf16_rounding_only(case):
     assert e_te <= 2 * e_timm + 1e-3
 
 
+def test_norm_before_geglu_mlp_runs_in_bf16_under_autocast():
+    # ViTamin: the block's norm2 runs in torch before GeGluMlp's own norm (fused into TE's MLP).
+    # CUDA autocast runs torch's norms in fp32; fp8vit keeps the stream's bf16 in and out
+    # (mlp.norm_in_dtype; docs/performance.md, lever 33), within bf16 rounding of timm.
+    block, te = _pair("geglu_mlp")
+    seen = []
+    te.mlp.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    x = torch.randn(8, 197, 128, device="cuda")
+    truth = block(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        e_timm, e_te = max_rel_err(truth, block(x)), max_rel_err(truth, te(x))
+    print(f"geglu_mlp, bf16 stream: MLP input {seen}, bf16 rel err timm {e_timm:.2e}, TE {e_te:.2e}")
+    assert seen == [torch.bfloat16]
+    assert e_te <= 2 * e_timm + 1e-3
+
+
 # ----------------------------------------------------------------------------- FP8
 def _eva02_large_like(depth=2):
     """EVA02-L's MLP on a classic Block: SwiGLU, hidden 2730 (padded to 2736), LayerNorm before fc2."""
