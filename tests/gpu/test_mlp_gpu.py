@@ -89,7 +89,10 @@ def test_norm_before_geglu_mlp_runs_in_bf16_under_autocast():
         e_timm, e_te = max_rel_err(truth, block(x)), max_rel_err(truth, te(x))
     print(f"geglu_mlp, bf16 stream: MLP input {seen}, bf16 rel err timm {e_timm:.2e}, TE {e_te:.2e}")
     assert seen == [torch.bfloat16]
-    assert e_te <= 2 * e_timm + 1e-3
+    # test_block_gpu.py's bound for the bf16 stream: three roundings (the input and the two sums),
+    # each at most 2^-9 of the largest element. norm2's output was rounded to bf16 before too (TE
+    # casts its input); its weight's rounding is renormalized by GeGluMlp's own norm.
+    assert e_te <= 2 * e_timm + 3 * 2.0 ** -9
 
 
 # ----------------------------------------------------------------------------- FP8
