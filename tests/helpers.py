@@ -482,15 +482,16 @@ def assert_model_matches_timm(ref, model, x, train):
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def assert_stage_graphs_train_like_eager(make_model, convert, stages: int):
+def assert_stage_graphs_train_like_eager(make_model, convert, stages: int, img_size: int = 224):
     """GPU: ``convert(make_model(), cuda_graphs=True)`` on a model whose blocks sit in stages (no
-    ``model.blocks``): each stage's blocks get a graph cache, captured at the shape's second step;
-    four delayed-scaling SGD steps against the same model eager, parameters within 40 dB."""
+    ``model.blocks``) or branches (CrossViT): each stage's or branch's blocks get a graph cache,
+    captured at the shape's second step; four delayed-scaling SGD steps against the same model
+    eager, parameters within 40 dB."""
     import fp8vit
     from fp8vit.training.graphs import graphed_handles
 
     g = torch.Generator("cuda").manual_seed(1)
-    data = [(torch.randn(16, 3, 224, 224, device="cuda", generator=g),
+    data = [(torch.randn(16, 3, img_size, img_size, device="cuda", generator=g),
              torch.randint(0, 100, (16,), device="cuda", generator=g)) for _ in range(4)]
     eager = convert(make_model()).train()
     graphed = convert(make_model(), cuda_graphs=True).train()

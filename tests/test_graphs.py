@@ -794,21 +794,32 @@ def test_cuda_graphs_on_a_module_with_no_vit_inside_says_why():
         fp8vit.convert_to_te(cnn, backend="reference", cuda_graphs=True)
 
 
-def test_blocks_called_with_a_list_run_eagerly_and_say_why():
-    # CrossViT's model.blocks are MultiScaleBlocks called with a list of two branches' tokens: the
-    # graphs (one tensor in) cannot take them; the blocks run eagerly, as without graphs.
+def test_crossvit_graphs_each_branch_not_the_blocks_called_with_a_list():
+    # CrossViT's model.blocks are MultiScaleBlocks called with a list of two branches' tokens: no
+    # graph takes a list. Each branch, an nn.Sequential of fp8vit blocks called with one tensor
+    # [B, N_i, C_i], is graphed on its own; the MultiScaleBlocks are not touched. On the CPU the
+    # dispatch runs the blocks eagerly: the same output as without graphs.
     name = "crossvit_tiny_240"
     torch.manual_seed(0)
     ref = fp8vit.convert_to_te(timm.create_model(name, num_classes=3), backend="reference")
     model = copy.deepcopy(ref)
-    fp8vit.convert_to_te(model, backend="reference", cuda_graphs=True)
-    x = torch.randn(2, 3, 240, 240)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        fp8vit.convert_to_te(model, backend="reference", cuda_graphs=True)
+        x = torch.randn(2, 3, 240, 240)
         outs = [m.train()(x) for m in (ref, model)]
         outs[1].sum().backward()
     assert torch.equal(outs[0], outs[1])
-    assert any("called with a list, not one tensor" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    messages = [str(w.message) for w in caught]
+    assert not any("called with a list" in m or "not graphed" in m for m in messages), messages
+    branches = [f"blocks.{i}.blocks.{j}" for i in range(len(model.blocks)) for j in range(2)]
+    assert sorted(G.graphed_modules(model)) == branches
+    handles = G.graphed_handles(model)
+    assert len(handles) == len(branches) and all(not h.per_block for h in handles)
+    with pytest.raises(ValueError, match="graphs each branch"):
+        fp8vit.make_graphed_blocks(copy.deepcopy(ref))
+    fp8vit.convert_from_te(model)
+    assert G.graphed_modules(model) == []
 
 
 def test_cudnn_layernorm_by_default_only_where_it_was_measured_faster(monkeypatch):

@@ -21,11 +21,11 @@
 #            does). fallback="compile" (-blockcompile: per-block compiles) is left out: one more
 #            compile per model (30-110 s each on the H200, by the estimates below) for a variant that
 #            compiles less of the model than that one. fallback="linear" (FP8 Linears, eager:
-#            0.90-1.00x timm eager, docs/performance.md) is left out too. CrossViT, partly fused,
-#            is here with its fused blocks eager: its model.blocks are MultiScaleBlocks called with
-#            a list of two branches' tokens, which the graphs cannot take (they run those blocks
-#            eagerly, with a warning). PiT runs as a hybrid: its blocks sit in stages
-#            (transformers.N.blocks), graphed per stage as Swin's. ResNet-50, the
+#            0.90-1.00x timm eager, docs/performance.md) is left out too. CrossViT and PiT, partly
+#            fused, run as hybrids: CrossViT's MultiScaleBlocks take a list of two branches' tokens,
+#            so each branch (an nn.Sequential of blocks) is graphed; PiT's blocks sit in stages
+#            (transformers.N.blocks), graphed per stage as Swin's (fused blocks left eager under
+#            compile are host-bound: docs/performance.md). ResNet-50, the
 #            control, holds nothing fp8vit converts: its fp8vit variant is timm + compile again.
 # Logs and JSON under $OUT (default docs/results) by docs/perf/h200.sh's names:
 # bench/MODEL_bBATCH_sweep_h200.{log,json}; at the end, also the run's logs and JSONs in one tarball,
@@ -71,7 +71,7 @@ SWEEP="
 2 vit_base_r50_s16_224          128 224 hybrid    8  50  10  25
 2 pit_b_224                     128 224 hybrid    6  35  10  35
 8 resnet50                      256 224 generic   8  50   50
-7 crossvit_15_240               256 240 generic   8  60  60
+7 crossvit_15_240               256 240 hybrid    8  60  12  40
 3 beit_base_patch16_224         128 224 fused     6  40   8  16
 3 swin_base_patch4_window7_224  128 224 fused    10 120  20  60
 4 convnext_base                 128 224 fused     8  70  15  45

@@ -268,10 +268,11 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if v.graphed:
         if batch_size is None:
             raise ValueError(f"variant {variant!r} captures CUDA graphs: pass batch_size")
-        if isinstance(getattr(net, "blocks", None), (nn.Sequential, nn.ModuleList)):
+        blocks = getattr(net, "blocks", None)
+        if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and any(isinstance(b, FP8Block) for b in blocks):
             graphs = (make_graphed_blocks(net.train(), batch_size, recipe=recipe, fp8=v.te_fp8,
                                           cudnn_layernorm=cudnn_norm),)
-        else:  # blocks in stages (Swin): convert_to_te(cuda_graphs=True)'s shape cache, one per stage
+        else:  # blocks in stages (Swin) or branches (CrossViT): convert_to_te(cuda_graphs=True)'s shape cache
             why = install_graphs(net, cudnn_norm)
             if why is not None:
                 raise ValueError(f"variant {variant!r}: {why}")

@@ -116,8 +116,17 @@ def _blocks_of(model: nn.Module, fn: str) -> Tuple[nn.Module, bool, tuple]:
         raise ValueError(f"{fn} needs a timm ViT with its blocks in model.blocks; "
                          f"{type(model).__name__} has no nn.Sequential or nn.ModuleList 'blocks' "
                          f"(found {type(blocks).__name__}){staged}")
+    if not _holds_fp8_blocks(blocks) and _branches_inside(model):
+        raise ValueError(f"{fn}: {type(model).__name__}'s blocks ({type(blocks[0]).__name__}) hold branches of "
+                         "fp8vit blocks, each called with its own tokens; convert_to_te(model, cuda_graphs=True) "
+                         "graphs each branch")
     per_block = not isinstance(blocks, nn.Sequential)
     return blocks, per_block, (tuple(blocks) if per_block else (blocks,))
+
+
+def _holds_fp8_blocks(blocks: nn.Module) -> bool:
+    """``blocks`` (an ``nn.Sequential`` or ``nn.ModuleList``) has fp8vit blocks among its children."""
+    return any(isinstance(b, FP8Block) for b in blocks)
 
 
 def _vits_inside(model: nn.Module) -> list:
@@ -128,10 +137,22 @@ def _vits_inside(model: nn.Module) -> list:
         if any(name.startswith(p) for p in prefixes):
             continue
         blocks = getattr(m, "blocks", None)
-        if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and any(isinstance(b, FP8Block) for b in blocks):
+        if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and _holds_fp8_blocks(blocks):
             found.append(m)
             prefixes.append(name + "." if name else "")
     return found
+
+
+def _branches_inside(model: nn.Module) -> list:
+    """Chains of fp8vit blocks side by side: the ``nn.Sequential`` children of a ``blocks``
+    ``nn.ModuleList`` made only of them (CrossViT's ``MultiScaleBlock``: one branch per patch size,
+    each called with its own tokens ``[B, N_i, C_i]``). Each is graphed as a ViT's ``blocks``."""
+    out = []
+    for m in model.modules():
+        blocks = getattr(m, "blocks", None)
+        if isinstance(blocks, nn.ModuleList) and len(blocks) and all(isinstance(b, nn.Sequential) for b in blocks):
+            out += [b for b in blocks if _holds_fp8_blocks(b)]
+    return out
 
 
 def graphed_handles(model: nn.Module) -> list:
@@ -140,28 +161,41 @@ def graphed_handles(model: nn.Module) -> list:
     own = GraphedBlocks.of(model)
     if own is not None:
         return [own]
-    return [h for h in (GraphedBlocks.of(m) for m in _vits_inside(model)) if h is not None]
+    found = {}  # every graph dispatch below model (stages, wrapped ViTs, branches), by handle
+    for m in model.modules():
+        d = vars(m).get("forward")
+        if isinstance(d, _Dispatch) and d.handle is not None:
+            found.setdefault(id(d.handle), d.handle)
+    return list(found.values())
 
 
 def install_graphs(model: nn.Module, cudnn_layernorm: Optional[bool] = None) -> Optional[str]:
     """``convert_to_te(cuda_graphs=True)``: graphs for ``model.blocks``, each shape captured as it
     comes (:func:`make_graphed_blocks` with no batch size, its defaults). Nothing needs a GPU yet.
-    A model without ``blocks`` that holds ViTs (a LightningModule's ``self.model``, a Swin's
-    stages): theirs. ``cudnn_layernorm``: as :func:`make_graphed_blocks`'s.
+    A model whose ``blocks`` hold no fp8vit block but that holds ViTs (a LightningModule's
+    ``self.model``, a Swin's stages): theirs; or branches of fp8vit blocks (CrossViT): each branch.
+    ``cudnn_layernorm``: as :func:`make_graphed_blocks`'s.
 
     Returns:
         None, or why nothing was installed (no ``blocks`` and no ViT of fp8vit blocks inside,
         sharded, ``forward`` patched by someone else). Already installed: None, unchanged.
     """
-    if not isinstance(getattr(model, "blocks", None), (nn.Sequential, nn.ModuleList)):
-        inner = _vits_inside(model)
-        if inner:
-            why = [w for w in (install_graphs(m, cudnn_layernorm) for m in inner) if w is not None]
-            return "; ".join(why) or None
+    blocks = getattr(model, "blocks", None)
+    if not (isinstance(blocks, (nn.Sequential, nn.ModuleList)) and _holds_fp8_blocks(blocks)):
+        inner, branches = _vits_inside(model), _branches_inside(model)
+        if inner or branches:
+            why = [install_graphs(m, cudnn_layernorm) for m in inner]
+            why += [_install(b, False, (b,), cudnn_layernorm) for b in branches]
+            return "; ".join(w for w in why if w is not None) or None
     try:
         blocks, per_block, targets = _blocks_of(model, "cuda_graphs=True")
     except ValueError as err:
         return str(err)
+    return _install(blocks, per_block, targets, cudnn_layernorm)
+
+
+def _install(blocks: nn.Module, per_block: bool, targets: tuple, cudnn_layernorm: Optional[bool]) -> Optional[str]:
+    """A :class:`GraphedBlocks` dispatch on ``targets``, or why not (as :func:`install_graphs`)."""
     if any(isinstance(vars(t).get("forward"), _Dispatch) for t in targets):
         return None
     if any("forward" in vars(t) for t in targets):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8vit
-from helpers import is_forward_gelu_kernel, snr_db
+from helpers import assert_stage_graphs_train_like_eager, is_forward_gelu_kernel, snr_db
 
 pytestmark = pytest.mark.gpu
 
@@ -362,3 +362,13 @@ def test_ddp_after_capture(tmp_path, bucket_view):
         _assert_same_parameters(plain2, exact)
     finally:
         dist.destroy_process_group()
+
+
+def test_crossvit_branches_train_like_eager():
+    # CrossViT's MultiScaleBlocks take a list of two branches' tokens: each branch (an nn.Sequential
+    # of fp8vit blocks, one tensor in) gets its own graph cache, 3 blocks x 2 branches.
+    def make():
+        torch.manual_seed(0)
+        return timm.create_model("crossvit_tiny_240", pretrained=False, num_classes=100).cuda()
+
+    assert_stage_graphs_train_like_eager(make, fp8vit.convert_to_te, stages=6, img_size=240)
