@@ -83,6 +83,22 @@ def test_drop_path_mask_draws_what_timms_drop_path_draws(dtype):
     assert drop_path_mask(torch.nn.Dropout(0.1), y) is base._NOT_A_DROP_PATH  # another module: called as is
 
 
+def test_drop_path_add_is_x_plus_y_times_mask_with_its_gradients():
+    # DropPathAdd (the residual add under drop path): off the GPU torch's addcmul and mul; the
+    # Triton pass on the GPU is checked against them in tests/gpu/test_kernels_gpu.py.
+    from fp8vit.blocks.base import DropPathAdd
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, 8, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn_like(x, requires_grad=True)
+    mask = torch.tensor([0.0, 2.0, 2.0, 0.0, 2.0, 2.0], dtype=torch.bfloat16).view(6, 1, 1)
+    g = torch.randn_like(x)
+    out = DropPathAdd.apply(x, y, mask)
+    out.backward(g)
+    assert torch.equal(out, torch.addcmul(x.detach(), y.detach(), mask))
+    assert torch.equal(out[0], x[0].detach()) and torch.equal(x.grad, g) and torch.equal(y.grad, g * mask)
+    assert not y.grad[0].any() and torch.equal(y.grad[1], g[1] * 2)
+
+
 def test_bool_mask_and_causal_match_timm():
     block, te = _pair("vit")
     x = torch.randn(2, 9, 64)

@@ -1,6 +1,8 @@
 """Triton kernels for the elementwise work of a training step that torch runs as several passes.
 
-One today: LayerScale's backward (:func:`layerscale_backward`), for :class:`fp8vit.blocks.base.LayerScaleAdd`.
+LayerScale's backward (:func:`layerscale_backward`, for :class:`fp8vit.blocks.base.LayerScaleAdd`) and
+drop path's per-sample scale with the residual add (:func:`row_scale_add`, for
+:class:`fp8vit.blocks.base.DropPathAdd`).
 Triton comes with torch's CUDA wheels; it is imported on first use on a CUDA tensor only, so that
 ``import fp8vit`` stays light and CPU-only installs never touch it. Where it cannot run, the callers
 keep their torch expression (:func:`triton_support` says why). ``FP8VIT_TRITON=0`` turns the
@@ -11,13 +13,13 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from ..errors import Check
 
-__all__ = ["triton_support", "layerscale_backward"]
+__all__ = ["triton_support", "layerscale_backward", "row_scale_add"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,9 +35,10 @@ def triton_support() -> Check:
     except Exception as e:  # ImportError, or a Triton that fails to set up
         return Check(False, f"importing triton failed with {type(e).__name__}: {e}; "
                             "install the triton that matches torch (it ships with torch's CUDA wheels)")
-    try:  # Triton compiles on first launch (a C compiler builds its launcher): launch one kernel now
+    try:  # Triton compiles on first launch (a C compiler builds its launcher): launch each kernel now
         g = torch.zeros(2, 16, device="cuda", dtype=torch.bfloat16)
         layerscale_backward(g, g, g[0])
+        row_scale_add(g, g, g[:, :1].contiguous())
     except Exception as e:
         return Check(False, f"Triton is installed but its first kernel failed with {type(e).__name__}: {e}; "
                             "fix the Triton setup (a C compiler, a writable ~/.triton cache) or set FP8VIT_TRITON=0")
@@ -68,10 +71,25 @@ def _kernels():
             acc += g * y
         tl.store(PART + pid_r * C + cols, tl.sum(acc, axis=0), mask=cmask)
 
-    return triton, layerscale_bwd
+    @triton.jit
+    def row_scale_add_kernel(X, Y, M, OUT, N, PER, HAS_X: tl.constexpr, BLOCK: tl.constexpr):
+        # OUT = X + Y * M[row] (or Y * M[row] without X) over N elements of contiguous [S, ...]
+        # tensors, row = element // PER: one fp32 multiply-add per element, rounded once, as
+        # torch's addcmul and mul compute it. Contiguous loads and stores (torch's broadcast of a
+        # [S, 1, ..., 1] operand runs its non-vectorized kernel).
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < N
+        scale = tl.load(M + offs // PER, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(Y + offs, mask=m, other=0.0).to(tl.float32) * scale
+        if HAS_X:
+            r += tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(OUT + offs, r.to(OUT.dtype.element_ty), mask=m)
+
+    return triton, layerscale_bwd, row_scale_add_kernel
 
 
 _BLOCK_R, _BLOCK_C = 32, 128
+_BLOCK_ROW_SCALE = 2048
 
 
 def layerscale_backward(grad: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +108,7 @@ def layerscale_backward(grad: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor
         ``dy = grad * gamma`` (``grad``'s dtype, bit-identical to torch's product) and ``dgamma``
         ``[C]`` fp32, the column sums of ``grad * y`` with each product exact.
     """
-    triton, kernel = _kernels()
+    triton, kernel, _ = _kernels()
     C = grad.shape[-1]
     g2, y2 = grad.reshape(-1, C).contiguous(), y.reshape(-1, C).contiguous()
     R = g2.shape[0]
@@ -106,3 +124,27 @@ def layerscale_backward(grad: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor
     with torch.cuda.device(grad.device):  # Triton launches on the current device
         kernel[(row_progs, col_blocks)](g2, y2, gamma.contiguous(), dy, part, R, C, rows_per_prog, _BLOCK_R, _BLOCK_C)
     return dy.view(grad.shape), part.sum(0)
+
+
+def row_scale_add(x: Optional[torch.Tensor], y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x + y * scale`` (or ``y * scale`` for ``x`` None) with one ``scale`` value per leading row:
+    drop path's per-sample mask and the residual add in one contiguous pass.
+
+    Args:
+        x: the residual stream ``[S, ...]``, ``y``'s shape and dtype, contiguous; or None.
+        y: the branch output ``[S, ...]``, CUDA, contiguous.
+        scale: ``[S, 1, ..., 1]`` (or ``[S]``), contiguous, on ``y``'s device.
+
+    Returns:
+        a new tensor in ``y``'s dtype: ``x + y * scale[s]`` per element of row ``s``, computed in fp32
+        and rounded once (torch's ``addcmul`` and ``mul``).
+    """
+    triton, _, kernel = _kernels()
+    n = y.numel()
+    out = torch.empty_like(y)
+    if n:
+        per = n // y.shape[0]
+        with torch.cuda.device(y.device):  # Triton launches on the current device
+            kernel[(triton.cdiv(n, _BLOCK_ROW_SCALE),)](y if x is None else x, y, scale, out, n, per, x is not None,
+                                                       _BLOCK_ROW_SCALE)
+    return out

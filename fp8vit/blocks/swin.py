@@ -274,7 +274,7 @@ class TE_SwinBlock(TE_EvaBlock):  # noqa: N801 - named like TE_Block
     """
 
     # torch's SDPA for the biased window attention: at 49 tokens per window TE/cuDNN's biased
-    # attention is 2.6-6.6x slower per call (H200, Swin-B b128: 116.5 -> 69.4 ms/step graphed; per-stage
+    # attention is 2.3-6.5x slower per call (H200, Swin-B b128: 116.5 -> 69.4 ms/step graphed; per-stage
     # microbench in docs/performance.md). BEiT (197 tokens) keeps TE's: there TE is faster.
     bias_attention = "torch"
 

@@ -24,6 +24,18 @@ def _timm_vit():
     return timm.create_model("vit_small_patch16_224", pretrained=False, depth=3, num_classes=10).eval()
 
 
+def test_fp8vit_triton_kernels_compile_here():
+    # On a CUDA machine with torch's Triton, fp8vit's kernels must run (triton_support launches
+    # each once): a kernel that fails would turn them all off, and their tests would only skip.
+    pytest.importorskip("triton", reason="no triton in this torch install")
+    from fp8vit._te.kernels import triton_support
+
+    if os.environ.get("FP8VIT_TRITON", "1") == "0":
+        pytest.skip("FP8VIT_TRITON=0 turns the kernels off")
+    ok, why = triton_support()
+    assert ok, why
+
+
 def test_convert_on_cpu_then_cuda():
     # The common order: create on the CPU, convert, move. TE modules are built on the CPU.
     model = _timm_vit()

@@ -4,13 +4,18 @@ LayerScale's backward (:func:`fp8vit._te.kernels.layerscale_backward`): ``dy`` b
 ``grad * gamma``; ``dgamma`` (fp32 sums of exact products) no further from an fp64 sum than 1e-5 of
 the column's sum of ``|grad * y|``. Shapes with rows and columns that are not multiples of the
 kernel's tiles (32 x 128).
+
+Drop path's residual add (:func:`fp8vit._te.kernels.row_scale_add`, :class:`DropPathAdd`): against
+torch's ``addcmul`` and ``g * mask``, which compute the same fp32 multiply-add rounded once; an
+fp32 fused multiply-add may round differently in the last fp32 bit, which moves the bf16 result by
+one ulp at most, and rarely.
 """
 
 import pytest
 import torch
 
-from fp8vit._te.kernels import layerscale_backward, triton_support
-from fp8vit.blocks.base import LayerScaleAdd
+from fp8vit._te.kernels import layerscale_backward, row_scale_add, triton_support
+from fp8vit.blocks.base import DropPathAdd, LayerScaleAdd
 
 pytestmark = pytest.mark.gpu
 
@@ -50,3 +55,41 @@ def test_layerscale_add_backward_on_cuda_sums_exact_products():
     ref = (g.float() * y.float()).flatten(0, -2).sum(0)
     assert gamma.grad.dtype == torch.float32
     torch.testing.assert_close(gamma.grad, ref, rtol=1e-5, atol=1e-4)
+
+
+def _one_ulp_at_most(a, b, share=1e-3):
+    """``a`` and ``b`` (half precision) equal but for at most ``share`` of the elements, those one ulp apart."""
+    diff = (a.float() - b.float()).abs()
+    ulp = torch.finfo(a.dtype).eps * torch.maximum(a.float().abs(), b.float().abs())
+    return bool((diff <= ulp).all()) and float((diff > 0).float().mean()) <= share
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(128 * 64, 49, 128), (3, 5, 200), (1, 1, 16), (7, 197, 768)])
+def test_row_scale_add_against_torch(shape, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    y = torch.randn_like(x)
+    mask = (torch.rand(shape[0], *(1,) * (len(shape) - 1), device="cuda") > 0.3).to(dtype) / 0.7
+    out, scaled = row_scale_add(x, y, mask), row_scale_add(None, y, mask)
+    assert out.dtype == scaled.dtype == dtype and out.shape == scaled.shape == x.shape
+    assert _one_ulp_at_most(out, torch.addcmul(x, y, mask)) and torch.equal(scaled, y * mask)
+
+
+def test_drop_path_add_runs_one_kernel_each_way_and_matches_torch():
+    # Swin-B stage 1's shape: window-major rows [nW * B, 49, 128]; the mask one value per row.
+    torch.manual_seed(0)
+    x = torch.randn(64 * 16, 49, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn_like(x, requires_grad=True)
+    mask = (torch.rand(64 * 16, 1, 1, device="cuda") > 0.1).to(torch.bfloat16) / 0.9
+    g = torch.randn_like(x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = DropPathAdd.apply(x, y, mask)
+        out.backward(g)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"DropPathAdd kernels: {sorted(set(k[:60] for k in kernels))}")
+    assert sum("row_scale_add" in k for k in kernels) == 2, kernels
+    assert not any("addcmul" in k or "BinaryFunctor" in k for k in kernels), kernels
+    assert _one_ulp_at_most(out, torch.addcmul(x, y, mask))
+    assert torch.equal(x.grad, g) and torch.equal(y.grad, g * mask)
