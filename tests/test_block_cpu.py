@@ -5,6 +5,10 @@ mapping, the block wiring, LayerScale, qk_norm, drop_path, masks and row padding
 same comparisons with TE's kernels are in tests/gpu/.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -97,6 +101,33 @@ def test_drop_path_add_is_x_plus_y_times_mask_with_its_gradients():
     assert torch.equal(out, torch.addcmul(x.detach(), y.detach(), mask))
     assert torch.equal(out[0], x[0].detach()) and torch.equal(x.grad, g) and torch.equal(y.grad, g * mask)
     assert not y.grad[0].any() and torch.equal(y.grad[1], g[1] * 2)
+
+
+def test_row_scale_add_kernel_indexes_rows_right_in_tritons_interpreter():
+    # The Triton kernel behind DropPathAdd, run by Triton's CPU interpreter (TRITON_INTERPRET=1, in a
+    # fresh process: it is read at import) on integer-valued bf16 data, where every result is exact:
+    # the mask's row for each element across program boundaries (blocks of 64, rows of 231). The
+    # interpreter rounds fp32 -> bf16 by truncation, the GPU to nearest: rounding is the GPU test's.
+    pytest.importorskip("triton", reason="Triton is not installed with this torch")
+    code = """
+import torch
+import fp8vit._te.kernels as K
+triton, _, kernel = K._kernels()
+torch.manual_seed(0)
+x = torch.randint(-20, 20, (5, 7, 33)).bfloat16()
+y = torch.randint(-20, 20, (5, 7, 33)).bfloat16()
+mask = torch.tensor([0.0, 2.0, 0.5, 1.0, 4.0]).bfloat16().view(5, 1, 1)
+n = y.numel()
+out, scaled = torch.empty_like(y), torch.empty_like(y)
+kernel[(triton.cdiv(n, 64),)](x, y, mask, out, n, n // 5, True, 64)
+kernel[(triton.cdiv(n, 64),)](y, y, mask, scaled, n, n // 5, False, 64)
+assert torch.equal(out, torch.addcmul(x, y, mask)), (out - torch.addcmul(x, y, mask)).abs().max()
+assert torch.equal(scaled, y * mask)
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr[-3000:]
 
 
 def test_bool_mask_and_causal_match_timm():
