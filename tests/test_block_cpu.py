@@ -251,6 +251,36 @@ def test_layerscale_under_bf16_autocast_matches_timm():
         assert snr_db(grads[0][k], grads[1][k]) > 25, k
 
 
+def test_layerscale_with_drop_path_under_bf16_autocast_draws_timms_masks():
+    # LayerScale (LayerScaleAdd) after drop path's row scale (RowScale): the same draws as timm's
+    # DropPath, so with the same seed the same samples keep their branches; output and gammas'
+    # gradients within bf16 noise of timm's, a dropped sample's gradient to its branch exactly 0.
+    from timm.layers import DropPath
+    block, te = _pair("layerscale_qknorm")
+    for b in (block, te):
+        b.ls1.gamma.data.uniform_(0.5, 1.5), b.ls2.gamma.data.uniform_(-1.5, -0.5)
+    te.load_state_dict(fp8vit.TE_Block.from_timm(block, backend="reference").state_dict())
+    for b in (block, te):
+        b.drop_path1, b.drop_path2 = DropPath(0.5), DropPath(0.5)
+        b.train()
+    x = torch.randn(16, 9, 64)
+    outs, grads = [], []
+    for b in (block, te):
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = b(x)
+        y.float().square().sum().backward()
+        outs.append(y.detach().float())
+        grads.append({"ls1": b.ls1.gamma.grad, "ls2": b.ls2.gamma.grad})
+    from helpers import snr_db
+    kept = [not torch.allclose(outs[0][i], x[i]) for i in range(16)]
+    assert 0 < sum(kept) < 16
+    assert [not torch.allclose(outs[1][i], x[i], atol=2e-2, rtol=2e-2) for i in range(16)] == kept
+    assert snr_db(outs[0], outs[1]) > 35
+    for k in ("ls1", "ls2"):
+        assert snr_db(grads[0][k], grads[1][k]) > 25, k
+
+
 def test_a_replaced_layer_scale_module_is_applied():
     # ls1/ls2 are timm's LayerScale (handled in the stream's dtype) or nn.Identity; a module a user
     # puts there instead runs as it is, never skipped.

@@ -24,7 +24,7 @@ from .mlp import norm_in_dtype
 from .._te.kernels import layerscale_backward, row_scale_add, triton_support
 from .._te.recipes import recipe_name, row_multiple
 
-__all__ = ["FP8Block", "check_block_args", "aligned_rows", "SplitQKV", "LayerScaleAdd", "DropPathAdd",
+__all__ = ["FP8Block", "check_block_args", "aligned_rows", "SplitQKV", "LayerScaleAdd", "DropPathAdd", "RowScale",
            "additive_to_bool", "te_mask_kwargs"]
 
 
@@ -296,7 +296,12 @@ class FP8Block(nn.Module):
         unsharded one does. In fp32, or with ``fp32_residual``, it is timm's expression.
         """
         if gamma is not None and not self.fp32_residual and y.dtype == x.dtype in (torch.bfloat16, torch.float16):
-            return LayerScaleAdd.apply(x, drop_path(y), gamma)  # DropPath scales rows: it commutes
+            mask = drop_path_mask(drop_path, y)  # DropPath scales rows: it commutes with gamma
+            if mask is _NOT_A_DROP_PATH:
+                y = drop_path(y)
+            elif mask is not None:
+                y = RowScale.apply(y, mask)
+            return LayerScaleAdd.apply(x, y, gamma)
         if gamma is None and y.dtype == x.dtype:
             mask = drop_path_mask(drop_path, y)
             if mask is not _NOT_A_DROP_PATH:
@@ -452,6 +457,22 @@ class DropPathAdd(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dy = row_scale_add(None, grad, mask) if _row_scale_ok(None, grad, mask) else grad * mask
         return grad, dy, None
+
+
+class RowScale(torch.autograd.Function):
+    """``y * mask`` for drop path's per-sample ``mask`` ``[S, 1, ..., 1]`` (before LayerScale's
+    add): on the GPU one contiguous Triton pass each way (:class:`DropPathAdd`'s kernel), where
+    torch's broadcast multiply runs its non-vectorized kernel; elsewhere torch's ``mul``."""
+
+    @staticmethod
+    def forward(ctx, y, mask):
+        ctx.save_for_backward(mask)
+        return row_scale_add(None, y, mask) if _row_scale_ok(None, y, mask) else y * mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        mask, = ctx.saved_tensors
+        return (row_scale_add(None, grad, mask) if _row_scale_ok(None, grad, mask) else grad * mask), None
 
 
 def _row_scale_ok(x: Optional[torch.Tensor], y: torch.Tensor, mask: torch.Tensor) -> bool:

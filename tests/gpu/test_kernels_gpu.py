@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fp8vit._te.kernels import layerscale_backward, row_scale_add, triton_support
-from fp8vit.blocks.base import DropPathAdd, LayerScaleAdd
+from fp8vit.blocks.base import DropPathAdd, LayerScaleAdd, RowScale
 
 pytestmark = pytest.mark.gpu
 
@@ -93,3 +93,18 @@ def test_drop_path_add_runs_one_kernel_each_way_and_matches_torch():
     assert not any("addcmul" in k or "BinaryFunctor" in k for k in kernels), kernels
     assert _one_ulp_at_most(out, torch.addcmul(x, y, mask))
     assert torch.equal(x.grad, g) and torch.equal(y.grad, g * mask)
+
+
+def test_row_scale_before_layerscale_runs_the_kernel_each_way():
+    # drop path before LayerScale (RowScale): y * mask and g * mask, each one Triton pass, exact.
+    torch.manual_seed(0)
+    y = torch.randn(128, 197, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mask = (torch.rand(128, 1, 1, device="cuda") > 0.1).to(torch.bfloat16) / 0.9
+    g = torch.randn_like(y)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = RowScale.apply(y, mask)
+        out.backward(g)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("row_scale_add" in k for k in kernels) == 2 and not any("BinaryFunctor" in k for k in kernels), kernels
+    assert torch.equal(out, y * mask) and torch.equal(y.grad, g * mask)
