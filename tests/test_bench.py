@@ -432,6 +432,30 @@ def test_bench_mlp_recompute_reaches_fp8vit_variants_only(tmp_path, capsys):
     assert "--mlp-recompute -1: K is the block interval" in capsys.readouterr().err
 
 
+def test_bench_drop_path_reaches_every_variants_model(tmp_path, capsys):
+    # --drop-path sets timm's drop_path_rate (stochastic depth, as training recipes do) in every
+    # variant's model, timm's and fp8vit's alike: the same rates per block; out of [0, 1) refused.
+    from timm.layers import DropPath
+    from fp8vit.tools.workload import build_workload
+
+    def rates(net):
+        return [b.drop_path1.drop_prob if isinstance(b.drop_path1, DropPath) else 0.0 for b in net.blocks]
+
+    timm_net = build_workload("small", "timm-bf16", device="cpu", drop_path_rate=0.2).model
+    ours = build_workload("small", "fp8vit-bf16", device="cpu", drop_path_rate=0.2).model
+    assert rates(timm_net) == rates(ours) and rates(ours)[-1] == pytest.approx(0.2) and rates(ours)[0] == 0.0
+    assert set(rates(build_workload("small", "fp8vit-bf16", device="cpu").model)) == {0.0}
+    out = tmp_path / "b.json"
+    assert bench.main(["--model", "micro", "--steps", "2", "--variants", "timm-bf16", "fp8vit-bf16",
+                       "--drop-path", "0.3", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["drop_path_rate"] == 0.3 and all("median_ms" in r for r in data["results"]), data["results"]
+    assert "drop_path_rate 0.3" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--drop-path", "1.5"])
+    assert "--drop-path 1.5: a rate in [0, 1)" in capsys.readouterr().err
+
+
 def test_train_example_runs_on_cpu_and_says_why_fp8_is_off():
     if torch.cuda.is_available():
         pytest.skip("CPU smoke test")

@@ -226,7 +226,7 @@ class RunEstimate:
 
 def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int, device: str,
                 optimizer: str = "sgd", img_size: int = 224, mlp_recompute: int = 0,
-                pipelined: bool = True, world: int = 1) -> Dict:
+                pipelined: bool = True, world: int = 1, drop_path: Optional[float] = None) -> Dict:
     """Build, warm up and time one variant. Returns its measurements (times in ms).
 
     Each timed step is synchronized: its time runs from the GPU reaching the step's first kernel to
@@ -237,6 +237,7 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
     Args:
         world: processes in the default process group (``torchrun``); above 1 the model runs in
             ``DistributedDataParallel``, ``batch`` is per process and images/s counts all of them.
+        drop_path: timm's ``drop_path_rate`` for every variant's model (None: the model's default).
     """
     torch.manual_seed(0)
     free_gib = None
@@ -245,7 +246,7 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
         free_gib = torch.cuda.mem_get_info()[0] / 2**30
     built = Stopwatch(device).start()
     wl = build_workload(model, variant, batch_size=batch, img_size=img_size, device=device,
-                        mlp_recompute=mlp_recompute, ddp=world > 1)
+                        mlp_recompute=mlp_recompute, ddp=world > 1, drop_path_rate=drop_path)
     build_s = built.elapsed_ms() / 1e3  # the model's build and, for -graphed variants, the graph capture
     # Bench learning rates are small and fixed: the step time, not the training, is measured.
     opt = make_optimizer(wl.model.parameters(), optimizer, lr=1e-3 if optimizer == "sgd" else 1e-4,
@@ -368,7 +369,7 @@ def largest_fitting(probe: Callable[[int], Optional[float]], start: int, limit: 
 
 
 def probe_in_fresh_process(variant: str, *, model: str, batch: int, optimizer: str, img_size: int,
-                           mlp_recompute: int = 0) -> Optional[float]:
+                           mlp_recompute: int = 0, drop_path: Optional[float] = None) -> Optional[float]:
     """Run two training steps (one warm-up, one timed) of ``variant`` at ``batch`` in a new process.
 
     A new process per probe because probes in one process are not independent: on the H200, after
@@ -387,7 +388,7 @@ def probe_in_fresh_process(variant: str, *, model: str, batch: int, optimizer: s
         cmd = [sys.executable, "-m", "fp8vit.tools.bench", "--model", model, "--batch-size", str(batch),
                "--steps", "1", "--warmup", "1", "--variants", variant, "--optimizer", optimizer,
                "--img-size", str(img_size), "--mlp-recompute", str(mlp_recompute), "--no-pipelined",
-               "--json", path]
+               "--json", path] + ([] if drop_path is None else ["--drop-path", str(drop_path)])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(path):
             raise RuntimeError(f"probe of {variant} at batch {batch} exited with {proc.returncode}: "
@@ -418,7 +419,7 @@ def _max_batch_variants(given: Optional[List[str]], info) -> List[str]:
 
 
 def _max_batches(variants: List[str], *, model: str, start: int, optimizer: str, img_size: int,
-                 mlp_recompute: int) -> Dict[str, int]:
+                 mlp_recompute: int, drop_path: Optional[float] = None) -> Dict[str, int]:
     """Largest batch (multiple of 8) of each variant that fits in memory, each probe a new process
     (:func:`probe_in_fresh_process`, :func:`largest_fitting`); prints every probe."""
     out = {}
@@ -426,7 +427,7 @@ def _max_batches(variants: List[str], *, model: str, start: int, optimizer: str,
         def probe(b, v=v):
             t = time.perf_counter()
             used = probe_in_fresh_process(v, model=model, batch=b, optimizer=optimizer, img_size=img_size,
-                                          mlp_recompute=_recompute_for(v, mlp_recompute))
+                                          mlp_recompute=_recompute_for(v, mlp_recompute), drop_path=drop_path)
             what = "out of memory" if used is None else f"fits, peak {100 * used:.0f}% of the free memory"
             print(f"  probe {v} at batch {b}: {what} ({time.perf_counter() - t:.0f} s)", flush=True)
             return used
@@ -515,7 +516,8 @@ def _inner_args(a: argparse.Namespace) -> List[str]:
         args.append("--full")
     for flag, value in (("--model", a.model), ("--img-size", a.img_size), ("--steps", a.steps),
                         ("--warmup", a.warmup), ("--optimizer", a.optimizer),
-                        ("--price-per-hour", a.price_per_hour), ("--mlp-recompute", a.mlp_recompute)):
+                        ("--price-per-hour", a.price_per_hour), ("--mlp-recompute", a.mlp_recompute),
+                        ("--drop-path", a.drop_path)):
         if value is not None:
             args += [flag, str(value)]
     if a.batch_size:
@@ -622,6 +624,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--mlp-recompute", type=int, default=0, metavar="K",
                    help="fp8vit variants recompute the MLP activations of every K-th block in backward "
                    "(fp8vit.set_mlp_recompute(every=K); default 0: none)")
+    p.add_argument("--drop-path", type=float, default=None, metavar="RATE",
+                   help="timm's drop_path_rate (stochastic depth) for every variant's model, as training "
+                   "recipes set it (default: the model's own: 0 for ViTs, 0.1 for Swin)")
     p.add_argument("--no-pipelined", dest="pipelined", action="store_false",
                    help="time only synchronized steps (default: also as many steps issued back to back)")
     p.add_argument("--max-batch", action="store_true",
@@ -636,6 +641,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     if a.mlp_recompute < 0:
         p.error(f"--mlp-recompute {a.mlp_recompute}: K is the block interval, 0 (off), 1 (all blocks) or more")
+    if a.drop_path is not None and not 0.0 <= a.drop_path < 1.0:
+        p.error(f"--drop-path {a.drop_path}: a rate in [0, 1), as timm's drop_path_rate")
     if a.variants is not None and "all" in a.variants and len(a.variants) > 1:
         p.error(f"--variants {' '.join(a.variants)}: 'all' already names every variant; give it alone")
     if a.plot:
@@ -691,6 +698,8 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
         env = _environment(device)
         shape = model_shape(model, a.img_size)
     recompute = f", MLP recompute in every {a.mlp_recompute} block(s) of fp8vit's variants" if a.mlp_recompute else ""
+    if a.drop_path is not None:
+        recompute += f", drop_path_rate {a.drop_path:g}"
     ddp = f", {world} processes in DDP" if world > 1 else ""
     full = DEFAULTS[device, True]
     print(f"fp8vit-bench: {model}, batch {batches}{' per process' if world > 1 else ''}, {steps} timed steps after {warmup} warm-up, "
@@ -703,7 +712,8 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
     if a.max_batch and device == "cuda":
         # Before any timing: this process then holds no GPU memory that the probes would lose.
         extra = _max_batches(_max_batch_variants(named, info), model=model, start=batches[0],
-                             optimizer=a.optimizer, img_size=a.img_size, mlp_recompute=a.mlp_recompute)
+                             optimizer=a.optimizer, img_size=a.img_size, mlp_recompute=a.mlp_recompute,
+                             drop_path=a.drop_path)
     why = {}
     for v in variants:
         with noise.collect(v):  # unavailable() imports torchao, which may warn
@@ -733,7 +743,8 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
                 with noise.collect(v):
                     r = run_variant(v, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
                                     optimizer=a.optimizer, img_size=a.img_size, pipelined=a.pipelined,
-                                    mlp_recompute=_recompute_for(v, a.mlp_recompute), world=world)
+                                    mlp_recompute=_recompute_for(v, a.mlp_recompute), world=world,
+                                    drop_path=a.drop_path)
                 what = f"{r['median_ms']:.1f} ms"
             except Exception as err:  # noqa: BLE001 - one broken variant is reported, the rest still run
                 r = {"variant": v, "batch": batch, "skipped": f"failed: {type(err).__name__}: {err}"[:300]}
@@ -764,7 +775,8 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
     if a.json and rank == 0:
         with open(a.json, "w") as f:
             json.dump({"environment": env, "model": model, "world": world, "steps": steps, "warmup": warmup,
-                       "optimizer": a.optimizer, "mlp_recompute": a.mlp_recompute, "results": results,
+                       "optimizer": a.optimizer, "mlp_recompute": a.mlp_recompute, "drop_path_rate": a.drop_path,
+                       "results": results,
                        "max_batch": extra}, f, indent=2)
     if a.plot and rank == 0:
         first = [r for r in results if r["batch"] == batches[0]]

@@ -215,7 +215,8 @@ def _torchao_fp8(model: nn.Module) -> None:
 
 def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, batch_size: Optional[int] = None,
                    img_size: int = 224, num_classes: int = 1000, device: str = "cuda",
-                   backend: Optional[str] = None, mlp_recompute: int = 0, ddp: bool = False) -> Workload:
+                   backend: Optional[str] = None, mlp_recompute: int = 0, ddp: bool = False,
+                   drop_path_rate: Optional[float] = None) -> Workload:
     """A randomly initialised timm ViT for one variant.
 
     Args:
@@ -232,6 +233,8 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         ddp: wrap the model in ``DistributedDataParallel`` over the default process group (which
             must be initialized), as a training script does: after the CUDA-graph capture, before
             ``torch.compile``.
+        drop_path_rate: timm's ``drop_path_rate`` for the model (stochastic depth, as training
+            recipes set it); None: the model's default (0 for ViTs, 0.1 for Swin).
 
     Raises:
         ValueError: an unknown variant, a graphed variant without ``batch_size``, or
@@ -242,7 +245,7 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if mlp_recompute and v.blocks != "fp8vit":
         raise ValueError(f"mlp_recompute={mlp_recompute} needs fp8vit's blocks; variant {variant!r} runs "
                          f"{v.blocks}'s: pass mlp_recompute=0 for it")
-    kw = {}
+    kw = {} if drop_path_rate is None else {"drop_path_rate": drop_path_rate}
     if v.blocks == "te-layer":
         kw["block_fn"] = te_layer_block_fn()
     net = _timm_model(model, img_size, num_classes, **kw).to(device)
