@@ -794,6 +794,39 @@ def test_cuda_graphs_on_a_module_with_no_vit_inside_says_why():
         fp8vit.convert_to_te(cnn, backend="reference", cuda_graphs=True)
 
 
+def test_blocks_called_with_a_list_run_eagerly_and_say_why():
+    # A model whose blocks take a list (no branches of fp8vit blocks inside to graph instead): the
+    # graphs (one tensor in) cannot take it; the blocks run eagerly, as without graphs, and say so.
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = (fp8vit.TE_Block(dim=32, num_heads=2, backend="reference") for _ in range(2))
+
+        def forward(self, xs):
+            return [self.a(xs[0]), self.b(xs[1])]
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Pair(), Pair()])
+
+        def forward(self, xs):
+            for blk in self.blocks:
+                xs = blk(xs)
+            return xs
+
+    torch.manual_seed(0)
+    ref = Model().train()
+    model = copy.deepcopy(ref)
+    assert G.install_graphs(model) is None and G.graphed_modules(model) == ["blocks.0", "blocks.1"]
+    xs = [torch.randn(2, 5, 32), torch.randn(2, 3, 32)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = ref(xs), model(xs)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert any("called with a list, not one tensor" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
 def test_crossvit_graphs_each_branch_not_the_blocks_called_with_a_list():
     # CrossViT's model.blocks are MultiScaleBlocks called with a list of two branches' tokens: no
     # graph takes a list. Each branch, an nn.Sequential of fp8vit blocks called with one tensor

@@ -372,7 +372,7 @@ def test_norm_before_geglu_mlp_runs_in_the_stream_dtype(monkeypatch):
     # ViTamin's GeGluMlp normalizes its input after the block's norm2: norm2 runs in torch, and CUDA
     # autocast ran it in fp32 (a bf16 -> fp32 copy, fp32 norm kernels, an fp32 input for TE's fused
     # MLP). It goes through norm_in_dtype (bf16 in and out; CPU autocast keeps bf16 by itself, so
-    # the dtype itself is checked on the GPU: tests/gpu/test_fp8_gpu.py).
+    # the dtype itself is checked on the GPU: tests/gpu/test_mlp_gpu.py).
     import fp8vit.blocks.vit as vit
     from helpers import MLP_CASES, block_pair
 
@@ -390,10 +390,11 @@ def test_norm_before_geglu_mlp_runs_in_the_stream_dtype(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(te(x), block(x), rtol=1e-5, atol=1e-5)
     assert calls == [te.norm2]
-    ident = nn.Identity()  # not a torch norm: passed through
     h = torch.randn(3, 4).bfloat16()
+    plain = nn.LayerNorm(4, elementwise_affine=False)  # no weight to round: the module itself
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert spy.__wrapped__(ident, h) is h
+        assert spy.__wrapped__(nn.Identity(), h) is h  # not a torch norm: passed through
+        assert torch.equal(spy.__wrapped__(plain, h), plain(h))
 
 
 def test_naflexvit_float_mask_under_inference_mode():

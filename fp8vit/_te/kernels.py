@@ -133,7 +133,7 @@ def row_scale_add(x: Optional[torch.Tensor], y: torch.Tensor, scale: torch.Tenso
     Args:
         x: the residual stream ``[S, ...]``, ``y``'s shape and dtype, contiguous; or None.
         y: the branch output ``[S, ...]``, CUDA, contiguous.
-        scale: ``[S, 1, ..., 1]`` (or ``[S]``), contiguous, on ``y``'s device.
+        scale: ``[S, 1, ..., 1]`` (``y``'s number of dimensions), contiguous, on ``y``'s device.
 
     Returns:
         a new tensor in ``y``'s dtype: ``x + y * scale[s]`` per element of row ``s``, computed in fp32

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from timm.layers import DropPath
+from torch.autograd.function import once_differentiable
 from torch import nn
 
 from .._validate import check_bool, check_device, check_dtype, check_type
@@ -419,6 +420,7 @@ class LayerScaleAdd(torch.autograd.Function):
         return torch.addcmul(x, y, g)
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of coming out wrong
     def backward(ctx, grad):
         y, g = ctx.saved_tensors
         if grad.is_cuda and all(ctx.needs_input_grad[1:]) and grad.shape == y.shape and triton_support().ok:
@@ -451,6 +453,7 @@ class DropPathAdd(torch.autograd.Function):
         return torch.addcmul(x, y, mask)
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of coming out wrong
     def backward(ctx, grad):
         mask, = ctx.saved_tensors
         dy = None
@@ -470,6 +473,7 @@ class RowScale(torch.autograd.Function):
         return row_scale_add(None, y, mask) if _row_scale_ok(None, y, mask) else y * mask
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of coming out wrong
     def backward(ctx, grad):
         mask, = ctx.saved_tensors
         return (row_scale_add(None, grad, mask) if _row_scale_ok(None, grad, mask) else grad * mask), None
@@ -480,7 +484,7 @@ def _row_scale_ok(x: Optional[torch.Tensor], y: torch.Tensor, mask: torch.Tensor
     any) of ``y``'s shape, one mask value per leading row, and Triton runs here."""
     return (y.is_cuda and y.dtype in (torch.bfloat16, torch.float16) and y.dim() >= 1 and y.is_contiguous()
             and (x is None or (x.dtype == y.dtype and x.shape == y.shape and x.is_contiguous()))
-            and mask.dtype == y.dtype and mask.is_contiguous() and mask.device == y.device
+            and mask.dtype == y.dtype and mask.is_contiguous() and mask.device == y.device and mask.dim() == y.dim()
             and mask.shape[:1] == y.shape[:1] and mask.numel() == y.shape[0] and triton_support().ok)
 
 

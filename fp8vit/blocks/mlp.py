@@ -304,7 +304,8 @@ def norm_in_dtype(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """
     dev = h.device.type
     if h.dtype not in (torch.bfloat16, torch.float16) or dev not in ("cuda", "cpu") \
-            or not torch.is_autocast_enabled(dev) or type(norm) not in (nn.LayerNorm, nn.RMSNorm):
+            or not torch.is_autocast_enabled(dev) or type(norm) not in (nn.LayerNorm, nn.RMSNorm) \
+            or norm.weight is None:
         return norm(h)
     with torch.autocast(dev, enabled=False):
         w = norm.weight.to(h.dtype)

@@ -177,16 +177,17 @@ class Workload:
 
 def te_layer_block_fn() -> type:
     """A ``block_fn`` for timm's ``VisionTransformer`` made of a plain ``te.TransformerLayer``,
-    configured for a ViT (bidirectional ``bshd`` attention, eps 1e-6, timm's dropouts): what a
+    configured for a ViT (bidirectional ``bshd`` attention, eps 1e-6, timm's dropouts and drop path): what a
     careful user would write by hand with raw TE. A speed reference: it ignores the timm options
     it has no equivalent for (LayerScale, qk_norm, separate biases)."""
     layer = _te.transformer_layer_class()
 
     class TELayerBlock(layer):
-        def __init__(self, dim, num_heads, mlp_ratio=4.0, qkv_bias=False, proj_drop=0.0, attn_drop=0.0, **_):
+        def __init__(self, dim, num_heads, mlp_ratio=4.0, qkv_bias=False, proj_drop=0.0, attn_drop=0.0,
+                     drop_path=0.0, **_):
             super().__init__(hidden_size=dim, ffn_hidden_size=int(dim * mlp_ratio), num_attention_heads=num_heads,
                              hidden_dropout=proj_drop, attention_dropout=attn_drop, attn_input_format="bshd",
-                             self_attn_mask_type="no_mask", layernorm_epsilon=1e-6)
+                             self_attn_mask_type="no_mask", layernorm_epsilon=1e-6, drop_path_rate=drop_path)
 
     return TELayerBlock
 
@@ -272,7 +273,11 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         if batch_size is None:
             raise ValueError(f"variant {variant!r} captures CUDA graphs: pass batch_size")
         blocks = getattr(net, "blocks", None)
-        if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and any(isinstance(b, FP8Block) for b in blocks):
+        # blocks that hold blocks of their own (CrossViT's MultiScaleBlocks, called with a list): each
+        # inner branch is graphed, by install_graphs; a ViT's blocks (fp8vit's, raw TE's): all at once
+        nested = isinstance(blocks, nn.ModuleList) and any(isinstance(getattr(b, "blocks", None), nn.ModuleList)
+                                                          for b in blocks)
+        if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and not nested:
             graphs = (make_graphed_blocks(net.train(), batch_size, recipe=recipe, fp8=v.te_fp8,
                                           cudnn_layernorm=cudnn_norm),)
         else:  # blocks in stages (Swin) or branches (CrossViT): convert_to_te(cuda_graphs=True)'s shape cache

@@ -487,8 +487,8 @@ class GraphedBlocks:
         """``(entry to replay, None, None)`` or ``(None, reason, warning or None)`` for the first
         graphed module's call; captures a signature at its second sight."""
         if not isinstance(x, torch.Tensor):
-            return None, "input not a tensor", (f"the blocks were called with a {type(x).__name__}, not one tensor "
-                                                "(CrossViT's take a list of its branches' tokens); graphs take one")
+            return None, "input not a tensor", (f"the blocks were called with a {type(x).__name__}, not one tensor; "
+                                                "graphs take one")
         if args:
             return None, "positional inputs", (f"the blocks were called with {len(args)} positional inputs "
                                                "besides x; graphs take keyword inputs only")

@@ -186,7 +186,7 @@ def install_graphs(model: nn.Module, cudnn_layernorm: Optional[bool] = None) -> 
         if inner or branches:
             why = [install_graphs(m, cudnn_layernorm) for m in inner]
             why += [_install(b, False, (b,), cudnn_layernorm) for b in branches]
-            return "; ".join(w for w in why if w is not None) or None
+            return "; ".join(dict.fromkeys(w for w in why if w is not None)) or None  # each reason once
     try:
         blocks, per_block, targets = _blocks_of(model, "cuda_graphs=True")
     except ValueError as err:
@@ -199,7 +199,7 @@ def _install(blocks: nn.Module, per_block: bool, targets: tuple, cudnn_layernorm
     if any(isinstance(vars(t).get("forward"), _Dispatch) for t in targets):
         return None
     if any("forward" in vars(t) for t in targets):
-        return "model.blocks' forward is replaced by something else already; the blocks are not graphed"
+        return "the blocks' forward is replaced by something else already; they are not graphed"
     param = next(iter(blocks.parameters()), None)
     if param is not None and is_sharded(param):
         return f"the blocks are sharded by FSDP2 (fully_shard), so they are not graphed: {WHY_NOT_WITH_FSDP2}"

@@ -108,3 +108,12 @@ def test_row_scale_before_layerscale_runs_the_kernel_each_way():
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert sum("row_scale_add" in k for k in kernels) == 2 and not any("BinaryFunctor" in k for k in kernels), kernels
     assert torch.equal(out, y * mask) and torch.equal(y.grad, g * mask)
+
+
+def test_drop_path_add_leaves_other_mask_shapes_to_torch():
+    # a mask that is not one value per leading row in y's dimensions ([S] broadcasts over the last
+    # dimension in torch): torch's addcmul, not the row kernel, so GPU and CPU compute the same
+    x = torch.randn(4, 3, 4, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn_like(x)
+    mask = torch.tensor([0.0, 2.0, 1.0, 4.0], device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(DropPathAdd.apply(x, y, mask), torch.addcmul(x, y, mask))
