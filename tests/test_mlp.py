@@ -7,6 +7,9 @@ gradients. The same comparisons with TE's kernels are in tests/gpu/test_mlp_gpu.
 """
 
 import functools
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -395,6 +398,49 @@ def test_norm_before_geglu_mlp_runs_in_the_stream_dtype(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert spy.__wrapped__(nn.Identity(), h) is h  # not a torch norm: passed through
         assert torch.equal(spy.__wrapped__(plain, h), plain(h))
+
+
+def test_padded_norm_kernels_in_tritons_interpreter():
+    # The Triton kernels of a padded MLP's inner norm (mlp.PaddedNorm), run by Triton's CPU
+    # interpreter (TRITON_INTERPRET=1, a fresh process) in fp32 against torch's slice -> norm ->
+    # pad and its autograd: output (padding exactly 0), input gradient (padding 0), weight and
+    # bias gradients, LayerNorm and RMSNorm, EVA02-L's 2730 of 2736 and rows across program strips.
+    pytest.importorskip("triton", reason="Triton is not installed with this torch")
+    code = """
+import torch, torch.nn.functional as F
+import fp8vit._te.kernels as K
+k = K._kernels()
+for rms in (False, True):
+    for rows, real, hp in ((7, 45, 48), (130, 2730, 2736), (3, 16, 16)):
+        torch.manual_seed(0)
+        h = torch.randn(rows, hp) * 2 + 0.5
+        w, b = torch.rand(real) + 0.5, (None if rms else torch.randn(real))
+        x = h[:, :real].clone().requires_grad_(True)
+        wr = w.clone().requires_grad_(True)
+        br = None if b is None else b.clone().requires_grad_(True)
+        ref = F.rms_norm(x, (real,), wr, 1e-6) if rms else F.layer_norm(x, (real,), wr, br, 1e-6)
+        ref = F.pad(ref, (0, hp - real))
+        g = torch.randn(rows, hp)
+        ref.backward(g)
+        block = k.triton.next_power_of_2(hp)
+        y, mean, rstd = torch.empty_like(h), torch.empty(rows), torch.empty(rows)
+        k.padded_norm_fwd[(rows,)](h, w, w if b is None else b, y, mean, rstd, real, hp, 1e-6, b is not None, rms,
+                                   block)
+        per = 4
+        progs = k.triton.cdiv(rows, per)
+        dh, pw, pb = torch.empty_like(h), torch.zeros(progs, real), torch.zeros(progs, real)
+        k.padded_norm_bwd[(progs,)](g, h, w, mean, rstd, dh, pw, pb, rows, real, hp, per, b is not None, rms, block)
+        assert bool((y[:, real:] == 0).all()) and bool((dh[:, real:] == 0).all())
+        torch.testing.assert_close(y, ref.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dh[:, :real], x.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pw.sum(0), wr.grad, rtol=1e-5, atol=1e-4)
+        if b is not None:
+            torch.testing.assert_close(pb.sum(0), br.grad, rtol=1e-5, atol=1e-4)
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr[-3000:]
 
 
 def test_naflexvit_float_mask_under_inference_mode():

@@ -1,8 +1,10 @@
 """Triton kernels for the elementwise work of a training step that torch runs as several passes.
 
-LayerScale's backward (:func:`layerscale_backward`, for :class:`fp8vit.blocks.base.LayerScaleAdd`) and
+LayerScale's backward (:func:`layerscale_backward`, for :class:`fp8vit.blocks.base.LayerScaleAdd`),
 drop path's per-sample scale with the residual add (:func:`row_scale_add`, for
-:class:`fp8vit.blocks.base.DropPathAdd`).
+:class:`fp8vit.blocks.base.DropPathAdd`), and the norm over the real units of a padded MLP's hidden
+layer (:func:`padded_norm_forward`, :func:`padded_norm_backward`, for
+:class:`fp8vit.blocks.mlp.PaddedNorm`).
 Triton comes with torch's CUDA wheels; it is imported on first use on a CUDA tensor only, so that
 ``import fp8vit`` stays light and CPU-only installs never touch it. Where it cannot run, the callers
 keep their torch expression (:func:`triton_support` says why). ``FP8VIT_TRITON=0`` turns the
@@ -13,13 +15,14 @@ from __future__ import annotations
 
 import functools
 import os
+from types import SimpleNamespace
 from typing import Optional, Tuple
 
 import torch
 
 from ..errors import Check
 
-__all__ = ["triton_support", "layerscale_backward", "row_scale_add"]
+__all__ = ["triton_support", "layerscale_backward", "row_scale_add", "padded_norm_forward", "padded_norm_backward"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,6 +42,8 @@ def triton_support() -> Check:
         g = torch.zeros(2, 16, device="cuda", dtype=torch.bfloat16)
         layerscale_backward(g, g, g[0])
         row_scale_add(g, g, g[:, :1].contiguous())
+        y, mean, rstd = padded_norm_forward(g, 15, g[0, :15].float(), None, 1e-6, rms=False)
+        padded_norm_backward(g, g, g[0, :15].float(), mean, rstd, 15, has_bias=False, rms=False)
     except Exception as e:
         return Check(False, f"Triton is installed but its first kernel failed with {type(e).__name__}: {e}; "
                             "fix the Triton setup (a C compiler, a writable ~/.triton cache) or set FP8VIT_TRITON=0")
@@ -85,7 +90,66 @@ def _kernels():
             r += tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(OUT + offs, r.to(OUT.dtype.element_ty), mask=m)
 
-    return triton, layerscale_bwd, row_scale_add_kernel
+    @triton.jit
+    def padded_norm_fwd(X, W, B, Y, MEAN, RSTD, H, HP, eps, HAS_B: tl.constexpr, RMS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        # One program per row of X [R, HP]: LayerNorm (or RMSNorm) over its first H columns with
+        # fp32 statistics, Y = xhat * W (+ B) there and exactly 0 in columns H..HP-1.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        real = cols < H
+        x = tl.load(X + row * HP + cols, mask=real, other=0.0).to(tl.float32)
+        if RMS:
+            xc = x
+        else:
+            mean = tl.sum(x, axis=0) / H
+            xc = tl.where(real, x - mean, 0.0)
+            tl.store(MEAN + row, mean)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / H + eps)
+        tl.store(RSTD + row, rstd)
+        y = xc * rstd * tl.load(W + cols, mask=real, other=0.0).to(tl.float32)
+        if HAS_B:
+            y += tl.load(B + cols, mask=real, other=0.0).to(tl.float32)
+        tl.store(Y + row * HP + cols, tl.where(real, y, 0.0).to(Y.dtype.element_ty), mask=cols < HP)
+
+    @triton.jit
+    def padded_norm_bwd(G, X, W, MEAN, RSTD, DX, PART_W, PART_B, R, H, HP, ROWS_PER_PROG,
+                        HAS_B: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr):
+        # One program: a strip of ROWS_PER_PROG rows. DX over the first H columns (the norm's
+        # backward, fp32), 0 in the padding; the strip's sums of G * xhat (and G) in PART_W (PART_B).
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        real = cols < H
+        w = tl.load(W + cols, mask=real, other=0.0).to(tl.float32)
+        acc_w = tl.zeros((BLOCK,), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in range(0, ROWS_PER_PROG):
+            row = pid * ROWS_PER_PROG + i
+            if row < R:
+                base = row.to(tl.int64) * HP
+                x = tl.load(X + base + cols, mask=real, other=0.0).to(tl.float32)
+                g = tl.load(G + base + cols, mask=real, other=0.0).to(tl.float32)
+                rstd = tl.load(RSTD + row)
+                if RMS:
+                    xhat = x * rstd
+                else:
+                    xhat = tl.where(real, (x - tl.load(MEAN + row)) * rstd, 0.0)
+                gw = g * w
+                c2 = tl.sum(gw * xhat, axis=0) / H
+                if RMS:
+                    dx = (gw - xhat * c2) * rstd
+                else:
+                    dx = (gw - tl.sum(gw, axis=0) / H - xhat * c2) * rstd
+                tl.store(DX + base + cols, tl.where(real, dx, 0.0).to(DX.dtype.element_ty), mask=cols < HP)
+                acc_w += g * xhat
+                if HAS_B:
+                    acc_b += g
+        tl.store(PART_W + pid * H + cols, acc_w, mask=real)
+        if HAS_B:
+            tl.store(PART_B + pid * H + cols, acc_b, mask=real)
+
+    return SimpleNamespace(triton=triton, layerscale_bwd=layerscale_bwd, row_scale_add=row_scale_add_kernel,
+                           padded_norm_fwd=padded_norm_fwd, padded_norm_bwd=padded_norm_bwd)
 
 
 _BLOCK_R, _BLOCK_C = 32, 128
@@ -108,7 +172,8 @@ def layerscale_backward(grad: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor
         ``dy = grad * gamma`` (``grad``'s dtype, bit-identical to torch's product) and ``dgamma``
         ``[C]`` fp32, the column sums of ``grad * y`` with each product exact.
     """
-    triton, kernel, _ = _kernels()
+    k = _kernels()
+    triton, kernel = k.triton, k.layerscale_bwd
     C = grad.shape[-1]
     g2, y2 = grad.reshape(-1, C).contiguous(), y.reshape(-1, C).contiguous()
     R = g2.shape[0]
@@ -139,7 +204,8 @@ def row_scale_add(x: Optional[torch.Tensor], y: torch.Tensor, scale: torch.Tenso
         a new tensor in ``y``'s dtype: ``x + y * scale[s]`` per element of row ``s``, computed in fp32
         and rounded once (torch's ``addcmul`` and ``mul``).
     """
-    triton, _, kernel = _kernels()
+    k = _kernels()
+    triton, kernel = k.triton, k.row_scale_add
     n = y.numel()
     out = torch.empty_like(y)
     if n:
@@ -148,3 +214,67 @@ def row_scale_add(x: Optional[torch.Tensor], y: torch.Tensor, scale: torch.Tenso
             kernel[(triton.cdiv(n, _BLOCK_ROW_SCALE),)](y if x is None else x, y, scale, out, n, per, x is not None,
                                                        _BLOCK_ROW_SCALE)
     return out
+
+
+def _norm_launch(hp: int) -> Tuple[int, int]:
+    """(BLOCK, num_warps) for rows of ``hp`` columns: one row per block of registers."""
+    import triton
+    block = triton.next_power_of_2(hp)
+    return block, (4 if block <= 1024 else 8 if block <= 4096 else 16)
+
+
+def padded_norm_forward(h: torch.Tensor, real: int, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                        eps: float, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm (or RMSNorm, ``rms``) over the first ``real`` of the ``Hp`` columns of ``h``, the
+    rest of the output exactly 0: a padded MLP's inner norm (:mod:`fp8vit.blocks.mlp`) in one pass,
+    where torch slices, copies the slice to normalize it and pads the result again.
+
+    Args:
+        h: ``[..., Hp]``, CUDA, contiguous (bf16, fp16 or fp32).
+        real: ``H <= Hp``, the columns normalized.
+        weight, bias: ``[H]`` (bias None: none, as RMSNorm), any float dtype; used in fp32.
+        eps: the norm's epsilon.
+        rms: RMSNorm (no mean) instead of LayerNorm.
+
+    Returns:
+        the output (``h``'s shape and dtype), and each row's mean (LayerNorm) and 1 / std, fp32 ``[R]``.
+    """
+    k = _kernels()
+    hp = h.shape[-1]
+    h2 = h.reshape(-1, hp)
+    rows = h2.shape[0]
+    y = torch.empty_like(h2)
+    mean = torch.empty(rows, device=h.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    block, warps = _norm_launch(hp)
+    if rows:
+        with torch.cuda.device(h.device):  # Triton launches on the current device
+            k.padded_norm_fwd[(rows,)](h2, weight, weight if bias is None else bias, y, mean, rstd, real, hp, eps,
+                                       bias is not None, rms, block, num_warps=warps)
+    return y.view(h.shape), mean, rstd
+
+
+def padded_norm_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                         rstd: torch.Tensor, real: int, has_bias: bool,
+                         rms: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The gradients of :func:`padded_norm_forward`: ``dh`` (``h``'s shape and dtype, 0 in the
+    padding), and fp32 ``dweight`` ``[H]`` and ``dbias`` (None without a bias), summed over rows in
+    fp32. ``grad`` and ``h``: ``[..., Hp]``, contiguous."""
+    k = _kernels()
+    hp = h.shape[-1]
+    g2, h2 = grad.reshape(-1, hp), h.reshape(-1, hp)
+    rows = h2.shape[0]
+    dh = torch.empty_like(h2)
+    # About four programs per SM, each a strip of rows: the partial sums [programs, H] stay small.
+    sms = torch.cuda.get_device_properties(h.device).multi_processor_count
+    progs = max(1, min(rows, 4 * sms))
+    per = k.triton.cdiv(rows, progs)
+    progs = max(1, k.triton.cdiv(rows, per))
+    part_w = torch.zeros(progs, real, device=h.device, dtype=torch.float32)
+    part_b = torch.zeros(progs, real, device=h.device, dtype=torch.float32) if has_bias else part_w
+    block, warps = _norm_launch(hp)
+    if rows:
+        with torch.cuda.device(h.device):
+            k.padded_norm_bwd[(progs,)](g2, h2, weight, mean, rstd, dh, part_w, part_b, rows, real, hp, per,
+                                        has_bias, rms, block, num_warps=warps)
+    return dh.view(h.shape), part_w.sum(0), (part_b.sum(0) if has_bias else None)

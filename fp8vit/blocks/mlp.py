@@ -66,12 +66,14 @@ import torch.nn.functional as F
 from timm.layers import GluMlp, Mlp, SwiGLU, get_act_layer
 from timm.models.vitamin import GeGluMlp
 from torch import nn
+from torch.autograd.function import once_differentiable
 
+from .._te.kernels import padded_norm_backward, padded_norm_forward, triton_support
 from .timm_layers import resolve_activation, resolve_norm_module
 from .weights import Part, Tie, rename
 
 __all__ = ["HIDDEN_MULTIPLE", "MLP_KINDS", "MlpConfig", "mlp_config_from_timm", "mlp_config_from_kwargs",
-           "BuiltMlp", "build_mlp", "UnfusedMlp", "torch_norm", "norm_in_dtype", "mlp_ties"]
+           "BuiltMlp", "build_mlp", "UnfusedMlp", "PaddedNorm", "torch_norm", "norm_in_dtype", "mlp_ties"]
 
 HIDDEN_MULTIPLE = 16  # what every FP8 recipe on Hopper needs of a GEMM's inner dims (TE 2.20)
 
@@ -452,10 +454,54 @@ class UnfusedMlp(nn.Module):
             h = self.act(h)
         h = self.drop1(h)
         if self.norm is not None:
-            h = F.pad(norm_in_dtype(self.norm, h[..., :self.hidden]), (0, self.pad))
+            if _padded_norm_ok(h, self.norm):  # one pass on the GPU (lever 35)
+                h = PaddedNorm.of(self.norm, h, self.hidden)
+            else:
+                h = F.pad(norm_in_dtype(self.norm, h[..., :self.hidden]), (0, self.pad))
         elif self._slice:
             h = F.pad(h[..., :self.hidden], (0, self.pad))
         return self.drop2(self.fc2(h))
+
+
+class PaddedNorm(torch.autograd.Function):
+    """``F.pad(norm(h[..., :H]), (0, Hp - H))``: the inner norm of a padded MLP (EVA02-L/14: 2730
+    real of 2736 hidden units) on the GPU, forward and backward one Triton pass each
+    (:func:`fp8vit._te.kernels.padded_norm_forward`). torch's way slices ``h``, copies the slice
+    to normalize it, pads the output into a new tensor, and in backward slices, copies and pads
+    the gradient again: 24 blocks of ``[B * 257, 2736]`` copies per EVA02-L step. Statistics and
+    the affine weights in fp32 (``norm_in_dtype`` rounds the weights to ``h``'s dtype), the output
+    rounded once to ``h``'s dtype; the weight gradients are fp32 sums.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, real, eps, rms):
+        y, mean, rstd = padded_norm_forward(h, real, weight, bias, eps, rms)
+        ctx.save_for_backward(h, weight, mean, rstd)
+        ctx.real, ctx.rms, ctx.bias_dtype = real, rms, None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        h, weight, mean, rstd = ctx.saved_tensors
+        dh, dw, db = padded_norm_backward(grad.contiguous(), h, weight, mean, rstd, ctx.real,
+                                          ctx.bias_dtype is not None, ctx.rms)
+        return dh, dw.to(weight.dtype), (None if db is None else db.to(ctx.bias_dtype)), None, None, None
+
+    @staticmethod
+    def of(norm: nn.Module, h: torch.Tensor, real: int) -> torch.Tensor:
+        """Apply it for ``norm`` (torch's ``nn.LayerNorm`` or ``nn.RMSNorm`` over ``real`` features)."""
+        rms = isinstance(norm, nn.RMSNorm)
+        eps = norm.eps if norm.eps is not None else torch.finfo(h.dtype).eps  # nn.RMSNorm's default
+        return PaddedNorm.apply(h, norm.weight, None if rms else norm.bias, real, eps, rms)
+
+
+def _padded_norm_ok(h: torch.Tensor, norm: nn.Module) -> bool:
+    """:class:`PaddedNorm` takes it: a CUDA half-precision ``h`` (under autocast, or bf16
+    compute), contiguous, torch's own affine LayerNorm or RMSNorm, and Triton runs here."""
+    return (h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and h.is_contiguous()
+            and type(norm) in (nn.LayerNorm, nn.RMSNorm) and norm.weight is not None
+            and triton_support().ok)
 
 
 def mlp_ties(cfg: MlpConfig, norm: Optional[str], *, timm_mlp: str = "mlp.", te_mlp: str = "mlp.",

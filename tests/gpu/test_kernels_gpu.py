@@ -9,6 +9,10 @@ Drop path's residual add (:func:`fp8vit._te.kernels.row_scale_add`, :class:`Drop
 torch's ``addcmul`` and ``g * mask``, which compute the same fp32 multiply-add rounded once; an
 fp32 fused multiply-add may round differently in the last fp32 bit, which moves the bf16 result by
 one ulp at most, and rarely.
+
+A padded MLP's inner norm (:class:`fp8vit.blocks.mlp.PaddedNorm`): against torch's slice, norm and
+pad in fp32 (the same statistics; the output and input gradient within bf16 rounding, the weight
+gradients fp32 sums), the padding exactly 0 both ways.
 """
 
 import pytest
@@ -16,6 +20,7 @@ import torch
 
 from fp8vit._te.kernels import layerscale_backward, row_scale_add, triton_support
 from fp8vit.blocks.base import DropPathAdd, LayerScaleAdd, RowScale
+from fp8vit.blocks.mlp import PaddedNorm
 
 pytestmark = pytest.mark.gpu
 
@@ -117,3 +122,38 @@ def test_drop_path_add_leaves_other_mask_shapes_to_torch():
     y = torch.randn_like(x)
     mask = torch.tensor([0.0, 2.0, 1.0, 4.0], device="cuda", dtype=torch.bfloat16)
     assert torch.equal(DropPathAdd.apply(x, y, mask), torch.addcmul(x, y, mask))
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_padded_norm_against_torch_in_fp32(kind):
+    # EVA02-L/14's MLP: 2730 real of 2736 hidden units, batch 8 x 257 tokens, bf16 as under autocast
+    import torch.nn.functional as F
+    from torch import nn
+    torch.manual_seed(0)
+    real, hp = 2730, 2736
+    norm = (nn.LayerNorm(real) if kind == "LayerNorm" else nn.RMSNorm(real, eps=1e-6)).cuda()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        if kind == "LayerNorm":
+            norm.bias.uniform_(-0.5, 0.5)
+    h = (torch.randn(8, 257, hp, device="cuda") * 2 + 0.3).to(torch.bfloat16)
+    h[..., real:] = 0
+    h.requires_grad_(True)
+    g = torch.randn(8, 257, hp, device="cuda").to(torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y = PaddedNorm.of(norm, h, real)
+        y.backward(g)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("padded_norm_fwd" in k for k in kernels) and any("padded_norm_bwd" in k for k in kernels), kernels
+    got = {n: p.grad.clone() for n, p in norm.named_parameters()}
+    norm.zero_grad()
+    x = h.detach()[..., :real].float().requires_grad_(True)  # the fp32 reference
+    ref = F.pad(norm(x), (0, hp - real))
+    ref.backward(g.float())
+    assert y.dtype == torch.bfloat16 and bool((y[..., real:] == 0).all()) and bool((h.grad[..., real:] == 0).all())
+    assert float((y.float() - ref).abs().max()) <= 2 ** -7 * float(ref.abs().max())
+    assert float((h.grad[..., :real].float() - x.grad).abs().max()) <= 2 ** -7 * float(x.grad.abs().max())
+    for n, p in norm.named_parameters():
+        assert got[n].dtype == torch.float32
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-3, atol=1e-3 * float(p.grad.abs().max()))
