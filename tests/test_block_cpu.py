@@ -103,10 +103,10 @@ def test_drop_path_add_is_x_plus_y_times_mask_with_its_gradients():
     assert not y.grad[0].any() and torch.equal(y.grad[1], g[1] * 2)
 
 
-def test_row_scale_add_kernel_indexes_rows_right_in_tritons_interpreter():
-    # The Triton kernel behind DropPathAdd, run by Triton's CPU interpreter (TRITON_INTERPRET=1, in a
-    # fresh process: it is read at import) on integer-valued bf16 data, where every result is exact:
-    # the mask's row for each element across program boundaries (blocks of 64, rows of 231). The
+def test_scale_add_kernel_indexes_rows_and_columns_right_in_tritons_interpreter():
+    # The Triton kernel behind DropPathAdd and LayerScaleAdd's forward, run by Triton's CPU interpreter
+    # (TRITON_INTERPRET=1, in a fresh process: it is read at import) on integer-valued bf16 data, where
+    # every result is exact: each element's row (rows of 231) or column (33) across program blocks of 64. The
     # interpreter rounds fp32 -> bf16 by truncation, the GPU to nearest: rounding is the GPU test's.
     pytest.importorskip("triton", reason="Triton is not installed with this torch")
     code = """
@@ -120,10 +120,13 @@ y = torch.randint(-20, 20, (5, 7, 33)).bfloat16()
 mask = torch.tensor([0.0, 2.0, 0.5, 1.0, 4.0]).bfloat16().view(5, 1, 1)
 n = y.numel()
 out, scaled = torch.empty_like(y), torch.empty_like(y)
-kernel[(triton.cdiv(n, 64),)](x, y, mask, out, n, n // 5, True, 64)
-kernel[(triton.cdiv(n, 64),)](y, y, mask, scaled, n, n // 5, False, 64)
+kernel[(triton.cdiv(n, 64),)](x, y, mask, out, n, n // 5, True, False, 64)
+kernel[(triton.cdiv(n, 64),)](y, y, mask, scaled, n, n // 5, False, False, 64)
 assert torch.equal(out, torch.addcmul(x, y, mask)), (out - torch.addcmul(x, y, mask)).abs().max()
 assert torch.equal(scaled, y * mask)
+gamma = torch.tensor([0.5, 2.0, -1.0] * 11).bfloat16()  # one value per column (LayerScale)
+kernel[(triton.cdiv(n, 64),)](x, y, gamma, out, n, 33, True, True, 64)
+assert torch.equal(out, torch.addcmul(x, y, gamma)), (out - torch.addcmul(x, y, gamma)).abs().max()
 print("ok")
 """
     env = dict(os.environ, TRITON_INTERPRET="1")

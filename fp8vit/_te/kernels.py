@@ -1,6 +1,7 @@
 """Triton kernels for the elementwise work of a training step that torch runs as several passes.
 
-LayerScale's backward (:func:`layerscale_backward`, for :class:`fp8vit.blocks.base.LayerScaleAdd`),
+LayerScale's forward and backward (:func:`column_scale_add`, :func:`layerscale_backward`, for
+:class:`fp8vit.blocks.base.LayerScaleAdd`),
 drop path's per-sample scale with the residual add (:func:`row_scale_add`, for
 :class:`fp8vit.blocks.base.DropPathAdd`), and the norm over the real units of a padded MLP's hidden
 layer (:func:`padded_norm_forward`, :func:`padded_norm_backward`, for
@@ -22,7 +23,8 @@ import torch
 
 from ..errors import Check
 
-__all__ = ["triton_support", "layerscale_backward", "row_scale_add", "padded_norm_forward", "padded_norm_backward"]
+__all__ = ["triton_support", "layerscale_backward", "row_scale_add", "column_scale_add", "padded_norm_forward",
+           "padded_norm_backward"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,6 +44,7 @@ def triton_support() -> Check:
         g = torch.zeros(2, 16, device="cuda", dtype=torch.bfloat16)
         layerscale_backward(g, g, g[0])
         row_scale_add(g, g, g[:, :1].contiguous())
+        column_scale_add(g, g, g[0])
         y, mean, rstd = padded_norm_forward(g, 15, g[0, :15].float(), None, 1e-6, rms=False)
         padded_norm_backward(g, g, g[0, :15].float(), mean, rstd, 15, has_bias=False, rms=False)
     except Exception as e:
@@ -77,14 +80,20 @@ def _kernels():
         tl.store(PART + pid_r * C + cols, tl.sum(acc, axis=0), mask=cmask)
 
     @triton.jit
-    def row_scale_add_kernel(X, Y, M, OUT, N, PER, HAS_X: tl.constexpr, BLOCK: tl.constexpr):
-        # OUT = X + Y * M[row] (or Y * M[row] without X) over N elements of contiguous [S, ...]
-        # tensors, row = element // PER: one fp32 multiply-add per element, rounded once, as
-        # torch's addcmul and mul compute it. Contiguous loads and stores (torch's broadcast of a
-        # [S, 1, ..., 1] operand runs its non-vectorized kernel).
+    def row_scale_add_kernel(X, Y, M, OUT, N, PER, HAS_X: tl.constexpr, BY_COLUMN: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        # OUT = X + Y * M[i] (or Y * M[i] without X) over N elements of contiguous tensors, i the
+        # element's row (element // PER: [S, ...] with one value per leading row) or, BY_COLUMN,
+        # its column (element % PER: [..., C] with one value per column, LayerScale's gamma): one
+        # fp32 multiply-add per element, rounded once, as torch's addcmul and mul compute it.
+        # Contiguous loads and stores (torch runs a broadcast operand in its non-vectorized kernel).
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < N
-        scale = tl.load(M + offs // PER, mask=m, other=0.0).to(tl.float32)
+        if BY_COLUMN:
+            idx = offs % PER
+        else:
+            idx = offs // PER
+        scale = tl.load(M + idx, mask=m, other=0.0).to(tl.float32)
         r = tl.load(Y + offs, mask=m, other=0.0).to(tl.float32) * scale
         if HAS_X:
             r += tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
@@ -204,15 +213,26 @@ def row_scale_add(x: Optional[torch.Tensor], y: torch.Tensor, scale: torch.Tenso
         a new tensor in ``y``'s dtype: ``x + y * scale[s]`` per element of row ``s``, computed in fp32
         and rounded once (torch's ``addcmul`` and ``mul``).
     """
+    return _scale_add(x, y, scale, y.numel() // y.shape[0] if y.numel() else 1, by_column=False)
+
+
+def column_scale_add(x: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """``x + y * gamma`` with ``gamma`` ``[C]`` one value per column of ``y`` ``[..., C]``
+    (LayerScale's forward), in one contiguous pass: as :func:`row_scale_add`, the same fp32
+    arithmetic as torch's ``addcmul``, which runs the broadcast ``gamma`` in its non-vectorized
+    kernel. ``x``, ``y``: CUDA, contiguous, one dtype; ``gamma``: contiguous, on their device."""
+    return _scale_add(x, y, gamma, y.shape[-1], by_column=True)
+
+
+def _scale_add(x: Optional[torch.Tensor], y: torch.Tensor, scale: torch.Tensor, per: int,
+               by_column: bool) -> torch.Tensor:
     k = _kernels()
-    triton, kernel = k.triton, k.row_scale_add
     n = y.numel()
     out = torch.empty_like(y)
     if n:
-        per = n // y.shape[0]
         with torch.cuda.device(y.device):  # Triton launches on the current device
-            kernel[(triton.cdiv(n, _BLOCK_ROW_SCALE),)](y if x is None else x, y, scale, out, n, per, x is not None,
-                                                       _BLOCK_ROW_SCALE)
+            k.row_scale_add[(k.triton.cdiv(n, _BLOCK_ROW_SCALE),)](y if x is None else x, y, scale, out, n, per,
+                                                                  x is not None, by_column, _BLOCK_ROW_SCALE)
     return out
 
 

@@ -22,7 +22,7 @@ from .._validate import check_bool, check_device, check_dtype, check_type
 from .._warn import warn_once
 from .backend import Backend, check_backend, get_backend, resolve_backend
 from .mlp import norm_in_dtype
-from .._te.kernels import layerscale_backward, row_scale_add, triton_support
+from .._te.kernels import column_scale_add, layerscale_backward, row_scale_add, triton_support
 from .._te.recipes import recipe_name, row_multiple
 
 __all__ = ["FP8Block", "check_block_args", "aligned_rows", "SplitQKV", "LayerScaleAdd", "DropPathAdd", "RowScale",
@@ -408,7 +408,9 @@ class LayerScaleAdd(torch.autograd.Function):
     timm rounds the product, then the sum), and the backward gives ``dx = g``, ``dy = g * gamma``
     in ``y``'s dtype and ``dgamma`` as an fp32 sum over rows of ``g * y`` (each product rounded to
     ``y``'s dtype: 2^-9 relative in bf16, where timm's products are exact), returned in
-    ``gamma``'s dtype. On the GPU the backward is one Triton pass
+    ``gamma``'s dtype. On the GPU the forward is one contiguous Triton pass
+    (:func:`fp8vit._te.kernels.column_scale_add`: torch's ``addcmul`` runs the broadcast ``gamma``
+    in its non-vectorized kernel) and so is the backward
     (:func:`fp8vit._te.kernels.layerscale_backward`: ``dy`` identical, ``dgamma``'s products exact).
     """
 
@@ -417,6 +419,9 @@ class LayerScaleAdd(torch.autograd.Function):
         g = gamma.to(y.dtype)
         ctx.save_for_backward(y, g)
         ctx.gamma_dtype = gamma.dtype
+        if (y.is_cuda and x.dtype == y.dtype and x.shape == y.shape and x.is_contiguous() and y.is_contiguous()
+                and g.dim() == 1 and g.shape[0] == y.shape[-1] and g.is_contiguous() and triton_support().ok):
+            return column_scale_add(x, y, g)  # one contiguous pass (lever 36)
         return torch.addcmul(x, y, g)
 
     @staticmethod

@@ -18,7 +18,7 @@ gradients fp32 sums), the padding exactly 0 both ways.
 import pytest
 import torch
 
-from fp8vit._te.kernels import layerscale_backward, row_scale_add, triton_support
+from fp8vit._te.kernels import column_scale_add, layerscale_backward, row_scale_add, triton_support
 from fp8vit.blocks.base import DropPathAdd, LayerScaleAdd, RowScale
 from fp8vit.blocks.mlp import PaddedNorm
 
@@ -157,3 +157,20 @@ def test_padded_norm_against_torch_in_fp32(kind):
     for n, p in norm.named_parameters():
         assert got[n].dtype == torch.float32
         torch.testing.assert_close(got[n], p.grad, rtol=1e-3, atol=1e-3 * float(p.grad.abs().max()))
+
+
+@pytest.mark.parametrize("shape", [(32, 577, 1024), (3, 5, 200), (1, 1, 16)])
+def test_layerscale_forward_is_one_column_scale_pass(shape):
+    # LayerScaleAdd's forward (x + y * gamma, gamma per column) as one contiguous pass: torch's
+    # addcmul within one ulp, and no torch addcmul kernel (its broadcast gamma: non-vectorized).
+    torch.manual_seed(0)
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn_like(x)
+    gamma = torch.rand(shape[-1], device="cuda") * 0.2
+    assert _one_ulp_at_most(column_scale_add(x, y, gamma.to(x.dtype)), torch.addcmul(x, y, gamma.to(x.dtype)))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = LayerScaleAdd.apply(x, y, gamma)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("row_scale_add" in k for k in kernels) and not any("addcmul" in k for k in kernels), kernels
+    assert _one_ulp_at_most(out, torch.addcmul(x, y, gamma.to(x.dtype)))
