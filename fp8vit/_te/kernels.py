@@ -107,7 +107,9 @@ def _kernels():
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         real = cols < H
-        x = tl.load(X + row * HP + cols, mask=real, other=0.0).to(tl.float32)
+        # whole rows of HP columns (vectorized loads; a mask at H < HP would split them), the
+        # padding then zeroed: it may hold act(0) != 0
+        x = tl.where(real, tl.load(X + row * HP + cols, mask=cols < HP, other=0.0).to(tl.float32), 0.0)
         if RMS:
             xc = x
         else:
@@ -136,8 +138,8 @@ def _kernels():
             row = pid * ROWS_PER_PROG + i
             if row < R:
                 base = row.to(tl.int64) * HP
-                x = tl.load(X + base + cols, mask=real, other=0.0).to(tl.float32)
-                g = tl.load(G + base + cols, mask=real, other=0.0).to(tl.float32)
+                x = tl.where(real, tl.load(X + base + cols, mask=cols < HP, other=0.0).to(tl.float32), 0.0)
+                g = tl.where(real, tl.load(G + base + cols, mask=cols < HP, other=0.0).to(tl.float32), 0.0)
                 rstd = tl.load(RSTD + row)
                 if RMS:
                     xhat = x * rstd
@@ -186,6 +188,8 @@ def layerscale_backward(grad: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor
     C = grad.shape[-1]
     g2, y2 = grad.reshape(-1, C).contiguous(), y.reshape(-1, C).contiguous()
     R = g2.shape[0]
+    if not R:  # an empty batch or shard
+        return torch.empty_like(grad), torch.zeros(C, device=grad.device, dtype=torch.float32)
     col_blocks = triton.cdiv(C, _BLOCK_C)
     # About four programs per SM, each summing a strip of rows: enough to fill the GPU, few enough
     # that the partial sums [programs, C] are small.
@@ -285,13 +289,16 @@ def padded_norm_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.Tens
     g2, h2 = grad.reshape(-1, hp), h.reshape(-1, hp)
     rows = h2.shape[0]
     dh = torch.empty_like(h2)
+    if not rows:  # nothing to normalize (an empty batch or shard)
+        zero = torch.zeros(real, device=h.device, dtype=torch.float32)
+        return dh.view(h.shape), zero, (zero.clone() if has_bias else None)
     # About four programs per SM, each a strip of rows: the partial sums [programs, H] stay small.
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count
     progs = max(1, min(rows, 4 * sms))
     per = k.triton.cdiv(rows, progs)
     progs = max(1, k.triton.cdiv(rows, per))
-    part_w = torch.zeros(progs, real, device=h.device, dtype=torch.float32)
-    part_b = torch.zeros(progs, real, device=h.device, dtype=torch.float32) if has_bias else part_w
+    part_w = torch.empty(progs, real, device=h.device, dtype=torch.float32)  # every program writes its row
+    part_b = torch.empty(progs, real, device=h.device, dtype=torch.float32) if has_bias else part_w
     block, warps = _norm_launch(hp)
     if rows:
         with torch.cuda.device(h.device):

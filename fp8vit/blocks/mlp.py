@@ -468,9 +468,9 @@ class PaddedNorm(torch.autograd.Function):
     real of 2736 hidden units) on the GPU, forward and backward one Triton pass each
     (:func:`fp8vit._te.kernels.padded_norm_forward`). torch's way slices ``h``, copies the slice
     to normalize it, pads the output into a new tensor, and in backward slices, copies and pads
-    the gradient again: 24 blocks of ``[B * 257, 2736]`` copies per EVA02-L step. Statistics and
-    the affine weights in fp32 (``norm_in_dtype`` rounds the weights to ``h``'s dtype), the output
-    rounded once to ``h``'s dtype; the weight gradients are fp32 sums.
+    the gradient again: 24 blocks of ``[B * 257, 2736]`` copies per EVA02-L step. Statistics in
+    fp32, the output rounded once to ``h``'s dtype; the weight gradients are fp32 sums, returned in
+    the weights' dtype.
     """
 
     @staticmethod
@@ -490,10 +490,14 @@ class PaddedNorm(torch.autograd.Function):
 
     @staticmethod
     def of(norm: nn.Module, h: torch.Tensor, real: int) -> torch.Tensor:
-        """Apply it for ``norm`` (torch's ``nn.LayerNorm`` or ``nn.RMSNorm`` over ``real`` features)."""
+        """Apply it for ``norm`` (torch's ``nn.LayerNorm`` or ``nn.RMSNorm`` over ``real`` features),
+        its weight (and bias) rounded to ``h``'s dtype as :func:`norm_in_dtype` does: GPU and CPU,
+        and a model sharded with bf16 compute, use the same weights."""
         rms = isinstance(norm, nn.RMSNorm)
-        eps = norm.eps if norm.eps is not None else torch.finfo(h.dtype).eps  # nn.RMSNorm's default
-        return PaddedNorm.apply(h, norm.weight, None if rms else norm.bias, real, eps, rms)
+        # nn.RMSNorm's eps=None: fp32's epsilon, as resolve_norm_module reads it (autocast runs it in fp32)
+        eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+        bias = None if rms or norm.bias is None else norm.bias.to(h.dtype)
+        return PaddedNorm.apply(h, norm.weight.to(h.dtype), bias, real, eps, rms)
 
 
 def _padded_norm_ok(h: torch.Tensor, norm: nn.Module) -> bool:
