@@ -56,7 +56,7 @@ def failed(variant: str, message: str, *, batch: int = 128) -> dict:
 
 def run(model: str, *rows: dict, warmup: int = 8) -> dict:
     return {"environment": ENV, "model": model, "world": 1, "steps": 20, "warmup": warmup, "optimizer": "sgd",
-            "mlp_recompute": 0, "results": list(rows), "max_batch": {}}
+            "mlp_recompute": 0, "drop_path_rate": None, "results": list(rows), "max_batch": {}}
 
 
 def write(tmp_path: Path, *runs: dict) -> list:
