@@ -23,8 +23,8 @@ import torch
 
 from ..errors import Check
 
-__all__ = ["triton_support", "layerscale_backward", "row_scale_add", "column_scale_add", "padded_norm_forward",
-           "padded_norm_backward"]
+__all__ = ["triton_support", "kernel_takes", "layerscale_backward", "row_scale_add", "column_scale_add",
+           "padded_norm_forward", "padded_norm_backward"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,6 +51,17 @@ def triton_support() -> Check:
         return Check(False, f"Triton is installed but its first kernel failed with {type(e).__name__}: {e}; "
                             "fix the Triton setup (a C compiler, a writable ~/.triton cache) or set FP8VIT_TRITON=0")
     return Check(True)
+
+
+def kernel_takes(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether fp8vit's elementwise kernels take these tensors (None: an absent one): on one CUDA
+    device, contiguous, one half-precision dtype, and Triton runs here (:func:`triton_support`).
+    Shapes are the caller's to check."""
+    ts = [t for t in tensors if t is not None]
+    first = ts[0]
+    return (first.is_cuda and first.dtype in (torch.bfloat16, torch.float16)
+            and all(t.device == first.device and t.dtype == first.dtype and t.is_contiguous() for t in ts)
+            and triton_support().ok)
 
 
 @functools.lru_cache(maxsize=None)

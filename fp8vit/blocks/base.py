@@ -22,7 +22,7 @@ from .._validate import check_bool, check_device, check_dtype, check_type
 from .._warn import warn_once
 from .backend import Backend, check_backend, get_backend, resolve_backend
 from .mlp import norm_in_dtype
-from .._te.kernels import column_scale_add, layerscale_backward, row_scale_add, triton_support
+from .._te.kernels import column_scale_add, kernel_takes, layerscale_backward, row_scale_add, triton_support
 from .._te.recipes import recipe_name, row_multiple
 
 __all__ = ["FP8Block", "check_block_args", "aligned_rows", "SplitQKV", "LayerScaleAdd", "DropPathAdd", "RowScale",
@@ -419,8 +419,7 @@ class LayerScaleAdd(torch.autograd.Function):
         g = gamma.to(y.dtype)
         ctx.save_for_backward(y, g)
         ctx.gamma_dtype = gamma.dtype
-        if (y.is_cuda and x.dtype == y.dtype and x.shape == y.shape and x.is_contiguous() and y.is_contiguous()
-                and g.dim() == 1 and g.shape[0] == y.shape[-1] and g.is_contiguous() and triton_support().ok):
+        if x.shape == y.shape and g.shape == y.shape[-1:] and kernel_takes(x, y, g):
             return column_scale_add(x, y, g)  # one contiguous pass (lever 36)
         return torch.addcmul(x, y, g)
 
@@ -485,12 +484,10 @@ class RowScale(torch.autograd.Function):
 
 
 def _row_scale_ok(x: Optional[torch.Tensor], y: torch.Tensor, mask: torch.Tensor) -> bool:
-    """:func:`row_scale_add` takes these: CUDA, one half-precision dtype, contiguous, ``x`` (if
-    any) of ``y``'s shape, one mask value per leading row, and Triton runs here."""
-    return (y.is_cuda and y.dtype in (torch.bfloat16, torch.float16) and y.dim() >= 1 and y.is_contiguous()
-            and (x is None or (x.dtype == y.dtype and x.shape == y.shape and x.is_contiguous()))
-            and mask.dtype == y.dtype and mask.is_contiguous() and mask.device == y.device and mask.dim() == y.dim()
-            and mask.shape[:1] == y.shape[:1] and mask.numel() == y.shape[0] and triton_support().ok)
+    """:func:`row_scale_add` takes these: ``x`` (if any) of ``y``'s shape, one mask value per
+    leading row in ``y``'s dimensions, and the kernels take the tensors (:func:`kernel_takes`)."""
+    return (y.dim() >= 1 and (x is None or x.shape == y.shape) and mask.dim() == y.dim()
+            and mask.shape[:1] == y.shape[:1] and mask.numel() == y.shape[0] and kernel_takes(x, y, mask))
 
 
 def te_mask_kwargs(attn_mask: Optional[torch.Tensor], is_causal: bool) -> dict:

@@ -68,7 +68,7 @@ from timm.models.vitamin import GeGluMlp
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .._te.kernels import padded_norm_backward, padded_norm_forward, triton_support
+from .._te.kernels import kernel_takes, padded_norm_backward, padded_norm_forward
 from .timm_layers import resolve_activation, resolve_norm_module
 from .weights import Part, Tie, rename
 
@@ -503,9 +503,7 @@ class PaddedNorm(torch.autograd.Function):
 def _padded_norm_ok(h: torch.Tensor, norm: nn.Module) -> bool:
     """:class:`PaddedNorm` takes it: a CUDA half-precision ``h`` (under autocast, or bf16
     compute), contiguous, torch's own affine LayerNorm or RMSNorm, and Triton runs here."""
-    return (h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and h.is_contiguous()
-            and type(norm) in (nn.LayerNorm, nn.RMSNorm) and norm.weight is not None
-            and triton_support().ok)
+    return type(norm) in (nn.LayerNorm, nn.RMSNorm) and norm.weight is not None and kernel_takes(h)
 
 
 def mlp_ties(cfg: MlpConfig, norm: Optional[str], *, timm_mlp: str = "mlp.", te_mlp: str = "mlp.",
