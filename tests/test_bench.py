@@ -456,6 +456,16 @@ def test_bench_drop_path_reaches_every_variants_model(tmp_path, capsys):
     assert "--drop-path 1.5: a rate in [0, 1)" in capsys.readouterr().err
 
 
+def test_graphed_crossvit_workload_graphs_each_branch():
+    # CrossViT's MultiScaleBlocks take a list: the graphed variants give each branch its own graph
+    # cache (install_graphs, captured at the shapes' second step), not make_graphed_blocks on
+    # model.blocks (which refuses it); set up on any machine, nothing captured yet.
+    from fp8vit.tools.workload import build_workload
+    wl = build_workload("crossvit_tiny_240", "fp8vit-bf16-graphed", batch_size=2, img_size=240, num_classes=10,
+                        device="cpu", backend="reference")
+    assert len(wl.graphs) == 6 and all(not h.per_block and not h.shapes for h in wl.graphs)
+
+
 def test_train_example_runs_on_cpu_and_says_why_fp8_is_off():
     if torch.cuda.is_available():
         pytest.skip("CPU smoke test")

@@ -55,7 +55,7 @@ from ..blocks.backend import set_cudnn_layernorm
 from ..training.context import fp8_context
 from ..convert import convert_to_te
 from ..training.switches import set_block_fp8, set_mlp_recompute
-from ..training.graphs import GraphedBlocks, graphed_handles, install_graphs, make_graphed_blocks
+from ..training.graphs import GraphedBlocks, branch_blocks, graphed_handles, install_graphs, make_graphed_blocks
 from ..blocks.base import FP8Block
 from ..blocks.linear import is_block
 from .._te.recipes import RECIPE_NAMES, make_recipe
@@ -272,12 +272,9 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if v.graphed:
         if batch_size is None:
             raise ValueError(f"variant {variant!r} captures CUDA graphs: pass batch_size")
-        blocks = getattr(net, "blocks", None)
-        # blocks that hold blocks of their own (CrossViT's MultiScaleBlocks, called with a list): each
-        # inner branch is graphed, by install_graphs; a ViT's blocks (fp8vit's, raw TE's): all at once
-        nested = isinstance(blocks, nn.ModuleList) and any(isinstance(getattr(b, "blocks", None), nn.ModuleList)
-                                                          for b in blocks)
-        if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and not nested:
+        # a ViT's blocks (fp8vit's, raw TE's): all at once; stages (Swin) or branches side by side
+        # (CrossViT's MultiScaleBlocks, called with a list): each, by install_graphs
+        if isinstance(getattr(net, "blocks", None), (nn.Sequential, nn.ModuleList)) and not branch_blocks(net):
             graphs = (make_graphed_blocks(net.train(), batch_size, recipe=recipe, fp8=v.te_fp8,
                                           cudnn_layernorm=cudnn_norm),)
         else:  # blocks in stages (Swin) or branches (CrossViT): convert_to_te(cuda_graphs=True)'s shape cache

@@ -98,7 +98,7 @@ from .graph_cache import (MAX_SHAPES, WHY_NOT_WITH_FSDP2, GraphedBlocks, GraphSh
                           _fresh_handle, _is_tensor_spec, _spec, _uncapturable)
 
 __all__ = ["make_graphed_blocks", "GraphedBlocks", "GraphShape", "graphed_modules", "install_graphs",
-           "remove_graphs", "graphed_handles", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES"]
+           "remove_graphs", "graphed_handles", "branch_blocks", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES"]
 
 
 def graphed_modules(model: nn.Module) -> list:
@@ -116,7 +116,7 @@ def _blocks_of(model: nn.Module, fn: str) -> Tuple[nn.Module, bool, tuple]:
         raise ValueError(f"{fn} needs a timm ViT with its blocks in model.blocks; "
                          f"{type(model).__name__} has no nn.Sequential or nn.ModuleList 'blocks' "
                          f"(found {type(blocks).__name__}){staged}")
-    if not _holds_fp8_blocks(blocks) and _branches_inside(model):
+    if not _holds_fp8_blocks(blocks) and branch_blocks(model):
         raise ValueError(f"{fn}: {type(model).__name__}'s blocks ({type(blocks[0]).__name__}) hold branches of "
                          "fp8vit blocks, each called with its own tokens; convert_to_te(model, cuda_graphs=True) "
                          "graphs each branch")
@@ -143,7 +143,7 @@ def _vits_inside(model: nn.Module) -> list:
     return found
 
 
-def _branches_inside(model: nn.Module) -> list:
+def branch_blocks(model: nn.Module) -> list:
     """Chains of fp8vit blocks side by side: the ``nn.Sequential`` children of a ``blocks``
     ``nn.ModuleList`` made only of them (CrossViT's ``MultiScaleBlock``: one branch per patch size,
     each called with its own tokens ``[B, N_i, C_i]``). Each is graphed as a ViT's ``blocks``."""
@@ -182,7 +182,7 @@ def install_graphs(model: nn.Module, cudnn_layernorm: Optional[bool] = None) -> 
     """
     blocks = getattr(model, "blocks", None)
     if not (isinstance(blocks, (nn.Sequential, nn.ModuleList)) and _holds_fp8_blocks(blocks)):
-        inner, branches = _vits_inside(model), _branches_inside(model)
+        inner, branches = _vits_inside(model), branch_blocks(model)
         if inner or branches:
             why = [install_graphs(m, cudnn_layernorm) for m in inner]
             why += [_install(b, False, (b,), cudnn_layernorm) for b in branches]
