@@ -56,7 +56,7 @@ def convert_to_te(
     fp32_residual: bool = False,
     fallback: str = "keep",
     autocast: bool = False,
-    cuda_graphs: bool = False,
+    cuda_graphs: Optional[bool] = None,
     compile: bool = False,  # noqa: A002 - torch.compile's name, what it does
 ) -> nn.Module:
     """Give ``model`` FP8, in place: fp8vit's fused blocks where it has them, else (optionally) FP8 Linears.
@@ -107,16 +107,20 @@ def convert_to_te(
         cuda_graphs: True: the blocks run as CUDA graphs, each batch shape captured at its second
             training step (:func:`fp8vit.make_graphed_blocks` with no batch size: at most 3 shapes,
             the rest and eval eager), so that an unchanged loop gets them. Needs no GPU yet; warns
-            and installs nothing where the model has no ``blocks``.
+            and installs nothing where the model has no ``blocks``. None (default): as ``compile``
+            where blocks were fused (fused blocks left eager inside a compiled model are
+            host-bound: ViT-B/16 on an H200 80.7 ms a step against 28.9 graphed), else False.
+            ``shard_model`` releases graphs not captured yet (FSDP2 cannot use them), with a warning.
         compile: True: the model is compiled in place (``nn.Module.compile()``, ``torch.compile``'s
             defaults: the same module object, parameters and state dict keys) around its fused
             blocks, which run outside dynamo (TE kernels, or CUDA graphs with ``cuda_graphs=True``):
             patch embedding, conv stages, the blocks fp8vit keeps, heads. Compiled at the first
             call; a model that fails to compile warns once, naming the error, and runs eagerly.
-            Fused blocks that run eagerly inside it (no CUDA graphs) warn at their first call: that
-            measured slower than not compiling (ViT-B/16, H200). Not with ``fallback="compile"`` (that compiles the kept
-            blocks, not the model) nor on a block itself. Opt-in: measured fastest with
-            ``cuda_graphs=True`` on the 8 models of docs/performance.md's compile sweep.
+            It graphs the fused blocks too unless ``cuda_graphs=False``; fused blocks that then run
+            eagerly inside it warn at their first call: that measured slower than not compiling
+            (ViT-B/16, H200). Not with ``fallback="compile"`` (that compiles the kept blocks, not the
+            model) nor on a block itself. Opt-in: with the graphs, measured fastest on the 8 models of
+            docs/performance.md's compile sweep.
 
     Returns:
         ``model`` (or the fused block replacing it, if ``model`` is a block of a family).
@@ -140,7 +144,8 @@ def convert_to_te(
     check_bool(fn, "fp32_residual", fp32_residual)
     check_choice(fn, "fallback", fallback, FALLBACKS)
     check_bool(fn, "autocast", autocast)
-    check_bool(fn, "cuda_graphs", cuda_graphs)
+    if cuda_graphs is not None:
+        check_bool(fn, "cuda_graphs", cuda_graphs)
     check_bool(fn, "compile", compile)
     if compile and fallback == "compile":
         raise ValueError("convert_to_te(compile=True, fallback='compile'): fallback='compile' compiles the blocks "
@@ -177,9 +182,11 @@ def convert_to_te(
     holds_fp8 = bool(summary.num_fused or summary.num_swapped)
     if autocast and holds_fp8:
         set_fp8_autocast(model)
-    not_graphed = install_graphs(model) if cuda_graphs else None
+    graphs = cuda_graphs if cuda_graphs is not None else bool(compile and summary.num_fused)
+    not_graphed = install_graphs(model) if graphs else None
     if not_graphed:
-        warnings.warn(f"fp8vit.convert_to_te(cuda_graphs=True): {not_graphed}", UserWarning, stacklevel=2)
+        how = "cuda_graphs=True" if cuda_graphs else "compile=True, whose fused blocks get CUDA graphs by default"
+        warnings.warn(f"fp8vit.convert_to_te({how}): {not_graphed}", UserWarning, stacklevel=2)
     if compile and not is_compiled_block(model):
         # eager fused blocks called from the compiled model warn at that call (blocks.base), not
         # here: make_graphed_blocks may still come

@@ -182,6 +182,23 @@ def test_shard_model_refuses_graphed_blocks_saying_why():
         fp8vit.shard_model(model)
 
 
+def test_shard_model_releases_graphs_that_were_never_captured_and_says_so():
+    # convert_to_te(cuda_graphs=True), or compile=True's default, sets graphs up without capturing:
+    # FSDP2 cannot use them, so shard_model lets them go, warning, and goes on (here to the missing
+    # process group); captured graphs are refused (above).
+    from fp8vit.training.graphs import graphed_modules
+    model = _vit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fp8vit.convert_to_te(model, backend="reference", cuda_graphs=True)
+    assert graphed_modules(model) == ["blocks"]
+    with pytest.warns(UserWarning, match=r"CUDA graphs convert_to_te set up for \['blocks'\] \(none captured yet\) "
+                                         r"are released.*cuda_graphs=False"):
+        with pytest.raises(RuntimeError, match="not initialized"):
+            fp8vit.shard_model(model)
+    assert graphed_modules(model) == []
+
+
 def test_shard_model_needs_blocks_or_units_and_a_process_group():
     with pytest.raises(ValueError, match="Linear has no nn.Sequential or nn.ModuleList 'blocks'.*pass units="):
         fp8vit.shard_model(torch.nn.Linear(4, 4))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -124,9 +125,10 @@ def shard_model(
         TypeError: ``model`` is not a module, ``mesh`` not a ``DeviceMesh``,
             ``reshard_after_forward`` not a bool, ``mp_policy`` not a ``MixedPrecisionPolicy``,
             ``units`` not a list of modules.
-        ValueError: ``model`` has CUDA-graphed blocks (:func:`make_graphed_blocks`; the message
-            says why they cannot be sharded), is sharded already, or has no ``blocks`` and no
-            ``units`` were given.
+        ValueError: ``model`` has CUDA-graphed blocks with graphs captured (:func:`make_graphed_blocks`;
+            the message says why they cannot be sharded; graphs set up by ``convert_to_te`` and not
+            captured yet are released with a warning), is sharded already, or has no ``blocks`` and
+            no ``units`` were given.
         RuntimeError: ``torch.distributed`` is not initialized, or this torch has no FSDP2.
     """
     fn = "shard_model"
@@ -140,6 +142,17 @@ def shard_model(
     check_bool(fn, "reshard_after_forward", reshard_after_forward)
     units = None if units is None else check_items(fn, "units", units, nn.Module, "torch.nn.Module")
     graphed = graphed_modules(model)
+    dispatches = [vars(model.get_submodule(n))["forward"] for n in graphed]
+    if graphed and all(d.handle is not None and not d.handle.shapes for d in dispatches):
+        # set up by convert_to_te (cuda_graphs, or compile=True's default) and never captured: let
+        # them go, and say so; the blocks then run eagerly under FSDP2
+        for handle in {id(d.handle): d.handle for d in dispatches}.values():
+            handle.release()
+        warnings.warn(f"fp8vit.shard_model: the CUDA graphs convert_to_te set up for {graphed[:4]} (none captured "
+                      f"yet) are released, and the blocks run eagerly: {WHY_NOT_WITH_FSDP2}. Convert with "
+                      "cuda_graphs=False to skip them, or train the graphed model with DistributedDataParallel",
+                      UserWarning, stacklevel=2)
+        graphed = []
     if graphed:
         raise ValueError(f"shard_model: {[n or type(model).__name__ for n in graphed][:4]} of this "
                          f"{type(model).__name__} are CUDA-graphed by make_graphed_blocks; {WHY_NOT_WITH_FSDP2}. "
