@@ -101,6 +101,10 @@ def test_drop_path_add_is_x_plus_y_times_mask_with_its_gradients():
     assert torch.equal(out, torch.addcmul(x.detach(), y.detach(), mask))
     assert torch.equal(out[0], x[0].detach()) and torch.equal(x.grad, g) and torch.equal(y.grad, g * mask)
     assert not y.grad[0].any() and torch.equal(y.grad[1], g[1] * 2)
+    y.grad = None
+    scaled = DropPathAdd.apply(None, y, mask)  # no x: the row scale alone (before LayerScale)
+    scaled.backward(g)
+    assert torch.equal(scaled, y.detach() * mask) and torch.equal(y.grad, g * mask)
 
 
 def test_scale_add_kernel_indexes_rows_and_columns_right_in_tritons_interpreter():
@@ -256,7 +260,7 @@ def test_layerscale_under_bf16_autocast_matches_timm():
 
 
 def test_layerscale_with_drop_path_under_bf16_autocast_draws_timms_masks():
-    # LayerScale (LayerScaleAdd) after drop path's row scale (RowScale): the same draws as timm's
+    # LayerScale (LayerScaleAdd) after drop path's row scale (DropPathAdd, no x): the same draws as timm's
     # DropPath, so with the same seed the same samples keep their branches; output and gammas'
     # gradients within bf16 noise of timm's, a dropped sample's gradient to its branch exactly 0.
     from timm.layers import DropPath

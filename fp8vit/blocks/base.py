@@ -25,7 +25,7 @@ from .mlp import norm_in_dtype
 from .._te.kernels import column_scale_add, kernel_takes, layerscale_backward, row_scale_add, triton_support
 from .._te.recipes import recipe_name, row_multiple
 
-__all__ = ["FP8Block", "check_block_args", "aligned_rows", "SplitQKV", "LayerScaleAdd", "DropPathAdd", "RowScale",
+__all__ = ["FP8Block", "check_block_args", "aligned_rows", "SplitQKV", "LayerScaleAdd", "DropPathAdd",
            "additive_to_bool", "te_mask_kwargs"]
 
 
@@ -301,7 +301,7 @@ class FP8Block(nn.Module):
             if mask is _NOT_A_DROP_PATH:
                 y = drop_path(y)
             elif mask is not None:
-                y = RowScale.apply(y, mask)
+                y = DropPathAdd.apply(None, y, mask)
             return LayerScaleAdd.apply(x, y, gamma)
         if gamma is None and y.dtype == x.dtype:
             mask = drop_path_mask(drop_path, y)
@@ -440,21 +440,23 @@ class LayerScaleAdd(torch.autograd.Function):
 
 class DropPathAdd(torch.autograd.Function):
     """``x + y * mask``: the residual add of a branch ``y`` under drop path, whose ``mask``
-    ``[S, 1, ..., 1]`` holds one value per sample (0 or ``1 / keep``; :func:`drop_path_mask`).
+    ``[S, 1, ..., 1]`` holds one value per sample (0 or ``1 / keep``; :func:`drop_path_mask`);
+    ``x`` None: ``y * mask`` alone (drop path before LayerScale's add).
 
-    torch runs ``addcmul`` with a broadcast operand, and the backward's ``g * mask``, in its
-    non-vectorized kernels: about 2.1 and 1.7 ms of a Swin-B/4 batch-128 step on an H200, against
-    1.2 ms for a plain add of the same bytes (docs/results/profile). On the GPU both are one
-    contiguous Triton pass (:func:`fp8vit._te.kernels.row_scale_add`), the same fp32 arithmetic
-    rounded once; elsewhere, or for tensors it does not take, torch's ``addcmul`` and ``mul``.
+    torch runs ``addcmul`` (or ``mul``) with a broadcast operand, and the backward's ``g * mask``,
+    in its non-vectorized kernels: about 2.1 and 1.7 ms of a Swin-B/4 batch-128 step on an H200,
+    against 1.2 ms for a plain add of the same bytes (docs/results/profile). On the GPU both are
+    one contiguous Triton pass (:func:`fp8vit._te.kernels.row_scale_add`), the same fp32
+    arithmetic rounded once; elsewhere, or for tensors it does not take, torch's expressions.
     """
 
     @staticmethod
     def forward(ctx, x, y, mask):
         ctx.save_for_backward(mask)
+        ctx.has_x = x is not None
         if _row_scale_ok(x, y, mask):
             return row_scale_add(x, y, mask)
-        return torch.addcmul(x, y, mask)
+        return y * mask if x is None else torch.addcmul(x, y, mask)
 
     @staticmethod
     @once_differentiable  # a second derivative raises instead of coming out wrong
@@ -463,24 +465,7 @@ class DropPathAdd(torch.autograd.Function):
         dy = None
         if ctx.needs_input_grad[1]:
             dy = row_scale_add(None, grad, mask) if _row_scale_ok(None, grad, mask) else grad * mask
-        return grad, dy, None
-
-
-class RowScale(torch.autograd.Function):
-    """``y * mask`` for drop path's per-sample ``mask`` ``[S, 1, ..., 1]`` (before LayerScale's
-    add): on the GPU one contiguous Triton pass each way (:class:`DropPathAdd`'s kernel), where
-    torch's broadcast multiply runs its non-vectorized kernel; elsewhere torch's ``mul``."""
-
-    @staticmethod
-    def forward(ctx, y, mask):
-        ctx.save_for_backward(mask)
-        return row_scale_add(None, y, mask) if _row_scale_ok(None, y, mask) else y * mask
-
-    @staticmethod
-    @once_differentiable  # a second derivative raises instead of coming out wrong
-    def backward(ctx, grad):
-        mask, = ctx.saved_tensors
-        return (row_scale_add(None, grad, mask) if _row_scale_ok(None, grad, mask) else grad * mask), None
+        return (grad if ctx.has_x else None), dy, None
 
 
 def _row_scale_ok(x: Optional[torch.Tensor], y: torch.Tensor, mask: torch.Tensor) -> bool:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fp8vit._te.kernels import column_scale_add, layerscale_backward, row_scale_add, triton_support
-from fp8vit.blocks.base import DropPathAdd, LayerScaleAdd, RowScale
+from fp8vit.blocks.base import DropPathAdd, LayerScaleAdd
 from fp8vit.blocks.mlp import PaddedNorm
 
 pytestmark = pytest.mark.gpu
@@ -102,13 +102,13 @@ def test_drop_path_add_runs_one_kernel_each_way_and_matches_torch():
 
 
 def test_row_scale_before_layerscale_runs_the_kernel_each_way():
-    # drop path before LayerScale (RowScale): y * mask and g * mask, each one Triton pass, exact.
+    # drop path before LayerScale (DropPathAdd without x): y * mask and g * mask, one Triton pass each, exact.
     torch.manual_seed(0)
     y = torch.randn(128, 197, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mask = (torch.rand(128, 1, 1, device="cuda") > 0.1).to(torch.bfloat16) / 0.9
     g = torch.randn_like(y)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out = RowScale.apply(y, mask)
+        out = DropPathAdd.apply(None, y, mask)
         out.backward(g)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
