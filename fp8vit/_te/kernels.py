@@ -1,12 +1,13 @@
 """Triton kernels for the elementwise work of a training step that torch runs as several passes.
 
-LayerScale's forward and backward (:func:`column_scale_add`, :func:`layerscale_backward`, for
-:class:`fp8vit.blocks.base.LayerScaleAdd`),
-drop path's per-sample scale with the residual add (:func:`row_scale_add`, for
-:class:`fp8vit.blocks.base.DropPathAdd`), and the norm over the real units of a padded MLP's hidden
-layer (:func:`padded_norm_forward`, :func:`padded_norm_backward`, for
-:class:`fp8vit.blocks.mlp.PaddedNorm`).
-Triton comes with torch's CUDA wheels; it is imported on first use on a CUDA tensor only, so that
+- LayerScale's forward and backward (:func:`column_scale_add`, :func:`layerscale_backward`), for
+  :class:`fp8vit.blocks.base.LayerScaleAdd`;
+- drop path's per-sample scale with the residual add (:func:`row_scale_add`), for
+  :class:`fp8vit.blocks.base.DropPathAdd`;
+- the norm over the real units of a padded MLP's hidden layer (:func:`padded_norm_forward`,
+  :func:`padded_norm_backward`), for :class:`fp8vit.blocks.mlp.PaddedNorm`.
+
+Each takes contiguous tensors in one half-precision dtype on one GPU (:func:`kernel_takes`). Triton comes with torch's CUDA wheels; it is imported on first use on a CUDA tensor only, so that
 ``import fp8vit`` stays light and CPU-only installs never touch it. Where it cannot run, the callers
 keep their torch expression (:func:`triton_support` says why). ``FP8VIT_TRITON=0`` turns the
 kernels off (for a cluster whose Triton cannot compile: it needs a C compiler and a writable cache).
