@@ -7,10 +7,12 @@
 - the norm over the real units of a padded MLP's hidden layer (:func:`padded_norm_forward`,
   :func:`padded_norm_backward`), for :class:`fp8vit.blocks.mlp.PaddedNorm`.
 
-Each takes contiguous tensors in one half-precision dtype on one GPU (:func:`kernel_takes`). Triton comes with torch's CUDA wheels; it is imported on first use on a CUDA tensor only, so that
-``import fp8vit`` stays light and CPU-only installs never touch it. Where it cannot run, the callers
-keep their torch expression (:func:`triton_support` says why). ``FP8VIT_TRITON=0`` turns the
-kernels off (for a cluster whose Triton cannot compile: it needs a C compiler and a writable cache).
+Each takes contiguous tensors in one half-precision dtype on one GPU (:func:`kernel_takes`).
+Triton comes with torch's CUDA wheels; it is imported on first use on a CUDA tensor only, so that
+``import fp8vit`` stays light and CPU-only installs never touch it. Where it cannot run, the
+callers keep their torch expression (:func:`triton_support` says why). ``FP8VIT_TRITON=0`` turns
+the kernels off (for a cluster whose Triton cannot compile: it needs a C compiler and a writable
+cache).
 """
 
 from __future__ import annotations
