@@ -82,38 +82,38 @@ def test_row_scale_add_against_torch(shape, dtype):
     assert _one_ulp_at_most(out, torch.addcmul(x, y, mask)) and torch.equal(scaled, y * mask)
 
 
-def test_drop_path_add_runs_one_kernel_each_way_and_matches_torch():
-    # Swin-B stage 1's shape: window-major rows [nW * B, 49, 128]; the mask one value per row.
+def _launched(fn):
+    """``fn()``'s result and the names of the CUDA kernels it launched."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("with_x", [True, False], ids=["residual_add", "row_scale_alone"])
+def test_drop_path_add_runs_one_kernel_each_way_and_matches_torch(with_x):
+    # Swin-B stage 1's shape: window-major rows [nW * B, 49, 128], the mask one value per row; without
+    # x, drop path before LayerScale (y * mask alone). Forward and backward one Triton pass each.
     torch.manual_seed(0)
     x = torch.randn(64 * 16, 49, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y = torch.randn_like(x, requires_grad=True)
     mask = (torch.rand(64 * 16, 1, 1, device="cuda") > 0.1).to(torch.bfloat16) / 0.9
     g = torch.randn_like(x)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out = DropPathAdd.apply(x, y, mask)
+
+    def step():
+        out = DropPathAdd.apply(x if with_x else None, y, mask)
         out.backward(g)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return out
+
+    out, kernels = _launched(step)
     print(f"DropPathAdd kernels: {sorted(set(k[:60] for k in kernels))}")
     assert sum("row_scale_add" in k for k in kernels) == 2, kernels
     assert not any("addcmul" in k or "BinaryFunctor" in k for k in kernels), kernels
-    assert _one_ulp_at_most(out, torch.addcmul(x, y, mask))
-    assert torch.equal(x.grad, g) and torch.equal(y.grad, g * mask)
-
-
-def test_row_scale_before_layerscale_runs_the_kernel_each_way():
-    # drop path before LayerScale (DropPathAdd without x): y * mask and g * mask, one Triton pass each, exact.
-    torch.manual_seed(0)
-    y = torch.randn(128, 197, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    mask = (torch.rand(128, 1, 1, device="cuda") > 0.1).to(torch.bfloat16) / 0.9
-    g = torch.randn_like(y)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out = DropPathAdd.apply(None, y, mask)
-        out.backward(g)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert sum("row_scale_add" in k for k in kernels) == 2 and not any("BinaryFunctor" in k for k in kernels), kernels
-    assert torch.equal(out, y * mask) and torch.equal(y.grad, g * mask)
+    if with_x:
+        assert _one_ulp_at_most(out, torch.addcmul(x, y, mask)) and torch.equal(x.grad, g)
+    else:
+        assert torch.equal(out, y * mask) and x.grad is None
+    assert torch.equal(y.grad, g * mask)
 
 
 def test_drop_path_add_leaves_other_mask_shapes_to_torch():
@@ -141,11 +141,12 @@ def test_padded_norm_against_torch_in_fp32(kind):
     h[..., real:] = 0
     h.requires_grad_(True)
     g = torch.randn(8, 257, hp, device="cuda").to(torch.bfloat16)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        y = PaddedNorm.of(norm, h, real)
-        y.backward(g)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    def step():
+        out = PaddedNorm.of(norm, h, real)
+        out.backward(g)
+        return out
+
+    y, kernels = _launched(step)
     assert any("padded_norm_fwd" in k for k in kernels) and any("padded_norm_bwd" in k for k in kernels), kernels
     got = {n: p.grad.clone() for n, p in norm.named_parameters()}
     norm.zero_grad()
@@ -173,9 +174,6 @@ def test_layerscale_forward_is_one_column_scale_pass(shape):
     y = torch.randn_like(x)
     gamma = torch.rand(shape[-1], device="cuda") * 0.2
     assert _one_ulp_at_most(column_scale_add(x, y, gamma.to(x.dtype)), torch.addcmul(x, y, gamma.to(x.dtype)))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out = LayerScaleAdd.apply(x, y, gamma)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    out, kernels = _launched(lambda: LayerScaleAdd.apply(x, y, gamma))
     assert any("row_scale_add" in k for k in kernels) and not any("addcmul" in k for k in kernels), kernels
     assert _one_ulp_at_most(out, torch.addcmul(x, y, gamma.to(x.dtype)))
