@@ -205,17 +205,24 @@ def layerscale_backward(grad: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor
     if not R:  # an empty batch or shard
         return torch.empty_like(grad), torch.zeros(C, device=grad.device, dtype=torch.float32)
     col_blocks = triton.cdiv(C, _BLOCK_C)
-    # About four programs per SM, each summing a strip of rows: enough to fill the GPU, few enough
-    # that the partial sums [programs, C] are small.
-    sms = torch.cuda.get_device_properties(grad.device).multi_processor_count
-    row_progs = max(1, min(triton.cdiv(R, _BLOCK_R), 4 * sms // col_blocks))
-    rows_per_prog = triton.cdiv(triton.cdiv(R, row_progs), _BLOCK_R) * _BLOCK_R
-    row_progs = triton.cdiv(R, rows_per_prog)
+    row_progs, rows_per_prog = _row_strips(R, grad.device, col_blocks, _BLOCK_R)
     dy = torch.empty_like(g2)
     part = torch.empty(row_progs, C, device=grad.device, dtype=torch.float32)
     with torch.cuda.device(grad.device):  # Triton launches on the current device
         kernel[(row_progs, col_blocks)](g2, y2, gamma.contiguous(), dy, part, R, C, rows_per_prog, _BLOCK_R, _BLOCK_C)
     return dy.view(grad.shape), part.sum(0)
+
+
+def _row_strips(rows: int, device: torch.device, column_programs: int = 1, multiple: int = 1) -> Tuple[int, int]:
+    """``(programs, rows per program)`` for a kernel whose programs each sum a strip of ``rows > 0``
+    rows (times ``column_programs`` programs across the columns): about four programs per SM,
+    enough to fill the GPU, few enough that the partial sums ``[programs, columns]`` stay small;
+    strips a multiple of ``multiple`` rows (the kernel's row tile)."""
+    import triton
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    progs = max(1, min(triton.cdiv(rows, multiple), 4 * sms // column_programs))
+    per = triton.cdiv(triton.cdiv(rows, progs), multiple) * multiple
+    return triton.cdiv(rows, per), per
 
 
 def row_scale_add(x: Optional[torch.Tensor], y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -306,16 +313,11 @@ def padded_norm_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.Tens
     if not rows:  # nothing to normalize (an empty batch or shard)
         zero = torch.zeros(real, device=h.device, dtype=torch.float32)
         return dh.view(h.shape), zero, (zero.clone() if has_bias else None)
-    # About four programs per SM, each a strip of rows: the partial sums [programs, H] stay small.
-    sms = torch.cuda.get_device_properties(h.device).multi_processor_count
-    progs = max(1, min(rows, 4 * sms))
-    per = k.triton.cdiv(rows, progs)
-    progs = max(1, k.triton.cdiv(rows, per))
+    progs, per = _row_strips(rows, h.device)
     part_w = torch.empty(progs, real, device=h.device, dtype=torch.float32)  # every program writes its row
     part_b = torch.empty(progs, real, device=h.device, dtype=torch.float32) if has_bias else part_w
     block, warps = _norm_launch(hp)
-    if rows:
-        with torch.cuda.device(h.device):
-            k.padded_norm_bwd[(progs,)](g2, h2, weight, mean, rstd, dh, part_w, part_b, rows, real, hp, per,
-                                        has_bias, rms, block, num_warps=warps)
+    with torch.cuda.device(h.device):
+        k.padded_norm_bwd[(progs,)](g2, h2, weight, mean, rstd, dh, part_w, part_b, rows, real, hp, per,
+                                    has_bias, rms, block, num_warps=warps)
     return dh.view(h.shape), part_w.sum(0), (part_b.sum(0) if has_bias else None)
