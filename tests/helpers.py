@@ -486,8 +486,12 @@ def assert_stage_graphs_train_like_eager(make_model, convert, stages: int, img_s
     """GPU: ``convert(make_model(), cuda_graphs=True)`` on a model whose blocks sit in stages (no
     ``model.blocks``) or branches (CrossViT): each stage's or branch's blocks get a graph cache,
     captured at the shape's second step; four delayed-scaling SGD steps against the same model
-    eager, parameters within 40 dB."""
+    eager, parameters within 40 dB. Both run the same LayerNorm kernels: the graphs' default
+    (cuDNN's where every block's width is one TE has no tuned kernel for) is set for eager too, and
+    on every graph cache, so that a stage's own default cannot differ from the model's."""
     import fp8vit
+    from fp8vit.blocks.base import FP8Block
+    from fp8vit.training.graph_cache import cudnn_norm_pays
     from fp8vit.training.graphs import graphed_handles
 
     g = torch.Generator("cuda").manual_seed(1)
@@ -496,13 +500,22 @@ def assert_stage_graphs_train_like_eager(make_model, convert, stages: int, img_s
     eager = convert(make_model()).train()
     graphed = convert(make_model(), cuda_graphs=True).train()
 
+    cudnn = cudnn_norm_pays([m for m in graphed.modules() if isinstance(m, FP8Block)])
+    handles = graphed_handles(graphed)
+    for h in handles:
+        h.cudnn_layernorm = cudnn
+
     def train(model):
         opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-        return train_steps(model, data, opt, lambda: fp8vit.fp8_context("delayed"))
+        old = fp8vit.set_cudnn_layernorm(cudnn)
+        try:
+            return train_steps(model, data, opt, lambda: fp8vit.fp8_context("delayed"))
+        finally:
+            fp8vit.set_cudnn_layernorm(old)
 
     le, lg = train(eager), train(graphed)
-    handles = graphed_handles(graphed)
-    print(f"{type(graphed).__name__} graphed: eager losses {le}, graphed {lg}; {[repr(h)[:120] for h in handles]}")
+    print(f"{type(graphed).__name__} graphed (cuDNN LayerNorm {cudnn}): eager losses {le}, graphed {lg}; "
+          f"{[repr(h)[:120] for h in handles]}")
     assert len(handles) == stages and all(h.replays >= 2 for h in handles), [repr(h) for h in handles]
     for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
         assert snr_db(a, b) > 40, n

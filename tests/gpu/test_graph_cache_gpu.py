@@ -21,7 +21,8 @@ import torch.nn.functional as F
 import fp8vit
 from helpers import snr_db, train_steps
 from test_graphs_gpu import (_assert_same_gradients, _assert_same_parameters, _assert_same_scales,
-                             _assert_same_training, _grad_sequence, _train, _vit)
+                             _assert_same_training, _first_divergence, _grad_sequence, _scaling_state, _train,
+                             _vit)
 
 pytestmark = pytest.mark.gpu
 
@@ -43,14 +44,6 @@ def _batches(sizes, seed=1):
 
 def _shapes(handle):
     return [s.shape for s in handle.shapes]
-
-
-def _scaling_state(model):
-    """Every TE module's forward and backward delayed-scaling scales, as one flat tensor (or None)."""
-    parts = [m.fp8_meta[k].scale.flatten() for m in model.modules()
-             if isinstance(getattr(m, "fp8_meta", None), dict) for k in ("scaling_fwd", "scaling_bwd")
-             if k in m.fp8_meta and hasattr(m.fp8_meta[k], "scale")]
-    return torch.cat(parts).clone() if parts else None
 
 
 def _epochs(models, epochs, recipe, evals, trail=None):
@@ -75,14 +68,6 @@ def _epochs(models, epochs, recipe, evals, trail=None):
         if trail is not None:
             trail.append(states)
     return out
-
-
-def _first_divergence(trail):
-    """The first step or eval after which two models' scaling states differ, with how many entries."""
-    for (name, a), (_, b) in zip(*trail):
-        if a is not None and not torch.equal(a, b):
-            return f"{name}: {int((a != b).sum())} of {a.numel()} scales differ"
-    return "none"
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
@@ -294,7 +279,10 @@ def test_per_block_graphs_capture_shapes_as_they_come():
     graphed = fp8vit.convert_to_te(_model("eva02_base_patch14_224", depth=3), cuda_graphs=True).train()
     handle = fp8vit.GraphedBlocks.of(graphed)
     assert handle.per_block
-    _assert_same_gradients(_grad_sequence(eager, data), _grad_sequence(graphed, data))
+    trail = [[], []]
+    ge, gg = _grad_sequence(eager, data, states=trail[0]), _grad_sequence(graphed, data, states=trail[1])
+    print(f"{handle}\nscaling state first differs after: {_first_divergence(trail)}")
+    _assert_same_gradients(ge, gg, trail)
     assert [s.shape[0] for s in handle.shapes] == [16, 5] and handle.replays == 3 * 3
     assert handle.shapes[0].call_kwargs["rope"][0] == (256, 2 * 64)
 
