@@ -301,6 +301,8 @@ def norm_in_dtype(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
     rounded to ``h``'s dtype (the output is rounded to bf16 before fc2's GEMM either way; the
     weight gradient comes back through that rounding, 2^-9 relative in bf16). A bf16 weight (FSDP2's
     bf16 compute) takes the same path, so a sharded model computes what the unsharded one does.
+    On the GPU it runs as :class:`PaddedNorm` with nothing padded: one Triton pass forward and one
+    backward, where torch's backward takes three kernels (ViTamin-L's norm before its MLP: lever 38).
     Without autocast, for an fp32 ``h``, or for any module but torch's own ``nn.LayerNorm`` and
     ``nn.RMSNorm`` (``nn.Identity``, a subclass with its own forward), it is ``norm(h)``.
     """
@@ -309,12 +311,15 @@ def norm_in_dtype(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
             or not torch.is_autocast_enabled(dev) or type(norm) not in (nn.LayerNorm, nn.RMSNorm) \
             or norm.weight is None:
         return norm(h)
+    if norm.weight.shape[-1] == h.shape[-1] and _padded_norm_ok(h, norm):  # else torch says what is wrong
+        return PaddedNorm.of(norm, h, h.shape[-1])
     with torch.autocast(dev, enabled=False):
         w = norm.weight.to(h.dtype)
         if isinstance(norm, nn.LayerNorm):
             b = None if norm.bias is None else norm.bias.to(h.dtype)
             return F.layer_norm(h, norm.normalized_shape, w, b, norm.eps)
-        return F.rms_norm(h, norm.normalized_shape, w, norm.eps)
+        # eps None: fp32's epsilon, as under autocast (F.rms_norm would take h's dtype's)
+        return F.rms_norm(h, norm.normalized_shape, w, _norm_eps(norm))
 
 
 def torch_norm(kind: str, eps: float, features: int, **tdd) -> nn.Module:
@@ -470,7 +475,7 @@ class PaddedNorm(torch.autograd.Function):
     to normalize it, pads the output into a new tensor, and in backward slices, copies and pads
     the gradient again: 24 blocks of ``[B * 257, 2736]`` copies per EVA02-L step. Statistics in
     fp32, the output rounded once to ``h``'s dtype; the weight gradients are fp32 sums, returned in
-    the weights' dtype.
+    the weights' dtype. With ``H == Hp`` it is :func:`norm_in_dtype`'s norm on the GPU.
     """
 
     @staticmethod
@@ -494,16 +499,22 @@ class PaddedNorm(torch.autograd.Function):
         its weight (and bias) rounded to ``h``'s dtype as :func:`norm_in_dtype` does: GPU and CPU,
         and a model sharded with bf16 compute, use the same weights."""
         rms = isinstance(norm, nn.RMSNorm)
-        # nn.RMSNorm's eps=None: fp32's epsilon, as resolve_norm_module reads it (autocast runs it in fp32)
-        eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
         bias = None if rms or norm.bias is None else norm.bias.to(h.dtype)
-        return PaddedNorm.apply(h, norm.weight.to(h.dtype), bias, real, eps, rms)
+        return PaddedNorm.apply(h, norm.weight.to(h.dtype), bias, real, _norm_eps(norm), rms)
+
+
+def _norm_eps(norm: nn.Module) -> float:
+    """``norm.eps``; nn.RMSNorm's eps=None as fp32's epsilon, as resolve_norm_module reads it
+    (autocast runs it in fp32)."""
+    return norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
 
 
 def _padded_norm_ok(h: torch.Tensor, norm: nn.Module) -> bool:
     """:class:`PaddedNorm` takes it: a CUDA half-precision ``h`` (under autocast, or bf16
-    compute), contiguous, torch's own affine LayerNorm or RMSNorm, and Triton runs here."""
-    return type(norm) in (nn.LayerNorm, nn.RMSNorm) and norm.weight is not None and kernel_takes(h)
+    compute), contiguous, torch's own affine LayerNorm or RMSNorm over one dimension, and Triton
+    runs here."""
+    return type(norm) in (nn.LayerNorm, nn.RMSNorm) and norm.weight is not None and norm.weight.dim() == 1 \
+        and kernel_takes(h)
 
 
 def mlp_ties(cfg: MlpConfig, norm: Optional[str], *, timm_mlp: str = "mlp.", te_mlp: str = "mlp.",

@@ -13,7 +13,7 @@ one ulp at most, and rarely.
 A padded MLP's inner norm (:class:`fp8vit.blocks.mlp.PaddedNorm`): against torch's slice, norm and
 pad in fp32 (the same statistics; the output, input and weight gradients within bf16 rounding: the
 weights are rounded to the activations' dtype, as ``norm_in_dtype`` does), the padding exactly 0
-both ways.
+both ways; with nothing padded, as ``norm_in_dtype`` runs it on the GPU.
 """
 
 import pytest
@@ -21,7 +21,7 @@ import torch
 
 from fp8vit._te.kernels import column_scale_add, layerscale_backward, row_scale_add, triton_support
 from fp8vit.blocks.base import DropPathAdd, LayerScaleAdd
-from fp8vit.blocks.mlp import PaddedNorm
+from fp8vit.blocks.mlp import PaddedNorm, norm_in_dtype
 
 pytestmark = pytest.mark.gpu
 
@@ -125,13 +125,15 @@ def test_drop_path_add_leaves_other_mask_shapes_to_torch():
     assert torch.equal(DropPathAdd.apply(x, y, mask), torch.addcmul(x, y, mask))
 
 
+@pytest.mark.parametrize("real,hp,via", [(2730, 2736, "PaddedNorm"), (1024, 1024, "norm_in_dtype")],
+                         ids=["eva02_large_mlp", "vitamin_large_norm2"])
 @pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
-def test_padded_norm_against_torch_in_fp32(kind):
-    # EVA02-L/14's MLP: 2730 real of 2736 hidden units, batch 8 x 257 tokens, bf16 as under autocast
+def test_padded_norm_against_torch_in_fp32(kind, real, hp, via):
+    # EVA02-L/14's MLP: 2730 real of 2736 hidden units; ViTamin-L's norm before its MLP, nothing
+    # padded, through norm_in_dtype under autocast (lever 38). Batch 8 x 257 tokens, bf16.
     import torch.nn.functional as F
     from torch import nn
     torch.manual_seed(0)
-    real, hp = 2730, 2736
     norm = (nn.LayerNorm(real) if kind == "LayerNorm" else nn.RMSNorm(real, eps=1e-6)).cuda()
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
@@ -142,7 +144,11 @@ def test_padded_norm_against_torch_in_fp32(kind):
     h.requires_grad_(True)
     g = torch.randn(8, 257, hp, device="cuda").to(torch.bfloat16)
     def step():
-        out = PaddedNorm.of(norm, h, real)
+        if via == "PaddedNorm":
+            out = PaddedNorm.of(norm, h, real)
+        else:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = norm_in_dtype(norm, h)
         out.backward(g)
         return out
 
