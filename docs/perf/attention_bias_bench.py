@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fp8vit.blocks.base import _sdpa_bias
-from fp8vit.tools.timing import median_ms
+from microbench import max_rel_err, timed_or_refused
 
 SHAPES = {  # name: (rows, tokens, heads, head dim, calls per step)
     "Swin-B stage 1": (64 * 128, 49, 4, 32, 2),
@@ -125,16 +125,12 @@ def main():
             def step():
                 qi.grad = ki.grad = vi.grad = bias.grad = None
                 fn(qi, ki, vi, bias).backward(g)
-            try:
-                step()
-                ms = median_ms(step, reps=30, warmup=10)
-            except Exception as err:  # a backend that refuses these inputs: say so, go on
-                print(f"{name:15s} {path:15s} {'n/a':>10s} {'':>11s}   {type(err).__name__}: {str(err)[:150]}")
+            ms = timed_or_refused(step, f"{name:15s} {path:15s}")
+            if ms is None:
                 continue
             out = fn(qi, ki, vi, bias)
-            rel = lambda a, b: float((a.float() - b).abs().max() / b.abs().max())  # noqa: E731
-            errs = [rel(out, reference(q, k, v, bias0).detach()), rel(qi.grad, qr.grad)]
-            errs.append(rel(bias.grad, br.grad) if bias_grad else float("nan"))
+            errs = [max_rel_err(out, reference(q, k, v, bias0).detach()), max_rel_err(qi.grad, qr.grad)]
+            errs.append(max_rel_err(bias.grad, br.grad) if bias_grad else float("nan"))
             if name.startswith("Swin"):
                 totals[path] = totals.get(path, 0.0) + calls * ms
             print(f"{name:15s} {path:15s} {ms:10.3f} {calls * ms:11.2f}   " + ", ".join(f"{e:.1e}" for e in errs))

@@ -15,7 +15,8 @@ channels-last. Which layout and library runs them fastest?
   nhwc-native    channels-last with cuDNN off
 Each path's output, input and weight gradients are checked against an fp32 NCHW reference (max
 error relative to the reference's largest value). Times: fp8vit.tools.timing.median_ms, one
-forward + backward per call (the host waits for each), median of 30 after 10 warm-up.
+forward + backward per call (the host waits for each), median of 30 after 10 warm-up
+(microbench.py).
 
 Prediction (written before the first run): nhwc-cudnn about 1 ms per call on average (6.1 ms / 6),
 nchw-cudnn 1.5-2.5x faster, so that keeping these convs NCHW would save 2-3.5 ms of ViTamin-L's
@@ -26,7 +27,7 @@ import fp8vit  # noqa: F401  imports TE (where installed) before torch runs a cu
 import torch
 import torch.nn.functional as F
 
-from fp8vit.tools.timing import median_ms
+from microbench import max_rel_err, timed_or_refused
 
 BATCH = 64
 SHAPES = {  # name: (channels, input height = width, stride), as timm's vitamin_large_224 builds them
@@ -76,15 +77,11 @@ def main():
             def step():
                 x.grad = w.grad = None
                 fn(x, w, stride).backward(grad)
-            try:
-                step()
-                ms = median_ms(step, reps=30, warmup=10)
-            except Exception as err:  # a library that refuses these inputs: say so, go on
-                print(f"{name:14s} {path:12s} {'n/a':>10s} {'':>11s}   {type(err).__name__}: {str(err)[:150]}")
+            ms = timed_or_refused(step, f"{name:14s} {path:12s}")
+            if ms is None:
                 continue
             out = fn(x, w, stride)
-            rel = lambda a, b: float((a.float() - b).abs().max() / b.abs().max())  # noqa: E731
-            errs = [rel(out, ref.detach()), rel(x.grad, xr.grad), rel(w.grad, wr.grad)]
+            errs = [max_rel_err(out, ref.detach()), max_rel_err(x.grad, xr.grad), max_rel_err(w.grad, wr.grad)]
             totals[path] = totals.get(path, 0.0) + calls * ms
             print(f"{name:14s} {path:12s} {ms:10.3f} {calls * ms:11.2f}   " + ", ".join(f"{e:.1e}" for e in errs))
         del x0, xr, ref, g, gb
