@@ -545,8 +545,10 @@ def assert_stage_graphs_train_like_eager(make_model, convert, stages: int, img_s
         loss_of(model, *data[0]).backward()
         opt.step()
         model.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            losses.append(float(loss_of(model, *data[0])))
+        loss = loss_of(model, *data[0])  # with grad and backward: the graphed model replays
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        losses.append(float(loss))
         return grads, losses
 
     with norm_kernels(cudnn):
