@@ -138,9 +138,9 @@ def set_cudnn_layernorm(enabled: bool = True) -> bool:
 
     TE 2.20 ships tuned LayerNorm kernels for a list of widths
     (``fp8vit.training.graph_cache.TE_TUNED_LAYERNORM_WIDTHS``: 768, 1024, 1536, ...); others, such
-    as ViT-H's 1280 and Swin's and ConvNeXt's 128-512, run its general kernels. At ViT-H/16 on an H200 (batch 128, blocks
-    CUDA-graphed) cuDNN's kernels cut LayerNorm time from 15.4 to 5.6 ms per step and the step
-    from 160.2 to 154.2 ms; at ViT-B and ViT-L the graphed step did not change
+    as ViT-H's 1280 and Swin's and ConvNeXt's 128-512, run its general kernels. At ViT-H/16 on an
+    H200 (batch 128, blocks CUDA-graphed) cuDNN's kernels cut LayerNorm time from 15.4 to 5.6 ms
+    per step and the step from 160.2 to 154.2 ms; at ViT-B and ViT-L the graphed step did not change
     (docs/performance.md, lever 8). The switch is TE's and process-wide: it applies to every TE
     LayerNorm in this process, including models fp8vit did not build, until it is set back.
     Without CUDA graphs cuDNN's kernels cost more host time per call, which an eager ViT-H step
