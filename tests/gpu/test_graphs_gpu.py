@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8vit
-from helpers import assert_stage_graphs_train_like_eager, is_forward_gelu_kernel, snr_db
+from helpers import assert_gradients_alike, assert_stage_graphs_train_like_eager, is_forward_gelu_kernel, snr_db
 
 pytestmark = pytest.mark.gpu
 
@@ -116,14 +116,10 @@ def _grad_sequence(model, data, recipe="delayed", accumulate=1, set_to_none=True
 
 
 def _assert_same_gradients(eager_seq, graphed_seq, trail=None):
-    """Every step's gradients within 40 dB (bf16 rounding of the eager wgrad: about 59 dB); a
-    failure lists each step's worst tensors and, with ``trail`` (both models' scaling states per
-    micro-batch), where the scaling states first differ."""
-    assert len(eager_seq) == len(graphed_seq) > 0
-    low = [(step, n, round(db, 1)) for step, (ge, gg) in enumerate(zip(eager_seq, graphed_seq))
-           for n, a in ge.items() for db in [snr_db(a, gg[n])] if not db > 40]
+    """:func:`helpers.assert_gradients_alike`, saying with ``trail`` (both models' scaling states
+    per micro-batch) where the scaling states first differ."""
     where = f"; scaling state first differs after: {_first_divergence(trail)}" if trail else ""
-    assert not low, f"{len(low)} gradients below 40 dB (step, name, dB): {low[:12]}{where}"
+    assert_gradients_alike(eager_seq, graphed_seq, where)
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
