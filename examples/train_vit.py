@@ -23,6 +23,7 @@ leaves the previous one loadable (``save_atomically``; ``fp8vit.save_checkpoint`
 import argparse
 import glob
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -254,6 +255,7 @@ def steady_state(readouts, images_per_step, price_per_hour=None):
 
 
 def main(argv=None):
+    """Train as the arguments say; returns the distributed backend it ran under (None: one process)."""
     args = parse_args(argv)
     rank, world, device = setup_distributed()
     cpu = device.type == "cpu"
@@ -354,13 +356,23 @@ def main(argv=None):
         peak = f"; peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if device.type == "cuda" else ""
         print(f"done: {step} steps, last loss {loss.item():.4f}" + (f"; {summary}" if summary else "") + peak
               + (f" ({world} processes, {'FSDP2' if args.fsdp else 'DDP'})" if world > 1 else ""))
-    if dist.is_initialized():
-        # Every rank reaches here before any tears its connections down: a rank whose peer has
-        # already closed them can abort in gloo's teardown ("terminate called without an active
-        # exception", seen once in CI's 2-rank FSDP2 resume test after the run had finished).
-        dist.barrier()
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return None
+    backend = dist.get_backend()
+    dist.barrier()  # every rank is done before any tears its connections down
+    dist.destroy_process_group()
+    return backend
 
 
 if __name__ == "__main__":
-    main()
+    if main() == "gloo":
+        # End a gloo run here, without the interpreter's shutdown. destroy_process_group() does not
+        # free the process group once FSDP2 has run: DTensor's caches keep its DeviceMesh, hence the
+        # group, alive, so gloo's worker threads outlive main(). A worker still releasing the tensors
+        # of a finished collective (checkpoint.py's broadcast of rank 0's result) then needs the GIL
+        # while Python finalizes, and the process aborts ("terminate called without an active
+        # exception", SIGABRT: ProcessGroupGloo::runLoop -> ~AsyncBroadcastWork -> decref -> take_gil
+        # in a core dump, now and then on a loaded 2-core machine). Everything is saved and printed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
