@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import fp8vit  # noqa: E402
-from helpers import dp_batches, dp_train, full_params, load_example  # noqa: E402
+from helpers import dp_batches, dp_train, exit_without_shutdown, full_params, load_example  # noqa: E402
 
 
 def stop(out, rank, stream=None):
@@ -156,7 +156,5 @@ def main():
 
 
 if __name__ == "__main__":
-    if main() == "gloo":  # no interpreter shutdown after gloo: see examples/train_vit.py's __main__
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    if main() == "gloo":
+        exit_without_shutdown()

@@ -355,9 +355,13 @@ def _rank_worker(rank, port, tmp, cases):
             torch.distributed.barrier()  # both ranks done before either tears gloo down
         finally:
             torch.distributed.destroy_process_group()
-    # No interpreter shutdown: gloo's worker threads outlive destroy_process_group() once FSDP2 ran,
-    # and one still releasing a finished collective's tensors while Python finalizes aborts the
-    # process (SIGABRT), as examples/train_vit.py's __main__ explains. The results are saved above.
+    exit_without_shutdown()  # the results are saved above
+
+
+def exit_without_shutdown():
+    """End a gloo rank's process now, skipping the interpreter's shutdown: gloo's worker threads outlive
+    destroy_process_group() once FSDP2 ran, and one still releasing a finished collective's tensors
+    while Python finalizes aborts the process (SIGABRT), as examples/train_vit.py's __main__ explains."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
