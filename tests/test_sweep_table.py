@@ -250,7 +250,7 @@ def stub_sweep(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedPr
         "[ \"$1\" = -m ] && [ \"$2\" = fp8vit.tools.bench ] && "
         f"exec {sys.executable} {tmp_path}/stub_bench.py \"${{@:3}}\"\n"
         f"exec {sys.executable} \"$@\"\n")
-    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho stub GPU\n")
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho \"${STUB_GPU:-NVIDIA H200}\"\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"), **env}
@@ -271,6 +271,16 @@ def test_sweep_runs_past_a_failed_model(tmp_path):
     assert "FAILED pit_b_224: fp8vit-fp8-delayed-graphed-compile: failed: InductorError: stub" in res.stdout
     assert "| resnet50 | 256 |" in res.stdout and "| pit_b_224 | 128 |" in res.stdout  # the group's table
     assert "1 of 2 models ran every variant" in res.stdout
+
+
+def test_sweep_names_its_files_by_the_gpu_it_ran_on(tmp_path):
+    # A run lent an H100 wrote *_sweep_h200 files (session 27); te_env.sh's $gpu now names the card.
+    res = stub_sweep(tmp_path, "resnet50", STUB_GPU="NVIDIA H100 80GB HBM3")
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = tmp_path / "out"
+    assert sorted(p.name for p in (out / "bench").iterdir()) == ["resnet50_b256_sweep_h100.json",
+                                                                  "resnet50_b256_sweep_h100.log"]
+    assert (out / "sweep_resnet50_h100.tgz").is_file()
 
 
 def test_sweep_leaves_out_what_the_budget_cannot_hold(tmp_path):

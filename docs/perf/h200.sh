@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # fp8vit's GPU runs (tests, fp8vit-bench, fp8vit-profile), each stage named on the command line writing
-# its log under $OUT (default docs/results) by the names docs/results/INDEX.md lists:
+# its log under $OUT (default docs/results) by the names docs/results/INDEX.md lists, the GPU's name last
+# (te_env.sh's $gpu: _h200 below on an H200, _h100 on an H100):
 #
 #   bash docs/perf/h200.sh tests                                   # the GPU suite: tests/gpu_suite_h200.log
 #   bash docs/perf/h200.sh tests:tests/gpu/test_eva_gpu.py         # some files (comma-separated): tests/gpu_test_eva_gpu_h200.log
@@ -18,14 +19,14 @@ for stage in "$@"; do
     tests)
       files=${a:-tests/gpu}
       case $files in tests|tests/gpu|tests/gpu/) name=gpu_suite ;; *) name=gpu_$(basename "${files%%,*}" .py) ;; esac
-      python3 -m pytest -m gpu -q -s -p no:cacheprovider ${files//,/ } 2>&1 | tee "$out/tests/${name}_h200.log" | tail -40 || rc=1 ;;
+      python3 -m pytest -m gpu -q -s -p no:cacheprovider ${files//,/ } 2>&1 | tee "$out/tests/${name}_$gpu.log" | tail -40 || rc=1 ;;
     bench)
       variants=${c:+--variants ${c//,/ }}
       name="bench/${a}_b${b:-128}_${d:-${c:+custom}}"; name=${name%_}; [ -z "$c" ] && name="${name}_default4"
       python3 -m fp8vit.tools.bench --model "$a" --batch-size "${b:-128}" $variants \
-        --json "$out/${name}_h200.json" 2>&1 | tee "$out/${name}_h200.log" || rc=1 ;;
+        --json "$out/${name}_$gpu.json" 2>&1 | tee "$out/${name}_$gpu.log" || rc=1 ;;
     profile)
-      name="profile/${a}_b${b:-128}_${c:-fp8vit-fp8-delayed-graphed}_h200"
+      name="profile/${a}_b${b:-128}_${c:-fp8vit-fp8-delayed-graphed}_$gpu"
       python3 -m fp8vit.tools.profiling --model "$a" --batch-size "${b:-128}" --variant "${c:-fp8vit-fp8-delayed-graphed}" \
         --kernels "$out/$name.kernels.txt" > "$out/$name.log" 2>&1 || rc=1
       grep -A12 "wall" "$out/$name.log" ;;

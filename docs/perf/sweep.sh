@@ -7,7 +7,7 @@
 #   bash docs/perf/sweep.sh --list          # the models, batches, variants and time estimates; runs nothing
 #   bash docs/perf/sweep.sh 1               # one group (1-8): each fits one device command (< 9 min)
 #   bash docs/perf/sweep.sh swin_base_patch4_window7_224 ...   # some models of the table (a rerun)
-#   python3 docs/perf/sweep_table.py        # then: the table of every bench/*_sweep_h200.json
+#   python3 docs/perf/sweep_table.py        # then: the table of every bench/*_sweep_*.json
 #
 # Per model, one fp8vit-bench process: --steps 20 --warmup 8 (fewer than the bench's 30/10: the
 # compiles dominate a run's time, not the steps) and the variants of its kind:
@@ -16,6 +16,9 @@
 #            the graphed blocks outside dynamo)
 #   hybrid   the same: for ViTamin, the R50 hybrid and PiT, -graphed-compile compiles the conv stems
 #            (fallback="compile" compiles blocks holding Linears only: none there)
+#   narrow   hybrid's, and fp8vit-fp8-delayed-bf16narrow-graphed-compile: FP8 off in blocks under 512
+#            channels (CrossViT-15's branches are 192 and 384 wide: on an H100 its graphed-compile
+#            step was 2.9% slower than timm + compile, a run whose log was lost)
 #   generic  timm-bf16, timm-bf16-compile and fp8vit-fp8-delayed-compile (convert_to_te, then
 #            torch.compile(model): everything but fused blocks compiled, what convert_to_te(compile=True)
 #            does). fallback="compile" (-blockcompile: per-block compiles) is left out: one more
@@ -27,9 +30,9 @@
 #            (transformers.N.blocks), graphed per stage as Swin's (fused blocks left eager under
 #            compile are host-bound: docs/performance.md). ResNet-50, the
 #            control, holds nothing fp8vit converts: its fp8vit variant is timm + compile again.
-# Logs and JSON under $OUT (default docs/results) by docs/perf/h200.sh's names:
-# bench/MODEL_bBATCH_sweep_h200.{log,json}; at the end, also the run's logs and JSONs in one tarball,
-# sweep_N_h200.tgz under $OUT (N: the arguments joined by '_', the group's number for a group; paths
+# Logs and JSON under $OUT (default docs/results) by docs/perf/h200.sh's names, GPU last (te_env.sh's
+# $gpu: h200, h100): bench/MODEL_bBATCH_sweep_h200.{log,json}; at the end, also the run's logs and JSONs
+# in one tarball, sweep_N_h200.tgz under $OUT (N: the arguments joined by '_', the group's number for a group; paths
 # inside as under $OUT: bench/...), as the device machine returns at most 8 files of $OUT and a group
 # writes up to 10; nothing is removed. CrossViT runs at its own 240 px (--img-size 240; at 224
 # its two branches' token counts do not match); every other model at 224 px.
@@ -71,7 +74,7 @@ SWEEP="
 2 vit_base_r50_s16_224          128 224 hybrid    8  50  10  25
 2 pit_b_224                     128 224 hybrid    6  35  10  35
 8 resnet50                      256 224 generic   8  50   50
-7 crossvit_15_240               256 240 hybrid    8  60  12  40
+7 crossvit_15_240               256 240 narrow    8  60  12  40  40
 3 beit_base_patch16_224         128 224 fused     6  40   8  16
 3 swin_base_patch4_window7_224  128 224 fused    10 120  20  60
 4 convnext_base                 128 224 fused     8  70  15  45
@@ -89,6 +92,7 @@ variants_of() {  # kind -> comma-separated variants
   case $1 in
     fused) echo "$base,fp8vit-fp8-delayed-graphed,fp8vit-fp8-delayed-graphed-compile" ;;
     hybrid) echo "$base,fp8vit-fp8-delayed-graphed,fp8vit-fp8-delayed-graphed-compile" ;;
+    narrow) echo "$base,fp8vit-fp8-delayed-graphed,fp8vit-fp8-delayed-graphed-compile,fp8vit-fp8-delayed-bf16narrow-graphed-compile" ;;
     generic) echo "$base,fp8vit-fp8-delayed-compile" ;;
     *) echo "sweep.sh: unknown kind $1" >&2; return 2 ;;
   esac
@@ -147,7 +151,7 @@ failed=() rerun=() jsons=() packed=()  # packed: the run's files, relative to $o
 while read -r group model batch img kind est; do
   est=$(estimate_of $est)
   variants=$(variants_of "$kind")
-  name="$out/bench/${model}_b${batch}_sweep_h200"
+  name="$out/bench/${model}_b${batch}_sweep_$gpu"
   left=$((budget - SECONDS))
   echo
   echo "=== group $group: $model, batch $batch, ${img} px, $kind: ${variants//,/, }" \
@@ -195,7 +199,7 @@ echo
 n=$(wc -l <<< "$rows")
 echo "sweep $*: $((n - ${#failed[@]})) of $n models ran every variant, in ${SECONDS} s"
 if [ ${#packed[@]} -gt 0 ]; then  # one file for the device's 8 returned: every log and JSON of the run
-  tgz="$out/sweep_$(tr ' ' _ <<< "$*")_h200.tgz"
+  tgz="$out/sweep_$(tr ' ' _ <<< "$*")_$gpu.tgz"
   tar -czf "$tgz" -C "$out" "${packed[@]}" && echo "logs and JSONs: $tgz (${#packed[@]} files)"
 fi
 if [ ${#failed[@]} -gt 0 ]; then

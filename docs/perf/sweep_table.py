@@ -1,6 +1,6 @@
 """The sweep's table (docs/perf/sweep.sh): one markdown row per model from ``fp8vit-bench --json`` files.
 
-    python3 docs/perf/sweep_table.py                   # docs/results/bench/*_sweep_h200.json
+    python3 docs/perf/sweep_table.py                   # docs/results/bench/*_sweep_h[0-9]*.json (H200, H100)
     python3 docs/perf/sweep_table.py A.json B.json     # those runs
     python3 docs/perf/sweep_table.py --check           # exit 1 if a model misses the criterion
 
@@ -30,7 +30,7 @@ import sys
 
 TOLERANCE = 0.02  # issue 34: at most 2% slower than torch.compile alone
 EAGER, COMPILE = "timm-bf16", "timm-bf16-compile"
-DEFAULT_GLOB = "docs/results/bench/*_sweep_h200.json"
+DEFAULT_GLOB = "docs/results/bench/*_sweep_h[0-9]*.json"
 # fp8vit's variants in the column order of docs/perf/sweep.sh's kinds; others follow by name
 FP8VIT_ORDER = ("fp8vit-fp8-delayed-graphed", "fp8vit-fp8-delayed-blockcompile-graphed",
                 "fp8vit-fp8-delayed-blockcompile", "fp8vit-fp8-delayed-linear")

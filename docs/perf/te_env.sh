@@ -5,6 +5,11 @@
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out=${OUT:-docs/results}
 mkdir -p "$out"
+# $gpu names the card in every log's name (h200, h100, ...): the first word of nvidia-smi's name after
+# "NVIDIA", lowercased, so that a run lent an H100 is not filed as an H200 one.
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null |
+  awk 'NR == 1 {for (i = 1; i <= NF; i++) if ($i != "NVIDIA") {print tolower($i); exit}}')
+gpu=${gpu:-gpu}
 # The kit's /tmp/te_env.sh first whenever it exists: it points TE at torch's cuDNN. A TE that imports
 # without it (PYTHONPATH=/tmp/site on a machine where the kit ran before) loads another cuDNN and
 # loses its fused attention (seen: Swin's and BEiT's attention unfused on a reused machine).
