@@ -135,6 +135,18 @@ def test_table_values(tmp_path):
     assert text.splitlines()[-1] == "1 of 1 models within 2% of torch.compile (or faster)"
 
 
+def test_a_gpu_column_where_runs_mix_gpus(tmp_path):
+    # One GPU: no column (test_table_values). An H100 run beside the H200 ones: each row says its GPU.
+    h100 = {**FAST, "model": "pit_b_224", "environment": {**ENV, "device": "NVIDIA H100 80GB HBM3"}}
+    rows, envs = st.load(write(tmp_path, FAST, h100))
+    assert len(envs) == 2
+    text = st.table(rows)
+    head = [c.strip() for c in text.splitlines()[0].strip("|").split("|")]
+    assert head[:3] == ["model", "GPU", "batch"]
+    assert dict(zip(head, line_of(text, "pit_b_224")))["GPU"] == "NVIDIA H100 80GB HBM3"
+    assert dict(zip(head, line_of(text, "vit_base_patch16_224")))["GPU"] == ENV["device"]
+
+
 def test_more_than_two_percent_slower_is_flagged(tmp_path):
     rows, _ = st.load(write(tmp_path, FAST, SLOW, EDGE))
     text = st.table(rows)

@@ -45,12 +45,14 @@ class Row:
         batch: images per step.
         warmup: untimed steps before the timed ones (for the compile time).
         results: the bench's result dicts by variant name.
+        device: the GPU it ran on (the JSON's ``environment.device``).
     """
 
     model: str
     batch: int
     warmup: int
     results: dict[str, dict]
+    device: str = "?"
 
     def ms(self, variant: str) -> float | None:
         """The variant's median step (ms); None if it did not run or failed."""
@@ -111,8 +113,8 @@ def load(paths: list[str]) -> tuple[list[Row], list[str]]:
         by_batch: dict[int, dict[str, dict]] = {}
         for r in results:
             by_batch.setdefault(r["batch"], {})[r["variant"]] = r
-        rows += [Row(run["model"], b, run.get("warmup", 0), res) for b, res in by_batch.items()]
         env = run.get("environment", {})
+        rows += [Row(run["model"], b, run.get("warmup", 0), res, env.get("device", "?")) for b, res in by_batch.items()]
         text = (f"{env.get('device', '?')}, torch {env.get('torch', '?')}, TE {env.get('transformer_engine', '?')}, "
                 f"timm {env.get('timm', '?')}; {run.get('steps', '?')} timed steps after {run.get('warmup', '?')} "
                 "warm-up")
@@ -161,17 +163,19 @@ def verdict(row: Row) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    """The markdown table and its summary lines."""
+    """The markdown table and its summary lines; a GPU column where the runs were on more than one
+    kind of GPU (each row's ratios are within its own run)."""
     cols = [v for v in FP8VIT_ORDER if any(v in r.results for r in rows)]
     cols += sorted({v for r in rows for v in r.fp8vit} - set(cols))
-    head = ["model", "batch", "timm eager ms", "timm compile ms (x, compile s)", *map(_short, cols),
+    gpus = len({r.device for r in rows}) > 1
+    head = ["model", *(["GPU"] if gpus else []), "batch", "timm eager ms", "timm compile ms (x, compile s)", *map(_short, cols),
             "best fp8vit", "best vs compile", f"within {100 * TOLERANCE:.0f}%"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         change = f"{100 * r.change:+.1f}%" if r.change is not None else "n/a"
         best = _short(r.best) if r.best else "none"
         eager = f"{r.ms(EAGER):.1f}" if r.ms(EAGER) is not None else cell(r, EAGER)
-        lines.append("| " + " | ".join([r.model, str(r.batch), eager, cell(r, COMPILE), *(cell(r, v) for v in cols),
+        lines.append("| " + " | ".join([r.model, *([r.device] if gpus else []), str(r.batch), eager, cell(r, COMPILE), *(cell(r, v) for v in cols),
                                         best, change, verdict(r)]) + " |")
     missed = [r.model + ("" if len({x.model for x in rows}) == len(rows) else f" b{r.batch}")
               for r in rows if not r.ok]
