@@ -25,7 +25,7 @@ from .blocks.config import BlockConfig
 from .training.context import FP8State, fp8_context
 from .training.autocast import set_fp8_autocast
 from .convert import FALLBACKS, convert_from_te, convert_to_te
-from .training.switches import set_block_fp8, set_grad_checkpointing, set_mlp_recompute
+from .training.switches import set_block_fp8, set_grad_checkpointing, set_mlp_recompute, set_patch_gemm
 from .training.detect import GPUInfo, fp8_support, gpu_info
 from .training.diagnostics import BlockStats, DiagnosisReport, diagnose
 from .training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -62,6 +62,7 @@ __all__ = [
     "ConversionSummary",
     "set_grad_checkpointing",
     "set_mlp_recompute",
+    "set_patch_gemm",
     "set_block_fp8",
     # FP8 execution
     "fp8_context",

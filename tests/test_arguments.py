@@ -143,6 +143,8 @@ ROWS = [
     row("set_grad_checkpointing", "model", None, lambda v: fp8vit.set_grad_checkpointing(v), TypeError, MODULE),
     row("set_grad_checkpointing", "enable", 1, lambda v: fp8vit.set_grad_checkpointing(_converted(), v),
         TypeError, BOOL),
+    row("set_patch_gemm", "model", None, lambda v: fp8vit.set_patch_gemm(v), TypeError, MODULE),
+    row("set_patch_gemm", "enable", 1, lambda v: fp8vit.set_patch_gemm(_vit(), v), TypeError, BOOL),
     row("set_mlp_recompute", "model", None, lambda v: fp8vit.set_mlp_recompute(v), TypeError, MODULE),
     row("set_mlp_recompute", "enable", None, lambda v: fp8vit.set_mlp_recompute(_converted(), v), TypeError, BOOL),
     row("set_mlp_recompute", "every", 0, lambda v: fp8vit.set_mlp_recompute(_converted(), every=v),

@@ -32,6 +32,8 @@ A variant's name says what runs the blocks, in which precision, and how:
                                    blocks narrower than :data:`NARROW` channels (Swin's and
                                    ConvNeXt's first two stages), whose skinny GEMMs gain less than
                                    their FP8 casts cost
+``fp8vit-fp8-delayed-patchgemm-graphed[-compile]``  the patch embedding's convolution as one
+                                   GEMM (:func:`fp8vit.set_patch_gemm`)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -54,7 +56,7 @@ from .. import _te
 from ..blocks.backend import set_cudnn_layernorm
 from ..training.context import fp8_context
 from ..convert import convert_to_te
-from ..training.switches import set_block_fp8, set_mlp_recompute
+from ..training.switches import set_block_fp8, set_mlp_recompute, set_patch_gemm
 from ..training.graphs import GraphedBlocks, branch_blocks, graphed_handles, install_graphs, make_graphed_blocks
 from ..blocks.base import FP8Block
 from ..blocks.linear import is_block
@@ -81,6 +83,7 @@ VARIANTS = (
     "fp8vit-fp8-delayed-fp8attn", "fp8vit-fp8-delayed-fp8attn-graphed",
     *(f"fp8vit-fp8-delayed-{k}bias-graphed{c}" for k in ("torch", "te") for c in ("", "-compile")),
     "fp8vit-fp8-delayed-bf16narrow-graphed", "fp8vit-fp8-delayed-bf16narrow-graphed-compile",
+    "fp8vit-fp8-delayed-patchgemm-graphed", "fp8vit-fp8-delayed-patchgemm-graphed-compile",
 )
 
 # -bf16narrow: fused blocks whose width (``cfg.dim``) is below this run with FP8 off
@@ -105,6 +108,7 @@ class Variant:
         bias_attention: the fused blocks' ``bias_attention`` (``"torch"`` or ``"te"``), or None
             for each family's default.
         bf16_narrow: FP8 off in the fused blocks narrower than :data:`NARROW`.
+        patch_gemm: the patch embedding's convolution as one GEMM (:func:`fp8vit.set_patch_gemm`).
     """
 
     name: str
@@ -118,6 +122,7 @@ class Variant:
     fp8_attention: bool = False
     bias_attention: Optional[str] = None
     bf16_narrow: bool = False
+    patch_gemm: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -135,7 +140,7 @@ class Variant:
         return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm, linear="linear" in parts,
                    block_compile="blockcompile" in parts, fp8_attention="fp8attn" in parts,
                    bias_attention=next((p[:-4] for p in parts if p in ("torchbias", "tebias")), None),
-                   bf16_narrow="bf16narrow" in parts)
+                   bf16_narrow="bf16narrow" in parts, patch_gemm="patchgemm" in parts)
 
     @property
     def te_fp8(self) -> bool:
@@ -265,6 +270,8 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
                 set_block_fp8(net, narrow, False)
         if mlp_recompute:
             set_mlp_recompute(net, every=mlp_recompute)
+        if v.patch_gemm:
+            set_patch_gemm(net)
     if v.fp8 == "torchao":
         _torchao_fp8(net)
     graphs = ()

@@ -1,5 +1,6 @@
 """Switches on a converted model's blocks: FP8 per block, activation checkpointing (whole blocks,
-through TE's FP8-aware checkpoint) and recompute of the MLP activations.
+through TE's FP8-aware checkpoint), recompute of the MLP activations, and the patch embedding's
+convolution as one GEMM.
 
 ``convert_to_te`` routes a timm model's own ``set_grad_checkpointing`` here
 (:func:`install_checkpointing`): timm's ``checkpoint_seq`` around TE modules under FP8 fails on
@@ -19,9 +20,10 @@ from .._validate import check_bool, check_int, check_items, check_model, check_m
 from ..blocks.base import FP8Block
 from ..blocks.families import fp8vit_block_for
 from ..blocks.linear import holds_linear, is_block, is_swapped
+from ..blocks.patch_embed import PatchGemmConv2d, patchifies
 from .autocast import own_forward, set_own_forward
 
-__all__ = ["set_block_fp8", "set_grad_checkpointing", "set_mlp_recompute", "ModuleFilter", "install_checkpointing",
+__all__ = ["set_block_fp8", "set_grad_checkpointing", "set_mlp_recompute", "set_patch_gemm", "ModuleFilter", "install_checkpointing",
            "remove_checkpointing", "checkpointing_on"]
 
 # ``fn(module, fqn) -> bool``: which modules a function acts on (``convert_to_te``, ``set_mlp_recompute``).
@@ -242,3 +244,43 @@ def install_checkpointing(model: nn.Module) -> None:
     # A model converted while checkpointing was on keeps it, now through TE.
     if getattr(model, "grad_checkpointing", False):
         model.set_grad_checkpointing(True)
+
+
+def set_patch_gemm(model: nn.Module, enable: bool = True) -> List[str]:
+    """Run the patch embedding's convolution of ``model`` as one GEMM under bf16/fp16 autocast.
+
+    The ``proj`` ``Conv2d`` of every timm ``PatchEmbed`` in ``model`` whose kernel equals its stride
+    (no padding, dilation or groups: a ViT's, a Swin's) becomes a
+    :class:`fp8vit.blocks.patch_embed.PatchGemmConv2d` in place: the same module, parameters and
+    state dict, its class only changed, so it can be called before or after ``convert_to_te``,
+    before the optimizer is built or after. It then cuts the images into patches in one copy and
+    multiplies them by the weight in one GEMM, in place of cuDNN's convolution and its NCHW <-> NHWC
+    conversions, under 16-bit autocast only (fp32: the convolution, as timm's). Its output has the
+    convolution's shape, laid out channels-last.
+
+    Args:
+        model: any module holding timm patch embeddings (converted or not).
+        enable: True: GEMM; False: back to ``nn.Conv2d``.
+
+    Returns:
+        the names of the convolutions switched (``"patch_embed.proj"``).
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``enable`` not a bool.
+        ValueError: ``enable`` and ``model`` holds no patchifying timm ``PatchEmbed`` convolution.
+    """
+    from timm.layers import PatchEmbed
+
+    check_model("set_patch_gemm", model)
+    check_bool("set_patch_gemm", "enable", enable)
+    found = {f"{n}.proj" if n else "proj": m.proj for n, m in model.named_modules()
+             if isinstance(m, PatchEmbed) and patchifies(getattr(m, "proj", None))}
+    if enable and not found:
+        embeds = [f"{n}: {type(getattr(m, 'proj', None)).__name__}" for n, m in model.named_modules()
+                  if isinstance(m, PatchEmbed)]
+        raise ValueError(f"set_patch_gemm: {type(model).__name__} holds no timm PatchEmbed whose proj is a Conv2d "
+                         f"with kernel == stride and no padding, dilation or groups (its PatchEmbeds: "
+                         f"{embeds or 'none'}); nothing to switch")
+    for conv in found.values():
+        conv.__class__ = PatchGemmConv2d if enable else nn.Conv2d
+    return list(found)

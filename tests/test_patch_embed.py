@@ -1,0 +1,101 @@
+"""set_patch_gemm / PatchGemmConv2d on the CPU: the patch embedding's convolution as one GEMM.
+
+CPU autocast runs bf16 as the GPU's does, so the numerics are checked here against the fp32
+convolution; the speed is a GPU measurement (docs/performance.md).
+"""
+
+import copy
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import fp8vit
+from fp8vit.blocks.patch_embed import PatchGemmConv2d, patchifies
+
+
+def _pair(name="vit_tiny_patch16_224", **kw):
+    torch.manual_seed(0)
+    ref = timm.create_model(name, num_classes=10, **kw)
+    model = copy.deepcopy(ref)
+    return ref, model
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_bf16_gemm_is_as_close_to_fp32_as_the_bf16_convolution():
+    # The conv's output and weight gradient under bf16 autocast, each against fp32: the GEMM's
+    # error is of the same size as the convolution's (both round their inputs to bf16 and
+    # accumulate in fp32); a patch cut in the wrong order is ~100% off.
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 64, 16, 16)
+    x = torch.randn(4, 3, 64, 96)
+    exact = conv(x)
+    exact.square().sum().backward()
+    g_exact = conv.weight.grad.clone()
+    out = {}
+    for cls in (nn.Conv2d, PatchGemmConv2d):
+        conv.weight.grad = conv.bias.grad = None
+        conv.__class__ = cls
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = conv(x)
+        assert y.dtype == torch.bfloat16 and y.shape == exact.shape == (4, 64, 4, 6)
+        y.float().square().sum().backward()
+        out[cls] = (_rel(y, exact), _rel(conv.weight.grad, g_exact))
+    (conv_y, conv_g), (gemm_y, gemm_g) = out[nn.Conv2d], out[PatchGemmConv2d]
+    assert gemm_y < 2 * conv_y + 1e-3 and gemm_y < 1e-2, out
+    assert gemm_g < 2 * conv_g + 1e-3 and gemm_g < 2e-2, out
+
+
+def test_switched_vit_matches_timm_and_keeps_its_state():
+    ref, model = _pair()
+    assert fp8vit.set_patch_gemm(model) == ["patch_embed.proj"]
+    proj = model.patch_embed.proj
+    assert type(proj) is PatchGemmConv2d and proj.weight is model.patch_embed.proj.weight
+    assert list(model.state_dict()) == list(ref.state_dict())
+    x = torch.randn(2, 3, 224, 224)
+    # fp32: the convolution itself, bit for bit
+    torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    # bf16 autocast: the GEMM, within bf16 rounding of timm's bf16 step
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = model(x), ref(x)
+        tokens = model.patch_embed(x)
+    assert tokens.is_contiguous()  # [B, N, D]: timm's flatten/transpose of the channels-last view
+    assert _rel(got, want) < 2e-2
+    fp8vit.set_patch_gemm(model, False)
+    assert type(model.patch_embed.proj) is nn.Conv2d
+
+
+def test_image_not_a_whole_number_of_patches_runs_the_convolution():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, 4, 4)
+    x = torch.randn(1, 3, 18, 16)  # 18 = 4 * 4 + 2: the conv drops the last 2 rows
+    want = conv(x)
+    conv.__class__ = PatchGemmConv2d
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert conv._gemm_dtype(x) is None
+        got = conv(x)
+    assert got.shape == want.shape == (1, 8, 4, 4)
+
+
+def test_which_convolutions_patchify():
+    assert patchifies(nn.Conv2d(3, 8, 16, 16)) and patchifies(nn.Conv2d(3, 8, (4, 2), (4, 2)))
+    assert not patchifies(nn.Conv2d(3, 8, 16, 8))  # overlapping
+    assert not patchifies(nn.Conv2d(3, 8, 3, 3, padding=1))
+    assert not patchifies(nn.Conv2d(4, 8, 2, 2, groups=2))
+    assert not patchifies(nn.Linear(3, 8)) and not patchifies(None)
+
+
+def test_set_patch_gemm_on_swin_and_on_a_model_without_patch_embedding():
+    _, swin = _pair("swin_tiny_patch4_window7_224")
+    assert fp8vit.set_patch_gemm(swin) == ["patch_embed.proj"]
+    with pytest.raises(ValueError, match=r"holds no timm PatchEmbed.*ResNet|ResNet.*holds no timm PatchEmbed"):
+        fp8vit.set_patch_gemm(timm.create_model("resnet18"))
+    assert fp8vit.set_patch_gemm(timm.create_model("resnet18"), False) == []  # nothing to undo
+    with pytest.raises(TypeError, match="enable"):
+        fp8vit.set_patch_gemm(swin, enable="yes")
+    with pytest.raises(TypeError):
+        fp8vit.set_patch_gemm("model")
