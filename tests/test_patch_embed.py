@@ -99,3 +99,15 @@ def test_set_patch_gemm_on_swin_and_on_a_model_without_patch_embedding():
         fp8vit.set_patch_gemm(swin, enable="yes")
     with pytest.raises(TypeError):
         fp8vit.set_patch_gemm("model")
+
+
+def test_gemm_path_traces_whole_under_torch_compile():
+    # convert_to_te(compile=True) and the bench's -compile variants trace it: no graph break
+    # (fullgraph=True raises on one), the same result as eager.
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 16, 8, 8)
+    conv.__class__ = PatchGemmConv2d
+    compiled = torch.compile(conv, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(compiled(x), conv(x), rtol=0, atol=0)
