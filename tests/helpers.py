@@ -53,6 +53,28 @@ _TANH = functools.partial(nn.GELU, approximate="tanh")
 _PAD = 170 / 64
 
 
+def patch_gemm_errors(conv: nn.Conv2d, x: torch.Tensor) -> dict:
+    """``{"Conv2d": (out, wgrad), "PatchGemmConv2d": (out, wgrad)}``: each one's relative L2 error
+    under bf16 autocast against ``conv``'s own fp32 output and weight gradient (``conv`` is left a
+    ``PatchGemmConv2d``; the loss is the output's sum of squares)."""
+    from fp8vit.blocks.patch_embed import PatchGemmConv2d
+
+    conv.__class__ = nn.Conv2d
+    exact = conv(x)
+    exact.square().sum().backward()
+    g_exact = conv.weight.grad.clone()
+    errs = {}
+    for cls in (nn.Conv2d, PatchGemmConv2d):
+        conv.weight.grad = conv.bias.grad = None
+        conv.__class__ = cls
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            y = conv(x)
+        assert y.shape == exact.shape and y.dtype == torch.bfloat16
+        y.float().square().sum().backward()
+        errs[cls.__name__] = (rel_l2_err(exact, y.float()), rel_l2_err(g_exact, conv.weight.grad))
+    return errs
+
+
 def _mlp_cases():
     from timm.layers import GluMlp, SwiGLU, SwiGLUPacked
     from timm.models.vitamin import GeGluMlp

@@ -13,6 +13,7 @@ from torch import nn
 
 import fp8vit
 from fp8vit.blocks.patch_embed import PatchGemmConv2d, patchifies
+from helpers import patch_gemm_errors, rel_l2_err
 
 
 def _pair(name="vit_tiny_patch16_224", **kw):
@@ -22,10 +23,6 @@ def _pair(name="vit_tiny_patch16_224", **kw):
     return ref, model
 
 
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def test_bf16_gemm_is_as_close_to_fp32_as_the_bf16_convolution():
     # The conv's output and weight gradient under bf16 autocast, each against fp32: the GEMM's
     # error is of the same size as the convolution's (both round their inputs to bf16 and
@@ -33,21 +30,10 @@ def test_bf16_gemm_is_as_close_to_fp32_as_the_bf16_convolution():
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 64, 16, 16)
     x = torch.randn(4, 3, 64, 96)
-    exact = conv(x)
-    exact.square().sum().backward()
-    g_exact = conv.weight.grad.clone()
-    out = {}
-    for cls in (nn.Conv2d, PatchGemmConv2d):
-        conv.weight.grad = conv.bias.grad = None
-        conv.__class__ = cls
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = conv(x)
-        assert y.dtype == torch.bfloat16 and y.shape == exact.shape == (4, 64, 4, 6)
-        y.float().square().sum().backward()
-        out[cls] = (_rel(y, exact), _rel(conv.weight.grad, g_exact))
-    (conv_y, conv_g), (gemm_y, gemm_g) = out[nn.Conv2d], out[PatchGemmConv2d]
-    assert gemm_y < 2 * conv_y + 1e-3 and gemm_y < 1e-2, out
-    assert gemm_g < 2 * conv_g + 1e-3 and gemm_g < 2e-2, out
+    errs = patch_gemm_errors(conv, x)
+    (conv_y, conv_g), (gemm_y, gemm_g) = errs["Conv2d"], errs["PatchGemmConv2d"]
+    assert gemm_y < 2 * conv_y + 1e-3 and gemm_y < 1e-2, errs
+    assert gemm_g < 2 * conv_g + 1e-3 and gemm_g < 2e-2, errs
 
 
 def test_switched_vit_matches_timm_and_keeps_its_state():
@@ -64,7 +50,7 @@ def test_switched_vit_matches_timm_and_keeps_its_state():
         got, want = model(x), ref(x)
         tokens = model.patch_embed(x)
     assert tokens.is_contiguous()  # [B, N, D]: timm's flatten/transpose of the channels-last view
-    assert _rel(got, want) < 2e-2
+    assert rel_l2_err(want.float(), got.float()) < 2e-2
     fp8vit.set_patch_gemm(model, False)
     assert type(model.patch_embed.proj) is nn.Conv2d
 
