@@ -13,6 +13,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.utils.checkpoint
+from timm.layers import PatchEmbed
 from torch import nn
 
 from .. import _te
@@ -23,8 +24,8 @@ from ..blocks.linear import holds_linear, is_block, is_swapped
 from ..blocks.patch_embed import PatchGemmConv2d, patchifies
 from .autocast import own_forward, set_own_forward
 
-__all__ = ["set_block_fp8", "set_grad_checkpointing", "set_mlp_recompute", "set_patch_gemm", "ModuleFilter", "install_checkpointing",
-           "remove_checkpointing", "checkpointing_on"]
+__all__ = ["set_block_fp8", "set_grad_checkpointing", "set_mlp_recompute", "set_patch_gemm", "ModuleFilter",
+           "install_checkpointing", "remove_checkpointing", "checkpointing_on"]
 
 # ``fn(module, fqn) -> bool``: which modules a function acts on (``convert_to_te``, ``set_mlp_recompute``).
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -269,8 +270,6 @@ def set_patch_gemm(model: nn.Module, enable: bool = True) -> List[str]:
         TypeError: ``model`` is not a module, or ``enable`` not a bool.
         ValueError: ``enable`` and ``model`` holds no patchifying timm ``PatchEmbed`` convolution.
     """
-    from timm.layers import PatchEmbed
-
     check_model("set_patch_gemm", model)
     check_bool("set_patch_gemm", "enable", enable)
     found = {f"{n}.proj" if n else "proj": m.proj for n, m in model.named_modules()
