@@ -38,9 +38,10 @@ def test_bf16_gemm_is_as_close_to_fp32_as_the_bf16_convolution():
 
 def test_switched_vit_matches_timm_and_keeps_its_state():
     ref, model = _pair()
+    conv, weight = model.patch_embed.proj, model.patch_embed.proj.weight
     assert fp8vit.set_patch_gemm(model) == ["patch_embed.proj"]
     proj = model.patch_embed.proj
-    assert type(proj) is PatchGemmConv2d and proj.weight is model.patch_embed.proj.weight
+    assert type(proj) is PatchGemmConv2d and proj is conv and proj.weight is weight  # in place
     assert list(model.state_dict()) == list(ref.state_dict())
     x = torch.randn(2, 3, 224, 224)
     # fp32: the convolution itself, bit for bit

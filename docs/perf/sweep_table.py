@@ -114,7 +114,8 @@ def load(paths: list[str]) -> tuple[list[Row], list[str]]:
         for r in results:
             by_batch.setdefault(r["batch"], {})[r["variant"]] = r
         env = run.get("environment", {})
-        rows += [Row(run["model"], b, run.get("warmup", 0), res, env.get("device", "?")) for b, res in by_batch.items()]
+        rows += [Row(run["model"], b, run.get("warmup", 0), res, env.get("device", "?"))
+                 for b, res in by_batch.items()]
         text = (f"{env.get('device', '?')}, torch {env.get('torch', '?')}, TE {env.get('transformer_engine', '?')}, "
                 f"timm {env.get('timm', '?')}; {run.get('steps', '?')} timed steps after {run.get('warmup', '?')} "
                 "warm-up")
@@ -168,14 +169,16 @@ def table(rows: list[Row]) -> str:
     cols = [v for v in FP8VIT_ORDER if any(v in r.results for r in rows)]
     cols += sorted({v for r in rows for v in r.fp8vit} - set(cols))
     gpus = len({r.device for r in rows}) > 1
-    head = ["model", *(["GPU"] if gpus else []), "batch", "timm eager ms", "timm compile ms (x, compile s)", *map(_short, cols),
+    head = ["model", *(["GPU"] if gpus else []), "batch", "timm eager ms", "timm compile ms (x, compile s)",
+            *map(_short, cols),
             "best fp8vit", "best vs compile", f"within {100 * TOLERANCE:.0f}%"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         change = f"{100 * r.change:+.1f}%" if r.change is not None else "n/a"
         best = _short(r.best) if r.best else "none"
         eager = f"{r.ms(EAGER):.1f}" if r.ms(EAGER) is not None else cell(r, EAGER)
-        lines.append("| " + " | ".join([r.model, *([r.device] if gpus else []), str(r.batch), eager, cell(r, COMPILE), *(cell(r, v) for v in cols),
+        lines.append("| " + " | ".join([r.model, *([r.device] if gpus else []), str(r.batch), eager, cell(r, COMPILE),
+                                        *(cell(r, v) for v in cols),
                                         best, change, verdict(r)]) + " |")
     missed = [r.model + ("" if len({x.model for x in rows}) == len(rows) else f" b{r.batch}")
               for r in rows if not r.ok]

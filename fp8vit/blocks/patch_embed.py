@@ -33,7 +33,7 @@ _HALF = (torch.bfloat16, torch.float16)
 def patchifies(conv: nn.Module) -> bool:
     """True if ``conv`` is a plain ``Conv2d`` (or a :class:`PatchGemmConv2d`) that cuts its input
     into patches: kernel == stride, no padding or dilation, one group."""
-    return (isinstance(conv, nn.Conv2d) and type(conv) in (nn.Conv2d, PatchGemmConv2d)
+    return (type(conv) in (nn.Conv2d, PatchGemmConv2d)
             and tuple(conv.kernel_size) == tuple(conv.stride) and conv.groups == 1
             and tuple(conv.dilation) == (1, 1) and not isinstance(conv.padding, str)
             and tuple(conv.padding) == (0, 0))
