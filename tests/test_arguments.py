@@ -131,6 +131,7 @@ ROWS = [
     row("convert_to_te", "autocast", "yes", lambda v: fp8vit.convert_to_te(_vit(), autocast=v), TypeError, BOOL),
     row("convert_to_te", "cuda_graphs", 1, lambda v: fp8vit.convert_to_te(_vit(), cuda_graphs=v), TypeError, BOOL),
     row("convert_to_te", "compile", 1, lambda v: fp8vit.convert_to_te(_vit(), compile=v), TypeError, BOOL),
+    row("convert_to_te", "patch_gemm", "no", lambda v: fp8vit.convert_to_te(_vit(), patch_gemm=v), TypeError, BOOL),
     row("convert_from_te", "model", "model", lambda v: fp8vit.convert_from_te(v), TypeError, MODULE),
     row("conversion_summary", "model", None, lambda v: fp8vit.conversion_summary(v), TypeError, MODULE),
     row("set_block_fp8", "model", None, lambda v: fp8vit.set_block_fp8(v, "blocks.0", False), TypeError, MODULE),

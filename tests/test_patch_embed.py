@@ -1,4 +1,5 @@
-"""set_patch_gemm / PatchGemmConv2d on the CPU: the patch embedding's convolution as one GEMM.
+"""set_patch_gemm / PatchGemmConv2d on the CPU: the patch embedding's convolution as one GEMM,
+and convert_to_te's ``patch_gemm`` (on by default where it fuses blocks) and its undoing.
 
 CPU autocast runs bf16 as the GPU's does, so the numerics are checked here against the fp32
 convolution; the speed is a GPU measurement (docs/performance.md).
@@ -98,3 +99,27 @@ def test_gemm_path_traces_whole_under_torch_compile():
     x = torch.randn(2, 3, 32, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         torch.testing.assert_close(compiled(x), conv(x), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_convert_to_te_runs_the_patch_gemm_where_it_fuses_blocks():
+    ref, model = _pair()
+    conv = model.patch_embed.proj
+    fp8vit.convert_to_te(model, backend="reference")
+    assert type(model.patch_embed.proj) is PatchGemmConv2d and model.patch_embed.proj is conv
+    x = torch.randn(2, 3, 224, 224)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_tokens, tokens = ref.patch_embed(x), model.patch_embed(x)
+    assert rel_l2_err(ref_tokens.float(), tokens.float()) < 1e-2
+    # back to timm's class: its state dict loads into timm's model, the conv is nn.Conv2d again
+    fp8vit.convert_from_te(model)
+    assert type(model.patch_embed.proj) is nn.Conv2d and model.patch_embed.proj is conv
+    ref.load_state_dict(model.state_dict())
+    # patch_gemm=False leaves the conv; a model fp8vit fuses nothing of keeps its conv too (CaiT:
+    # a timm PatchEmbed, blocks of no family)
+    _, off = _pair()
+    fp8vit.convert_to_te(off, backend="reference", patch_gemm=False)
+    assert type(off.patch_embed.proj) is nn.Conv2d
+    _, cait = _pair("cait_xxs24_224")
+    fp8vit.convert_to_te(cait, backend="reference")
+    assert type(cait.patch_embed.proj) is nn.Conv2d

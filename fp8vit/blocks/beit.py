@@ -30,14 +30,9 @@ from timm.models.beit import gen_relative_position_index
 from timm.layers import resize_rel_pos_bias_table, to_2tuple
 from torch import nn
 
-try:
-    from timm.layers import register_notrace_module
-except ImportError:  # timm < 1.0 keeps it with the FX helpers
-    from timm.models._features_fx import register_notrace_module
-
 from .._validate import check_type
 from .eva import EvaBlockConfig, TE_EvaBlock, eva_like_config
-from .timm_layers import require_timm_class
+from .timm_layers import register_notrace_module, require_timm_class
 from .weights import Tie, block_from_timm, rename
 
 __all__ = ["TE_BeitBlock", "BeitBlockConfig", "beit_config_from_timm"]

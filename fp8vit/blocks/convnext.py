@@ -25,14 +25,9 @@ from timm.layers import DropPath
 from timm.models.convnext import ConvNeXtBlock
 from torch import nn
 
-try:
-    from timm.layers import register_notrace_module
-except ImportError:  # timm < 1.0 keeps it with the FX helpers
-    from timm.models._features_fx import register_notrace_module
-
 from .base import FP8Block
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties, norm_in_dtype
-from .timm_layers import require_timm_class, resolve_norm_module
+from .timm_layers import register_notrace_module, require_timm_class, resolve_norm_module
 from .weights import Tie, block_from_timm, load_timm_state, rename, timm_block_of
 
 __all__ = ["TE_ConvNeXtBlock", "ConvNeXtBlockConfig", "convnext_config_from_timm"]

@@ -42,15 +42,10 @@ from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 from timm.models.eva import EvaAttention, EvaBlock, EvaBlockPostNorm
 from torch import nn
 
-try:
-    from timm.layers import register_notrace_module
-except ImportError:  # timm < 1.0 keeps it with the FX helpers
-    from timm.models._features_fx import register_notrace_module
-
 from .._validate import check_type
 from .base import FP8Block, LastResult
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties, norm_in_dtype, torch_norm
-from .timm_layers import require_timm_class, resolve_norm
+from .timm_layers import register_notrace_module, require_timm_class, resolve_norm
 from .weights import Part, Tie, block_from_timm, load_timm_state, rename, timm_block_of
 
 __all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "eva_like_config", "rope_angles",

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .timm_layers import register_notrace_module
+
 __all__ = ["PatchGemmConv2d", "patchifies"]
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -49,7 +51,7 @@ class PatchGemmConv2d(nn.Conv2d):
     def _gemm_dtype(self, x: torch.Tensor) -> Optional[torch.dtype]:
         """The autocast dtype this call runs the GEMM in, or None: run the convolution."""
         dev = x.device.type
-        if x.dim() != 4 or not torch.is_autocast_enabled(dev):
+        if x.dim() != 4 or x.is_meta or not torch.is_autocast_enabled(dev):  # meta: no autocast to ask
             return None
         dtype = torch.get_autocast_dtype(dev)
         p, q = self.kernel_size
@@ -72,3 +74,7 @@ class PatchGemmConv2d(nn.Conv2d):
         out = F.linear(patches.view(b, hp * wp, c * p * q), self.weight.view(self.out_channels, -1), self.bias)
         # the convolution's [B, D, hp, wp], channels-last: a view
         return out.view(b, hp, wp, self.out_channels).permute(0, 3, 1, 2)
+
+
+# One leaf for timm's FX feature extraction, as the Conv2d it was: its forward branches on autocast.
+register_notrace_module(PatchGemmConv2d)

@@ -44,15 +44,10 @@ from timm.models.swin_transformer import SwinTransformerBlock, WindowAttention, 
 import torch.nn.functional as F
 from torch import nn
 
-try:
-    from timm.layers import register_notrace_module
-except ImportError:  # timm < 1.0 keeps it with the FX helpers
-    from timm.models._features_fx import register_notrace_module
-
 from .._validate import check_type
 from .base import aligned_rows
 from .eva import EvaBlockConfig, TE_EvaBlock, eva_like_config
-from .timm_layers import require_timm_class
+from .timm_layers import register_notrace_module, require_timm_class
 from .weights import Tie, block_from_timm, rename
 
 __all__ = ["TE_SwinBlock", "SwinBlockConfig", "swin_config_from_timm", "TE_SwinV2Block", "SwinV2BlockConfig",

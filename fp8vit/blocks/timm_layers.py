@@ -1,5 +1,6 @@
 """timm's norm and activation layers -> what TE's fused kernels run, and the exact timm classes a
-family accepts: every block family asks here.
+family accepts: every block family asks here (and registers its block as one leaf for timm's FX
+feature extraction, ``register_notrace_module``, timm's own, from where this timm keeps it).
 
 A norm becomes TE's normalization name and eps (TE fuses LayerNorm and RMSNorm into the GEMM
 that follows); an activation becomes the TE kernel that computes exactly it (or, for timm's erf
@@ -16,6 +17,11 @@ from timm.layers import activations as timm_act
 from torch import nn
 
 from .._warn import warn_once
+
+try:
+    from timm.layers import register_notrace_module
+except ImportError:  # timm < 1.0 keeps it with the FX helpers
+    from timm.models._features_fx import register_notrace_module
 
 __all__ = ["resolve_norm", "resolve_norm_module", "resolve_activation", "require_timm_class", "GELU_TANH_NOTE"]
 

@@ -26,16 +26,12 @@ from timm.models._manipulate import named_apply
 from timm.models.vision_transformer import Block, get_init_weights_vit
 from torch import nn
 
-try:
-    from timm.layers import register_notrace_module
-except ImportError:  # timm < 1.0 keeps it with the FX helpers
-    from timm.models._features_fx import register_notrace_module
-
 from .._validate import check_bool, check_type
 from .._warn import warn_once
 from .config import BlockConfig, config_from_timm_block
 from .base import FP8Block, check_block_args
 from .mlp import build_mlp, norm_in_dtype
+from .timm_layers import register_notrace_module
 from .weights import copy_requires_grad, te_requires_grad, te_to_timm, timm_requires_grad, timm_to_te
 
 __all__ = ["TE_Block"]

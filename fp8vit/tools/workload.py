@@ -32,8 +32,9 @@ A variant's name says what runs the blocks, in which precision, and how:
                                    blocks narrower than :data:`NARROW` channels (Swin's and
                                    ConvNeXt's first two stages), whose skinny GEMMs gain less than
                                    their FP8 casts cost
-``fp8vit-fp8-delayed-patchgemm-graphed[-compile]``  the patch embedding's convolution as one
-                                   GEMM (:func:`fp8vit.set_patch_gemm`)
+``fp8vit-fp8-delayed-convpatch-graphed[-compile]``  the patch embedding left a convolution
+                                   (``convert_to_te(patch_gemm=False)``; every other fp8vit
+                                   variant runs it as one GEMM, :func:`fp8vit.set_patch_gemm`)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -56,7 +57,7 @@ from .. import _te
 from ..blocks.backend import set_cudnn_layernorm
 from ..training.context import fp8_context
 from ..convert import convert_to_te
-from ..training.switches import set_block_fp8, set_mlp_recompute, set_patch_gemm
+from ..training.switches import set_block_fp8, set_mlp_recompute
 from ..training.graphs import GraphedBlocks, branch_blocks, graphed_handles, install_graphs, make_graphed_blocks
 from ..blocks.base import FP8Block
 from ..blocks.linear import is_block
@@ -83,7 +84,7 @@ VARIANTS = (
     "fp8vit-fp8-delayed-fp8attn", "fp8vit-fp8-delayed-fp8attn-graphed",
     *(f"fp8vit-fp8-delayed-{k}bias-graphed{c}" for k in ("torch", "te") for c in ("", "-compile")),
     "fp8vit-fp8-delayed-bf16narrow-graphed", "fp8vit-fp8-delayed-bf16narrow-graphed-compile",
-    "fp8vit-fp8-delayed-patchgemm-graphed", "fp8vit-fp8-delayed-patchgemm-graphed-compile",
+    "fp8vit-fp8-delayed-convpatch-graphed", "fp8vit-fp8-delayed-convpatch-graphed-compile",
 )
 
 # -bf16narrow: fused blocks whose width (``cfg.dim``) is below this run with FP8 off
@@ -108,7 +109,8 @@ class Variant:
         bias_attention: the fused blocks' ``bias_attention`` (``"torch"`` or ``"te"``), or None
             for each family's default.
         bf16_narrow: FP8 off in the fused blocks narrower than :data:`NARROW`.
-        patch_gemm: the patch embedding's convolution as one GEMM (:func:`fp8vit.set_patch_gemm`).
+        patch_gemm: the patch embedding's convolution as one GEMM (``convert_to_te``'s
+            ``patch_gemm``, its default; False: ``-convpatch``).
     """
 
     name: str
@@ -122,7 +124,7 @@ class Variant:
     fp8_attention: bool = False
     bias_attention: Optional[str] = None
     bf16_narrow: bool = False
-    patch_gemm: bool = False
+    patch_gemm: bool = True
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -140,7 +142,7 @@ class Variant:
         return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm, linear="linear" in parts,
                    block_compile="blockcompile" in parts, fp8_attention="fp8attn" in parts,
                    bias_attention=next((p[:-4] for p in parts if p in ("torchbias", "tebias")), None),
-                   bf16_narrow="bf16narrow" in parts, patch_gemm="patchgemm" in parts)
+                   bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts)
 
     @property
     def te_fp8(self) -> bool:
@@ -259,7 +261,8 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if eager_cudnn_norm or _te.cudnn_norm_enabled():  # a variant without the switch runs TE's kernels
         set_cudnn_layernorm(eager_cudnn_norm)
     if v.blocks == "fp8vit":
-        convert_to_te(net, backend=backend, fallback="linear" if v.linear else "compile" if v.block_compile else "keep")
+        convert_to_te(net, backend=backend, fallback="linear" if v.linear else "compile" if v.block_compile else "keep",
+                      patch_gemm=v.patch_gemm)
         if v.bias_attention:
             for m in net.modules():
                 if isinstance(m, FP8Block):
@@ -270,8 +273,6 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
                 set_block_fp8(net, narrow, False)
         if mlp_recompute:
             set_mlp_recompute(net, every=mlp_recompute)
-        if v.patch_gemm:
-            set_patch_gemm(net)
     if v.fp8 == "torchao":
         _torchao_fp8(net)
     graphs = ()

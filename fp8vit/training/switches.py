@@ -25,7 +25,7 @@ from ..blocks.patch_embed import PatchGemmConv2d, patchifies
 from .autocast import own_forward, set_own_forward
 
 __all__ = ["set_block_fp8", "set_grad_checkpointing", "set_mlp_recompute", "set_patch_gemm", "ModuleFilter",
-           "install_checkpointing", "remove_checkpointing", "checkpointing_on"]
+           "install_checkpointing", "remove_checkpointing", "checkpointing_on", "patch_embed_convs"]
 
 # ``fn(module, fqn) -> bool``: which modules a function acts on (``convert_to_te``, ``set_mlp_recompute``).
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -272,8 +272,7 @@ def set_patch_gemm(model: nn.Module, enable: bool = True) -> List[str]:
     """
     check_model("set_patch_gemm", model)
     check_bool("set_patch_gemm", "enable", enable)
-    found = {f"{n}.proj" if n else "proj": m.proj for n, m in model.named_modules()
-             if isinstance(m, PatchEmbed) and patchifies(getattr(m, "proj", None))}
+    found = patch_embed_convs(model)
     if enable and not found:
         embeds = [f"{n}: {type(getattr(m, 'proj', None)).__name__}" for n, m in model.named_modules()
                   if isinstance(m, PatchEmbed)]
@@ -283,3 +282,10 @@ def set_patch_gemm(model: nn.Module, enable: bool = True) -> List[str]:
     for conv in found.values():
         conv.__class__ = PatchGemmConv2d if enable else nn.Conv2d
     return list(found)
+
+
+def patch_embed_convs(model: nn.Module) -> dict:
+    """The convolutions :func:`set_patch_gemm` switches: each timm ``PatchEmbed``'s patchifying
+    ``proj``, by name (``"patch_embed.proj"``); empty where ``model`` holds none."""
+    return {f"{n}.proj" if n else "proj": m.proj for n, m in model.named_modules()
+            if isinstance(m, PatchEmbed) and patchifies(getattr(m, "proj", None))}
