@@ -45,7 +45,7 @@ def test_idle_gaps_merges_overlaps_and_names_the_neighbours():
     kernels = [("c", 20.0, 10.0), ("a", 0.0, 10.0), ("b", 5.0, 7.0), ("d", 21.0, 4.0), ("e", 31.0, 1.0)]
     busy, span, gaps = idle_gaps(kernels)
     assert (busy, span) == (12.0 + 10.0 + 1.0, 32.0)
-    assert gaps == [(8.0, "b", "c"), (1.0, "c", "e")]
+    assert gaps == [(8.0, "b", "c", 12.0), (1.0, "c", "e", 30.0)]
     assert idle_gaps([]) == (0.0, 0.0, [])
 
 
@@ -65,3 +65,30 @@ def test_trace_kernels_reads_gpu_work_once_from_the_chrome_trace():
                 json.dump({"traceEvents": events}, f)
 
     assert trace_kernels(FakeProfile()) == [("gemm", 10.0, 5.0), ("Memcpy DtoD", 16.0, 1.0), ("Memset", 18.0, 0.5)]
+
+
+def test_host_ops_are_the_outermost_per_thread_and_fill_a_gap():
+    from fp8vit.tools.profiling import host_during, trace_host_ops
+
+    class FakeProfile:
+        def export_chrome_trace(self, path):
+            import json
+            events = [  # thread 1: a range holding two ops, then an op; thread 2: one op
+                {"ph": "X", "cat": "user_annotation", "name": "fp8vit::graphed_blocks", "ts": 100, "dur": 50,
+                 "pid": 1, "tid": 1},
+                {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 110, "dur": 5, "pid": 1, "tid": 1},
+                {"ph": "X", "cat": "cpu_op", "name": "aten::empty", "ts": 120, "dur": 2, "pid": 1, "tid": 1},
+                {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 160, "dur": 10, "pid": 1, "tid": 1},
+                {"ph": "X", "cat": "cpu_op", "name": "aten::mul", "ts": 112, "dur": 4, "pid": 1, "tid": 2},
+                {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 90, "pid": 0, "tid": 7},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 161, "dur": 3, "pid": 1,
+                 "tid": 1}]
+            with open(path, "w") as f:
+                json.dump({"traceEvents": events}, f)
+
+    ops = trace_host_ops(FakeProfile())
+    assert ops == [("fp8vit::graphed_blocks", 100.0, 50.0), ("aten::mul", 112.0, 4.0), ("aten::add", 160.0, 10.0)]
+    # a GPU gap [90, 180): the range 50 us, the add 10, the other thread's mul 4; 26 us in no op
+    assert host_during(ops, 90.0, 180.0) == [("fp8vit::graphed_blocks", 50.0), ("aten::add", 10.0),
+                                            ("aten::mul", 4.0), ("(between ops)", 26.0)]
+    assert host_during(ops, 0.0, 10.0) == [("(between ops)", 10.0)]

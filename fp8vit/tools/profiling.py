@@ -7,7 +7,9 @@ is also attributed to the framework op that launched it (``--kernels`` lists the
 ``FusedAttnFuncBackward > aten::zeros > aten::fill_``), which says where an unexpected kernel
 comes from. Categories are matched on kernel names (first match wins, in the order of
 ``CATEGORIES``); ``other`` collects the rest. Wall time per step is measured separately, so
-GPU-busy vs wall says whether the step is GPU-bound or launch-bound. Bytes moved per kernel need
+GPU-busy vs wall says whether the step is GPU-bound or launch-bound; each of the longest GPU-idle
+gaps is listed with what the host ran meanwhile (its outermost ops, ``fp8vit::graphed_blocks``
+for the CUDA-graph dispatch, and the time between ops: Python). Bytes moved per kernel need
 hardware counters: ``--ncu-step`` brackets one step with ``cudaProfilerStart/Stop`` for
 ``ncu --profile-from-start off`` (see docs/performance.md).
 """
@@ -20,14 +22,15 @@ import json
 import os
 import re
 import tempfile
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from .timing import Stopwatch
 from .workload import SIZES, VARIANTS, build_workload, make_optimizer, synthetic_batch, train_step_fn
 
-__all__ = ["CATEGORIES", "categorize", "idle_gaps", "kernel_breakdown", "kernel_table", "trace_kernels", "main"]
+__all__ = ["CATEGORIES", "categorize", "idle_gaps", "host_during", "kernel_breakdown", "kernel_table", "trace_kernels",
+           "trace_host_ops", "main"]
 
 CATEGORIES: List[Tuple[str, str]] = [
     ("attention", r"flash|fmha|attn|attention|sdpa|cudnn_generated|cudnn::fusion"),
@@ -71,11 +74,11 @@ def kernel_table(launches: Iterable[Tuple[str, str, float]], steps: int) -> List
     return sorted(rows, key=lambda r: -r[3])
 
 
-def idle_gaps(kernels: Iterable[Tuple[str, float, float]]) -> Tuple[float, float, List[Tuple[float, str, str]]]:
+def idle_gaps(kernels: Iterable[Tuple[str, float, float]]) -> Tuple[float, float, List[Tuple[float, str, str, float]]]:
     """Where the GPU waits: ``(name, start_us, duration_us)`` per kernel (any order, overlapping
     kernels allowed) -> ``(busy_us, span_us, gaps)``, where ``gaps`` are ``(idle_us, kernel before,
-    kernel after)``, longest first. Idle time inside a CUDA-graphed step is time the host spends
-    issuing the eager parts (or waiting on a sync) while the GPU has nothing queued."""
+    kernel after, gap start_us)``, longest first. Idle time inside a CUDA-graphed step is time the
+    host spends issuing the eager parts (or waiting on a sync) while the GPU has nothing queued."""
     ks = sorted(kernels, key=lambda k: k[1])
     if not ks:
         return 0.0, 0.0, []
@@ -84,7 +87,7 @@ def idle_gaps(kernels: Iterable[Tuple[str, float, float]]) -> Tuple[float, float
     for name, start, dur in ks[1:]:
         if start > cur_end:  # a gap: close the current busy interval
             busy += cur_end - cur_start
-            gaps.append((start - cur_end, cur_last, name))
+            gaps.append((start - cur_end, cur_last, name, cur_end))
             cur_start, cur_end, cur_last = start, start + dur, name
         elif start + dur >= cur_end:
             cur_end, cur_last = start + dur, name
@@ -92,10 +95,8 @@ def idle_gaps(kernels: Iterable[Tuple[str, float, float]]) -> Tuple[float, float
     return busy, cur_end - ks[0][1], sorted(gaps, key=lambda g: -g[0])
 
 
-def trace_kernels(prof) -> List[Tuple[str, float, float]]:
-    """``(name, start_us, duration_us)`` of every GPU kernel, memcpy and memset in a profile (from
-    its Chrome trace: the profiler's Python events carry no GPU start times, and they tie a CUDA
-    graph's kernels to the op around each replay more than once; the trace has each kernel once)."""
+def _trace_events(prof) -> list:
+    """The complete (``"ph": "X"``) events of a profile's Chrome trace."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -105,8 +106,49 @@ def trace_kernels(prof) -> List[Tuple[str, float, float]]:
     finally:
         os.unlink(path)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def trace_kernels(prof, events: Optional[list] = None) -> List[Tuple[str, float, float]]:
+    """``(name, start_us, duration_us)`` of every GPU kernel, memcpy and memset in a profile (from
+    its Chrome trace: the profiler's Python events carry no GPU start times, and they tie a CUDA
+    graph's kernels to the op around each replay more than once; the trace has each kernel once).
+    ``events``: the trace's events, read once for this and :func:`trace_host_ops`."""
+    events = _trace_events(prof) if events is None else events
     return [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in events
-            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def trace_host_ops(prof, events: Optional[list] = None) -> List[Tuple[str, float, float]]:
+    """``(name, start_us, duration_us)`` of the host's outermost ops in a profile: framework ops and
+    ``record_function`` ranges (fp8vit's ``fp8vit::graphed_blocks``) not inside another, per thread,
+    on the kernels' clock (Chrome trace)."""
+    events = _trace_events(prof) if events is None else events
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation"):
+            by_thread[(e.get("pid"), e.get("tid"))].append((e["name"], float(e["ts"]), float(e.get("dur", 0.0))))
+    out = []
+    for ops in by_thread.values():
+        end = float("-inf")
+        for name, start, dur in sorted(ops, key=lambda o: (o[1], -o[2])):  # outer before inner
+            if start >= end:
+                out.append((name, start, dur))
+                end = start + dur
+    return sorted(out, key=lambda o: o[1])
+
+
+def host_during(ops: Iterable[Tuple[str, float, float]], start: float, end: float,
+                top: int = 3) -> List[Tuple[str, float]]:
+    """What the host ran in ``[start, end)`` (us): the ``top`` outermost ops by time inside the
+    window, ``(name, us)``, then ``("(between ops)", us)``: host time in none of them (Python)."""
+    inside = collections.Counter()
+    for name, s, d in ops:
+        overlap = min(s + d, end) - max(s, start)
+        if overlap > 0:
+            inside[name] += overlap
+    covered = sum(inside.values())
+    return inside.most_common(top) + [("(between ops)", max(end - start - covered, 0.0))]
 
 
 def _op_path(evt, depth: int = 4) -> str:
@@ -169,7 +211,8 @@ def main(argv=None) -> int:
     if a.trace:
         prof.export_chrome_trace(a.trace)
     if device == "cuda":  # GPU kernels, microseconds each
-        kernels = trace_kernels(prof)
+        events = _trace_events(prof)
+        kernels = trace_kernels(prof, events)
         launches = _launches(prof)
         # The profiler ties a CUDA graph's kernels to the op around each replay more than once, so
         # when the op-attributed total disagrees with the trace, the trace's kernels are used
@@ -191,8 +234,11 @@ def main(argv=None) -> int:
         busy, span, gaps = idle_gaps(kernels)
         print(f"  GPU busy {busy / 1e3 / a.steps:.2f} of {span / 1e3 / a.steps:.2f} ms/step (first to last kernel); "
               f"idle {(span - busy) / 1e3 / a.steps:.2f} ms/step in {len(gaps) / a.steps:.0f} gaps/step; longest:")
-        for us, before, after in gaps[:a.gaps]:
+        host = trace_host_ops(prof, events)
+        for us, before, after, start in gaps[:a.gaps]:
             print(f"    {us / 1e3:7.3f} ms  after {before[:60]}  before {after[:60]}")
+            meanwhile = host_during(host, start, start + us)
+            print("              host meanwhile: " + ", ".join(f"{n[:40]} {t / 1e3:.3f}" for n, t in meanwhile if t > 0))
     table = kernel_table(launches, a.steps)
     if a.kernels:
         with open(a.kernels, "w") as f:
