@@ -205,7 +205,8 @@ def table(rows: list[Row]) -> str:
             "the warm-up beyond its steps (torch.compile's compile; the build and CUDA-graph capture are not "
             "in the bench's JSON). best vs compile: fp8vit's fastest variant's step against "
             "timm-bf16-compile's (+: slower). runs: a variant run more than once in the process (before and "
-            "after fp8vit's) counts as the mean of its runs.")
+            "after fp8vit's) counts as the mean of its runs. A compile of a graph compiled earlier in the "
+            "process (fp8vit's variant where it fuses nothing) comes from inductor's cache: seconds, not minutes.")
     lines += ["", note,
               f"{len(rows) - len(missed)} of {len(rows)} models within {100 * TOLERANCE:.0f}% of torch.compile "
               "(or faster)" + (f"; missing it: {', '.join(missed)}" if missed else "")]
