@@ -51,7 +51,7 @@ def test_idle_gaps_merges_overlaps_and_names_the_neighbours():
 
 def test_trace_kernels_reads_gpu_work_once_from_the_chrome_trace():
     import json
-    from fp8vit.tools.profiling import trace_kernels
+    from fp8vit.tools.profiling import trace_events, trace_kernels
 
     class FakeProfile:  # what torch.profiler writes: CPU ops, runtime calls and GPU activity
         def export_chrome_trace(self, path):
@@ -64,11 +64,11 @@ def test_trace_kernels_reads_gpu_work_once_from_the_chrome_trace():
             with open(path, "w") as f:
                 json.dump({"traceEvents": events}, f)
 
-    assert trace_kernels(FakeProfile()) == [("gemm", 10.0, 5.0), ("Memcpy DtoD", 16.0, 1.0), ("Memset", 18.0, 0.5)]
+    assert trace_kernels(trace_events(FakeProfile())) == [("gemm", 10.0, 5.0), ("Memcpy DtoD", 16.0, 1.0), ("Memset", 18.0, 0.5)]
 
 
 def test_host_ops_are_the_outermost_per_thread_and_fill_a_gap():
-    from fp8vit.tools.profiling import host_during, trace_host_ops
+    from fp8vit.tools.profiling import host_during, trace_events, trace_host_ops
 
     class FakeProfile:
         def export_chrome_trace(self, path):
@@ -86,7 +86,7 @@ def test_host_ops_are_the_outermost_per_thread_and_fill_a_gap():
             with open(path, "w") as f:
                 json.dump({"traceEvents": events}, f)
 
-    ops = trace_host_ops(FakeProfile())
+    ops = trace_host_ops(trace_events(FakeProfile()))
     assert ops == [("fp8vit::graphed_blocks", 100.0, 50.0), ("aten::mul", 112.0, 4.0), ("aten::add", 160.0, 10.0)]
     # a GPU gap [90, 180): the range 50 us, the add 10, the other thread's mul 4; 26 us in no op
     assert host_during(ops, 90.0, 180.0) == [("fp8vit::graphed_blocks", 50.0), ("aten::add", 10.0),

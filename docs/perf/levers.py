@@ -49,7 +49,7 @@ import sys
 
 import fp8vit  # imports TE before torch runs a cuDNN kernel
 from fp8vit import _te
-from fp8vit.tools.profiling import kernel_table, trace_kernels
+from fp8vit.tools.profiling import kernel_table, trace_events, trace_kernels
 import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
@@ -175,7 +175,7 @@ def _time_variant(variant, size, batch, steps, warmup, profile):
             for _ in range(n):
                 step(x, y)
             torch.cuda.synchronize()
-        rows = kernel_table([(name, "", us) for name, _, us in trace_kernels(prof)], n)  # graphs included
+        rows = kernel_table([(name, "", us) for name, _, us in trace_kernels(trace_events(prof))], n)  # graphs included
         r["kernels"] = [[k, calls, ms] for k, _, calls, ms in rows]
         r["kernel_ms"] = sum(t[2] for t in r["kernels"])
     if graphs is not None:

@@ -23,7 +23,8 @@
 #            torch.compile(model): everything but fused blocks compiled, what convert_to_te(compile=True)
 #            does) and timm-bf16-compile again: fp8vit's variant, with nothing fused the very graph
 #            timm's compile ran, is held against the mean of the runs before and after it (an H100
-#            process measured ResNet-50's 1.1% slower third, its pipelined step the same: a drift). fallback="compile" (-blockcompile: per-block compiles) is left out: one more
+#            process measured ResNet-50's 1.1% slower third, its pipelined step the same: a drift).
+#            fallback="compile" (-blockcompile: per-block compiles) is left out: one more
 #            compile per model (30-110 s each on the H200, by the estimates below) for a variant that
 #            compiles less of the model than that one. fallback="linear" (FP8 Linears, eager:
 #            0.90-1.00x timm eager, docs/performance.md) is left out too. CrossViT and PiT, partly

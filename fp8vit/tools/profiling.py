@@ -22,15 +22,15 @@ import json
 import os
 import re
 import tempfile
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 import torch
 
 from .timing import Stopwatch
 from .workload import SIZES, VARIANTS, build_workload, make_optimizer, synthetic_batch, train_step_fn
 
-__all__ = ["CATEGORIES", "categorize", "idle_gaps", "host_during", "kernel_breakdown", "kernel_table", "trace_kernels",
-           "trace_host_ops", "main"]
+__all__ = ["CATEGORIES", "categorize", "idle_gaps", "host_during", "kernel_breakdown", "kernel_table", "trace_events",
+           "trace_kernels", "trace_host_ops", "main"]
 
 CATEGORIES: List[Tuple[str, str]] = [
     ("attention", r"flash|fmha|attn|attention|sdpa|cudnn_generated|cudnn::fusion"),
@@ -95,8 +95,11 @@ def idle_gaps(kernels: Iterable[Tuple[str, float, float]]) -> Tuple[float, float
     return busy, cur_end - ks[0][1], sorted(gaps, key=lambda g: -g[0])
 
 
-def _trace_events(prof) -> list:
-    """The complete (``"ph": "X"``) events of a profile's Chrome trace."""
+def trace_events(prof) -> list:
+    """The complete (``"ph": "X"``) events of a profile's Chrome trace: what :func:`trace_kernels`
+    and :func:`trace_host_ops` read (the profiler's Python events carry no GPU start times, and they
+    tie a CUDA graph's kernels to the op around each replay more than once; the trace has each
+    kernel once)."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -109,21 +112,17 @@ def _trace_events(prof) -> list:
     return [e for e in events if e.get("ph") == "X"]
 
 
-def trace_kernels(prof, events: Optional[list] = None) -> List[Tuple[str, float, float]]:
-    """``(name, start_us, duration_us)`` of every GPU kernel, memcpy and memset in a profile (from
-    its Chrome trace: the profiler's Python events carry no GPU start times, and they tie a CUDA
-    graph's kernels to the op around each replay more than once; the trace has each kernel once).
-    ``events``: the trace's events, read once for this and :func:`trace_host_ops`."""
-    events = _trace_events(prof) if events is None else events
+def trace_kernels(events: list) -> List[Tuple[str, float, float]]:
+    """``(name, start_us, duration_us)`` of every GPU kernel, memcpy and memset among a trace's
+    :func:`trace_events`."""
     return [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in events
             if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
 
 
-def trace_host_ops(prof, events: Optional[list] = None) -> List[Tuple[str, float, float]]:
-    """``(name, start_us, duration_us)`` of the host's outermost ops in a profile: framework ops and
-    ``record_function`` ranges (fp8vit's ``fp8vit::graphed_blocks``) not inside another, per thread,
-    on the kernels' clock (Chrome trace)."""
-    events = _trace_events(prof) if events is None else events
+def trace_host_ops(events: list) -> List[Tuple[str, float, float]]:
+    """``(name, start_us, duration_us)`` of the host's outermost ops among a trace's
+    :func:`trace_events`: framework ops and ``record_function`` ranges (fp8vit's
+    ``fp8vit::graphed_blocks``) not inside another, per thread, on the kernels' clock."""
     by_thread = collections.defaultdict(list)
     for e in events:
         if e.get("cat") in ("cpu_op", "user_annotation"):
@@ -211,8 +210,8 @@ def main(argv=None) -> int:
     if a.trace:
         prof.export_chrome_trace(a.trace)
     if device == "cuda":  # GPU kernels, microseconds each
-        events = _trace_events(prof)
-        kernels = trace_kernels(prof, events)
+        events = trace_events(prof)
+        kernels = trace_kernels(events)
         launches = _launches(prof)
         # The profiler ties a CUDA graph's kernels to the op around each replay more than once, so
         # when the op-attributed total disagrees with the trace, the trace's kernels are used
@@ -234,7 +233,7 @@ def main(argv=None) -> int:
         busy, span, gaps = idle_gaps(kernels)
         print(f"  GPU busy {busy / 1e3 / a.steps:.2f} of {span / 1e3 / a.steps:.2f} ms/step (first to last kernel); "
               f"idle {(span - busy) / 1e3 / a.steps:.2f} ms/step in {len(gaps) / a.steps:.0f} gaps/step; longest:")
-        host = trace_host_ops(prof, events)
+        host = trace_host_ops(events)
         for us, before, after, start in gaps[:a.gaps]:
             print(f"    {us / 1e3:7.3f} ms  after {before[:60]}  before {after[:60]}")
             meanwhile = host_during(host, start, start + us)

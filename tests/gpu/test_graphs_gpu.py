@@ -162,7 +162,7 @@ def test_fused_wgrad_writes_fp32_weight_gradients_without_cast_kernels():
     # which becomes p.grad uncopied; without it the GEMM writes bf16 and autograd runs one cast
     # kernel (direct_copy) per weight. 4 GEMM weights per block: qkv, proj, fc1, fc2.
     from torch.profiler import ProfilerActivity, profile
-    from fp8vit.tools.profiling import trace_kernels
+    from fp8vit.tools.profiling import trace_events, trace_kernels
     (x, y), = _data(1)
     casts, grads = {}, {}
     for fused in (False, True):
@@ -176,7 +176,7 @@ def test_fused_wgrad_writes_fp32_weight_gradients_without_cast_kernels():
                 torch.cuda.synchronize()
             if i == 0:
                 model.zero_grad(set_to_none=True)
-        casts[fused] = sum(1 for k, _, _ in trace_kernels(prof) if "direct_copy" in k)
+        casts[fused] = sum(1 for k, _, _ in trace_kernels(trace_events(prof)) if "direct_copy" in k)
         grads[fused] = {n: p for n, p in model.blocks.named_parameters()
                         if n.endswith(("qkv.weight", "proj.weight", "fc1_weight", "fc2_weight"))}
     print(f"direct_copy kernels per graphed step: bf16 wgrad {casts[False]}, fused {casts[True]}")
@@ -215,7 +215,7 @@ def test_mlp_recompute_inside_the_graphs(fused_wgrad):
     # blocks recomputing, and the replayed backward must really rerun fc1 and GELU (one more forward
     # GELU per recomputing block, counted in the profiler's trace).
     from torch.profiler import ProfilerActivity, profile
-    from fp8vit.tools.profiling import trace_kernels
+    from fp8vit.tools.profiling import trace_events, trace_kernels
     data = _data()
     eager, graphed, plain = _vit(), _vit(), _vit()
     for m in (eager, graphed):
@@ -233,7 +233,7 @@ def test_mlp_recompute_inside_the_graphs(fused_wgrad):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             _train(model, data[:1])
             torch.cuda.synchronize()
-        counts[name] = sum(1 for k, _, _ in trace_kernels(prof) if is_forward_gelu_kernel(k))
+        counts[name] = sum(1 for k, _, _ in trace_kernels(trace_events(prof)) if is_forward_gelu_kernel(k))
     print(f"forward GELU kernels per graphed step: {counts}")
     assert counts["plain"] == 3 and counts["recompute"] == 5, counts
 
