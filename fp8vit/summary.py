@@ -14,8 +14,10 @@ from torch import nn
 
 from ._validate import check_type
 from .blocks.compiled import is_compiled_block
+from .blocks.patch_embed import PatchGemmConv2d
 from .training.autocast import describe_fp8_autocast
 from .training.graphs import graphed_handles
+from .training.switches import patch_embed_convs
 
 __all__ = ["ConversionSummary", "conversion_summary", "record_summary", "forget_summary", "EXCLUDED"]
 
@@ -61,6 +63,8 @@ class ConversionSummary:
             calls by reason, memory; None: no graphs.
         model_compiled: the model is compiled around its fused blocks (``compile=True``), as
             :func:`conversion_summary` finds it (False again after a failed compile).
+        patch_gemm: the patch-embedding convolutions that run as one GEMM under autocast
+            (``patch_gemm``, :func:`fp8vit.set_patch_gemm`), as :func:`conversion_summary` finds them.
     """
 
     fallback: str
@@ -72,6 +76,7 @@ class ConversionSummary:
     fp8_forward: Optional[str] = None
     cuda_graphs: Optional[str] = None
     model_compiled: bool = False
+    patch_gemm: Tuple[str, ...] = ()
 
     @property
     def num_fused(self) -> int:
@@ -114,7 +119,7 @@ class ConversionSummary:
                 "swapped": {k: list(p) for k, p in self.swapped}, "kept": {k: list(p) for k, p in self.kept},
                 "compiled": {k: list(p) for k, p in self.compiled},
                 "outside": list(self.outside), "fp8_forward": self.fp8_forward, "cuda_graphs": self.cuda_graphs,
-                "model_compiled": self.model_compiled}
+                "model_compiled": self.model_compiled, "patch_gemm": list(self.patch_gemm)}
 
     def short(self) -> str:
         """One line: the counts, and every reason for keeping something, with examples."""
@@ -126,6 +131,8 @@ class ConversionSummary:
         if self.kept:
             line += f", kept {self.num_kept} modules as they are: " + "; ".join(
                 f"{reason}: {len(p)} ({_examples(p, 2)})" for reason, p in self.kept)
+        if self.patch_gemm:
+            line += "; the patch embedding as one GEMM"
         if self.fp8_forward:
             line += "; FP8 inside the model's forward"
         if self.cuda_graphs:
@@ -156,6 +163,8 @@ class ConversionSummary:
             lines.append(f"  CUDA graphs: {self.cuda_graphs}")
         if self.model_compiled:
             lines.append("  torch.compile: the model, around the fused blocks (compile=True)")
+        if self.patch_gemm:
+            lines.append(f"  patch embedding as one GEMM under autocast: {_examples(self.patch_gemm)}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -176,7 +185,8 @@ def forget_summary(model: nn.Module) -> None:
 def conversion_summary(model: nn.Module) -> ConversionSummary:
     """The :class:`ConversionSummary` of the last :func:`fp8vit.convert_to_te` call on ``model``, with
     where FP8 runs now (``fp8_forward``: inside the model, after :func:`fp8vit.set_fp8_autocast`) and
-    what its CUDA graphs did so far (``cuda_graphs``).
+    what its CUDA graphs did so far (``cuda_graphs``) and which patch convolutions run as one GEMM
+    (``patch_gemm``).
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
@@ -190,4 +200,6 @@ def conversion_summary(model: nn.Module) -> ConversionSummary:
     graphs = graphed_handles(model)
     return dataclasses.replace(summary, fp8_forward=describe_fp8_autocast(model),
                                cuda_graphs="; ".join(g.describe() for g in graphs) or None,
-                               model_compiled=is_compiled_block(model))
+                               model_compiled=is_compiled_block(model),
+                               patch_gemm=tuple(n for n, conv in patch_embed_convs(model).items()
+                                                if isinstance(conv, PatchGemmConv2d)))

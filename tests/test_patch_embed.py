@@ -107,6 +107,9 @@ def test_convert_to_te_runs_the_patch_gemm_where_it_fuses_blocks():
     conv = model.patch_embed.proj
     fp8vit.convert_to_te(model, backend="reference")
     assert type(model.patch_embed.proj) is PatchGemmConv2d and model.patch_embed.proj is conv
+    summary = fp8vit.conversion_summary(model)
+    assert summary.patch_gemm == ("patch_embed.proj",) and "patch embedding as one GEMM" in summary.short()
+    assert "patch embedding as one GEMM under autocast: patch_embed.proj" in summary.table()
     x = torch.randn(2, 3, 224, 224)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref_tokens, tokens = ref.patch_embed(x), model.patch_embed(x)
@@ -119,7 +122,7 @@ def test_convert_to_te_runs_the_patch_gemm_where_it_fuses_blocks():
     # a timm PatchEmbed, blocks of no family)
     _, off = _pair()
     fp8vit.convert_to_te(off, backend="reference", patch_gemm=False)
-    assert type(off.patch_embed.proj) is nn.Conv2d
+    assert type(off.patch_embed.proj) is nn.Conv2d and fp8vit.conversion_summary(off).patch_gemm == ()
     _, cait = _pair("cait_xxs24_224")
     fp8vit.convert_to_te(cait, backend="reference")
     assert type(cait.patch_embed.proj) is nn.Conv2d
