@@ -276,7 +276,10 @@ def test_per_block_graphs_capture_shapes_as_they_come():
     from test_eva_gpu import _convert, _model
     data = [(x, y % 100) for x, y in _batches([16, 16, 5, 5, 16])]
     eager = _convert(_model("eva02_base_patch14_224", depth=3)).train()
-    graphed = fp8vit.convert_to_te(_model("eva02_base_patch14_224", depth=3), cuda_graphs=True).train()
+    # patch_gemm=False: eager keeps timm's patch conv, and a GEMM's other rounding there moves FP8's
+    # scales (the graphs, not the patch embedding, are what this test compares).
+    graphed = fp8vit.convert_to_te(_model("eva02_base_patch14_224", depth=3), cuda_graphs=True,
+                                   patch_gemm=False).train()
     handle = fp8vit.GraphedBlocks.of(graphed)
     assert handle.per_block
     trail = [[], []]
