@@ -790,3 +790,73 @@ def test_bias_variants_set_every_fused_block_to_that_bias_attention():
             net = build_workload(model, variant, **kw).model
             kinds = {m.bias_attention for m in net.modules() if isinstance(m, FP8Block)}
             assert kinds == {want}, (model, variant, kinds)
+
+
+class _FakeRun:
+    """bench._Run without a model: logs what the bench asks of it; each timed step takes one ms
+    longer than the step before it, across variants (a drift over the process)."""
+
+    log: list = []
+    fail = ""
+
+    def __init__(self, variant, **kw):
+        if variant == _FakeRun.fail:
+            raise RuntimeError(f"building {variant} failed")
+        self.variant = variant
+        self.log.append(("build", variant, kw["mlp_recompute"]))
+
+    def warm_up(self, steps):
+        self.log.append(("warm", self.variant, steps))
+
+    def timed(self):
+        self.log.append(("step", self.variant))
+        return 10.0 + sum(1 for e in self.log if e[0] == "step")
+
+    def result(self, times, piped):
+        return {"variant": self.variant, "median_ms": statistics.median(times), "times": times, "piped": piped}
+
+    def close(self):
+        self.log.append(("close", self.variant))
+
+
+def test_interleaved_variants_are_built_first_then_timed_in_turn_so_a_drift_falls_on_all(monkeypatch):
+    _FakeRun.log, _FakeRun.fail = [], ""
+    monkeypatch.setattr(bench, "_Run", _FakeRun)
+    rows = bench.run_interleaved(["timm-bf16", "fp8vit-bf16"], model="micro", batch=2, steps=6, warmup=3,
+                                 device="cpu", mlp_recompute=2)
+    log = _FakeRun.log
+    assert log[:4] == [("build", "timm-bf16", 0), ("warm", "timm-bf16", 3),
+                       ("build", "fp8vit-bf16", 2), ("warm", "fp8vit-bf16", 3)]  # --mlp-recompute: fp8vit's only
+    steps = [v for kind, v, *_ in log if kind == "step"]
+    assert steps == ["timm-bf16", "fp8vit-bf16", "fp8vit-bf16", "timm-bf16"] * 3  # the order rotates
+    assert log[-2:] == [("close", "timm-bf16"), ("close", "fp8vit-bf16")]
+    a, b = rows
+    assert a["interleaved"] == b["interleaved"] == 2 and a["piped"] is None  # no pipelined steps on a CPU
+    # 12 steps drifting by 11 ms: one after the other the medians would be 6 ms apart, in turn 0
+    assert len(a["times"]) == len(b["times"]) == 6 and a["median_ms"] == b["median_ms"]
+
+
+def test_interleaved_run_that_fails_lets_every_built_variant_go(monkeypatch):
+    _FakeRun.log, _FakeRun.fail = [], "fp8vit-bf16"
+    monkeypatch.setattr(bench, "_Run", _FakeRun)
+    with pytest.raises(RuntimeError, match="building fp8vit-bf16 failed"):
+        bench.run_interleaved(["timm-bf16", "fp8vit-bf16"], model="micro", batch=2, steps=2, warmup=1, device="cpu")
+    assert _FakeRun.log[-1] == ("close", "timm-bf16")
+
+
+def test_interleave_refuses_a_variant_twice(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--interleave", "--variants", "timm-bf16", "fp8vit-bf16", "timm-bf16"])
+    assert "with --interleave: each variant once" in capsys.readouterr().err
+
+
+def test_interleave_on_the_cpu_times_both_variants_of_one_process(capsys, tmp_path):
+    path = tmp_path / "bench.json"
+    assert bench.main(["--interleave", "--variants", "timm-bf16", "fp8vit-bf16", "--steps", "2", "--warmup", "1",
+                       "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "steps timed in turn (--interleave)" in out
+    saved = json.loads(path.read_text())
+    assert saved["interleaved"] is True
+    assert [(r["variant"], r["interleaved"]) for r in saved["results"]] == [("timm-bf16", 2), ("fp8vit-bf16", 2)]
+    assert all(r["median_ms"] > 0 and r["loss"] == r["loss"] for r in saved["results"])

@@ -520,6 +520,30 @@ def test_per_block_graphs_capture_what_each_block_got_at_the_first_sight(fake):
     assert handle.eager_reasons["block called alone"] == 1
 
 
+def test_per_block_graphs_check_each_block_before_its_own_replay(fake):
+    # Each block's parameters are checked just before its replay (the GPU runs the blocks before it
+    # meanwhile). A change in a later block: the blocks before it replay, it and the blocks after it
+    # run eagerly, and the next forward drops the graphs and captures them again, saying why.
+    model = _eva()
+    handle = fp8vit.make_graphed_blocks(model)
+    _step(model, 2, size=56), _step(model, 2, size=56)
+    assert handle.replays == 3 and len(fake.captures) == 1
+    w = model.blocks[2].mlp.fc2.weight
+    w.data = w.data.clone()  # the same Parameter on other storage (what Module._apply does)
+    _step(model, 2, size=56)
+    assert handle.replays == 3 + 2 and handle.eager_reasons["parameters changed"] == 1
+    with pytest.warns(RuntimeWarning, match=r"1 block parameters \(block 2\) were replaced or moved since the "
+                                            r"blocks' CUDA graphs were captured"):
+        _step(model, 2, size=56)
+    assert len(fake.captures) == 2 and handle.replays == 5 + 3  # the known shape is captured again at once
+    model.blocks[1].proj.bias.requires_grad_(False)
+    _step(model, 2, size=56)
+    assert handle.replays == 8 + 1 and handle.eager_reasons["parameters changed"] == 1 + 2  # blocks 1 and 2
+    with pytest.warns(RuntimeWarning, match=r"requires_grad changed on 1 block parameters \(block 1\)"):
+        _step(model, 2, size=56)
+    assert len(fake.captures) == 3 and handle.replays == 9 + 3
+
+
 def test_per_block_graphs_say_when_a_keyword_input_differs_from_the_capture(fake):
     model = _eva()
     fp8vit.make_graphed_blocks(model)

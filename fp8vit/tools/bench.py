@@ -55,7 +55,7 @@ from .timing import Stopwatch, format_duration
 from .workload import (SIZES, VARIANTS, ModelShape, Variant, build_workload, make_optimizer, model_shape,
                        synthetic_batch, train_flops, train_step_fn)
 
-__all__ = ["main", "run_variant", "unavailable", "default_variants", "largest_fitting",
+__all__ = ["main", "run_variant", "run_interleaved", "unavailable", "default_variants", "largest_fitting",
            "probe_in_fresh_process", "DENSE_BF16_PEAK", "RunEstimate", "variant_kind", "DEFAULTS"]
 
 # Dense (no sparsity) bf16 tensor-core peak from the vendors' datasheets, FLOP/s, by name prefix.
@@ -224,6 +224,93 @@ class RunEstimate:
         pair[1] += setup
 
 
+class _Run:
+    """One variant's model, optimizer and batch, built and ready to step (:func:`run_variant`,
+    :func:`run_interleaved`)."""
+
+    def __init__(self, variant: str, *, model: str, batch: int, device: str, optimizer: str, img_size: int,
+                 mlp_recompute: int, world: int, drop_path: Optional[float]):
+        torch.manual_seed(0)
+        self.variant, self.batch, self.world, self.device, self.img_size = variant, batch, world, device, img_size
+        self.free_gib = torch.cuda.mem_get_info()[0] / 2**30 if device == "cuda" else None
+        held = torch.cuda.memory_allocated() if device == "cuda" else 0
+        built = Stopwatch(device).start()
+        self.wl = build_workload(model, variant, batch_size=batch, img_size=img_size, device=device,
+                                 mlp_recompute=mlp_recompute, ddp=world > 1, drop_path_rate=drop_path)
+        self.build_s = built.elapsed_ms() / 1e3  # the model's build and, for -graphed variants, the graph capture
+        # Bench learning rates are small and fixed: the step time, not the training, is measured.
+        self.opt = make_optimizer(self.wl.model.parameters(), optimizer, lr=1e-3 if optimizer == "sgd" else 1e-4,
+                                  device=device)
+        self.step = train_step_fn(self.wl, self.opt)
+        self.x, self.y = synthetic_batch(batch, self.wl, device=device)
+        self.own_bytes = (torch.cuda.memory_allocated() - held) if device == "cuda" else 0
+        self.loss = None
+        self.warm_s = 0.0
+        self.peak_bytes = None
+
+    def warm_up(self, steps: int) -> None:
+        """``steps`` untimed steps (torch.compile compiles here); notes the peak memory this variant
+        adds to what was allocated before it was built."""
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        watch = Stopwatch(self.device).start()
+        for _ in range(steps):
+            self.loss = self.step(self.x, self.y)
+        self.warm_s = watch.elapsed_ms() / 1e3
+        if self.device == "cuda":
+            self.peak_bytes = self.own_bytes + torch.cuda.max_memory_allocated() - before
+
+    def timed(self) -> float:
+        """One synchronized step's time (ms): from the GPU reaching its first kernel to its last."""
+        watch = Stopwatch(self.device).start()
+        self.loss = self.step(self.x, self.y)
+        return watch.elapsed_ms()
+
+    def pipelined(self, steps: int) -> List[float]:
+        """``steps`` steps issued back to back, each timed between events at the step boundaries."""
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        events[0].record()
+        for ev in events[1:]:
+            self.loss = self.step(self.x, self.y)
+            ev.record()
+        events[-1].synchronize()
+        return [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+
+    def result(self, times: List[float], piped: Optional[List[float]]) -> Dict:
+        q = _deciles(times)
+        med = statistics.median(times)
+        flops = train_flops(self.wl.model, self.batch, self.img_size)  # None: a model the count does not describe
+        out = {"variant": self.variant, "batch": self.batch, "world": self.world, "median_ms": med,
+               "p10_ms": q[0], "p90_ms": q[-1], "min_ms": min(times), "max_ms": max(times),
+               "images_per_s": self.batch * self.world / med * 1e3,
+               "tflops": flops / (med * 1e-3) / 1e12 if flops is not None else None, "loss": float(self.loss),
+               "build_s": self.build_s, "warmup_s": self.warm_s,
+               "peak_mem_gib": self.peak_bytes / 2**30 if self.peak_bytes is not None else None,
+               "free_gib_at_start": self.free_gib}
+        if piped:
+            pq = _deciles(piped)
+            out.update(pipelined_median_ms=statistics.median(piped), pipelined_p10_ms=pq[0], pipelined_p90_ms=pq[-1])
+        if self.device == "cuda" and self.wl.variant.blocks in ("fp8vit", "te-layer"):
+            # TE's attention backend ("fused": cuDNN; "unfused" is a slow fallback a setup problem causes)
+            out["attention"] = _te.attention_backend()
+        if self.wl.graphs:
+            out["graph_replays"] = sum(g.replays for g in self.wl.graphs)
+            out["graph_eager_calls"] = sum(g.eager_calls for g in self.wl.graphs)
+        return out
+
+    def close(self) -> None:
+        for g in self.wl.graphs:
+            g.release()
+        self.wl = self.opt = self.step = self.x = self.y = None
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int, device: str,
                 optimizer: str = "sgd", img_size: int = 224, mlp_recompute: int = 0,
                 pipelined: bool = True, world: int = 1, drop_path: Optional[float] = None) -> Dict:
@@ -239,62 +326,58 @@ def run_variant(variant: str, *, model: str, batch: int, steps: int, warmup: int
             ``DistributedDataParallel``, ``batch`` is per process and images/s counts all of them.
         drop_path: timm's ``drop_path_rate`` for every variant's model (None: the model's default).
     """
-    torch.manual_seed(0)
-    free_gib = None
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-        free_gib = torch.cuda.mem_get_info()[0] / 2**30
-    built = Stopwatch(device).start()
-    wl = build_workload(model, variant, batch_size=batch, img_size=img_size, device=device,
-                        mlp_recompute=mlp_recompute, ddp=world > 1, drop_path_rate=drop_path)
-    build_s = built.elapsed_ms() / 1e3  # the model's build and, for -graphed variants, the graph capture
-    # Bench learning rates are small and fixed: the step time, not the training, is measured.
-    opt = make_optimizer(wl.model.parameters(), optimizer, lr=1e-3 if optimizer == "sgd" else 1e-4,
-                         device=device)
-    step = train_step_fn(wl, opt)
-    x, y = synthetic_batch(batch, wl, device=device)
-    watch = Stopwatch(device).start()
-    for _ in range(warmup):
-        loss = step(x, y)
-    warm_s = watch.elapsed_ms() / 1e3
-    times = []
-    for _ in range(steps):
-        watch.start()
-        loss = step(x, y)
-        times.append(watch.elapsed_ms())  # synchronized: the host waits for each step
-    q = _deciles(times)
-    med = statistics.median(times)
-    flops = train_flops(wl.model, batch, img_size)  # None: a model the count does not describe
-    tflops = flops / (med * 1e-3) / 1e12 if flops is not None else None
-    out = {"variant": variant, "batch": batch, "world": world, "median_ms": med, "p10_ms": q[0], "p90_ms": q[-1],
-           "min_ms": min(times), "max_ms": max(times), "images_per_s": batch * world / med * 1e3,
-           "tflops": tflops, "loss": float(loss), "build_s": build_s, "warmup_s": warm_s,
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
-           "free_gib_at_start": free_gib}
-    if pipelined and device == "cuda":
-        # [steps + 1] boundary events; the host does not wait between steps
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-        events[0].record()
-        for ev in events[1:]:
-            loss = step(x, y)
-            ev.record()
-        events[-1].synchronize()
-        piped = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
-        pq = _deciles(piped)
-        out.update(pipelined_median_ms=statistics.median(piped), pipelined_p10_ms=pq[0], pipelined_p90_ms=pq[-1])
-    if device == "cuda" and wl.variant.blocks in ("fp8vit", "te-layer"):
-        # TE's attention backend ("fused": cuDNN; "unfused" is a slow fallback a setup problem causes)
-        out["attention"] = _te.attention_backend()
-    if wl.graphs:
-        out["graph_replays"] = sum(g.replays for g in wl.graphs)
-        out["graph_eager_calls"] = sum(g.eager_calls for g in wl.graphs)
-        for g in wl.graphs:
-            g.release()
-    del wl, opt, step, x, y
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    run = _Run(variant, model=model, batch=batch, device=device, optimizer=optimizer, img_size=img_size,
+               mlp_recompute=mlp_recompute, world=world, drop_path=drop_path)
+    run.warm_up(warmup)
+    times = [run.timed() for _ in range(steps)]
+    if device == "cuda":  # alone in the process: its peak is the process's, the build's included
+        run.peak_bytes = torch.cuda.max_memory_allocated()
+    piped = run.pipelined(steps) if pipelined and device == "cuda" else None
+    out = run.result(times, piped)
+    run.close()
+    del run
+    _free(device)
     return out
+
+
+def run_interleaved(variants: List[str], *, model: str, batch: int, steps: int, warmup: int, device: str,
+                    optimizer: str = "sgd", img_size: int = 224, mlp_recompute: int = 0,
+                    pipelined: bool = True, world: int = 1, drop_path: Optional[float] = None,
+                    burst: int = 5) -> List[Dict]:
+    """:func:`run_variant` for several variants at once, their steps timed in turn: every variant is
+    built and warmed up first, then each round times one synchronized step of each (the order
+    rotating from round to round), and pipelined steps in bursts of ``burst``, in turn as well.
+
+    Why: one variant after the other, a drift over the process (clocks, the host, the allocator)
+    reads as a difference between them. Seen on an H100: timm's own compiled Hiera-B measured 50.3
+    ms, then 53.5 ms after another variant, the same compiled graph. In turn, a drift falls on every
+    variant alike. Every model is held at once (their activations are not: one step runs at a
+    time); a variant's peak memory is its own (its build's and its warm-up's peak above the rest).
+    ``mlp_recompute`` applies to fp8vit's variants, as ``--mlp-recompute``.
+    """
+    runs = []
+    try:
+        for v in variants:
+            runs.append(_Run(v, model=model, batch=batch, device=device, optimizer=optimizer, img_size=img_size,
+                             mlp_recompute=_recompute_for(v, mlp_recompute), world=world, drop_path=drop_path))
+            runs[-1].warm_up(warmup)
+        times: Dict[str, List[float]] = {r.variant: [] for r in runs}
+        piped: Dict[str, List[float]] = {r.variant: [] for r in runs}
+        for i in range(steps):
+            for r in runs[i % len(runs):] + runs[:i % len(runs)]:
+                times[r.variant].append(r.timed())
+        if pipelined and device == "cuda":
+            for i in range(max(1, steps // burst)):
+                for r in runs[i % len(runs):] + runs[:i % len(runs)]:
+                    piped[r.variant] += r.pipelined(burst)
+        return [dict(r.result(times[r.variant], piped[r.variant] or None), interleaved=len(runs)) for r in runs]
+    finally:
+        for r in runs:
+            r.close()
+        del runs
+        _free(device)
 
 
 def _unfused_note(rows: List[dict]) -> Optional[str]:
@@ -627,6 +710,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--drop-path", type=float, default=None, metavar="RATE",
                    help="timm's drop_path_rate (stochastic depth) for every variant's model, as training "
                    "recipes set it (default: the model's own: 0 for ViTs, 0.1 for Swin)")
+    p.add_argument("--interleave", action="store_true",
+                   help="build and warm up every variant first, then time their steps in turn, one of each per "
+                   "round, so that a drift over the process falls on all alike (default: one variant after "
+                   "the other, each alone in memory)")
     p.add_argument("--no-pipelined", dest="pipelined", action="store_false",
                    help="time only synchronized steps (default: also as many steps issued back to back)")
     p.add_argument("--max-batch", action="store_true",
@@ -643,6 +730,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"--mlp-recompute {a.mlp_recompute}: K is the block interval, 0 (off), 1 (all blocks) or more")
     if a.drop_path is not None and not 0.0 <= a.drop_path < 1.0:
         p.error(f"--drop-path {a.drop_path}: a rate in [0, 1), as timm's drop_path_rate")
+    if a.interleave and a.variants is not None and len(set(a.variants)) != len(a.variants):
+        p.error(f"--variants {' '.join(a.variants)} with --interleave: each variant once (their steps already "
+                "alternate)")
+    if a.interleave and (a.nproc is not None or a.max_batch):
+        p.error("--interleave times variants in one process on one GPU: run it without --nproc and --max-batch")
     if a.variants is not None and "all" in a.variants and len(a.variants) > 1:
         p.error(f"--variants {' '.join(a.variants)}: 'all' already names every variant; give it alone")
     if a.plot:
@@ -678,6 +770,39 @@ def main(argv: Optional[List[str]] = None) -> int:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+
+def _report(rows: List[dict], a: argparse.Namespace, *, model: str, batch: int, multi: bool, env: dict, world: int,
+            extra: str) -> None:
+    """One batch's table, then the note on unfused attention if any."""
+    print(f"\n{model}, batch {batch}{' per process' if world > 1 else ''}, {env['device']}{extra}:")
+    # img/s counts every process's images: the price is that of all their GPUs
+    print(_table(rows, _peak(env["device"]), a.price_per_hour * world if a.price_per_hour else None))
+    note = _unfused_note(rows)
+    if note:
+        print(note)
+
+
+def _interleaved(a: argparse.Namespace, variants: List[str], why: Dict[str, Optional[str]], *, model: str,
+                 batch: int, steps: int, warmup: int, device: str, world: int, noise: WarningLog) -> List[dict]:
+    """``--interleave``: one batch's rows, the available variants timed in turn (:func:`run_interleaved`);
+    if one fails, every row says so (they ran as one)."""
+    ready = [v for v in variants if not why[v]]
+    print(f"batch {batch}: building and warming up {', '.join(ready)}, then {steps} rounds of one step each",
+          flush=True)
+    watch = Stopwatch(device).start()
+    try:
+        with noise.collect("interleaved"):
+            timed = run_interleaved(ready, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
+                                    optimizer=a.optimizer, img_size=a.img_size, mlp_recompute=a.mlp_recompute,
+                                    pipelined=a.pipelined, world=world, drop_path=a.drop_path)
+    except Exception as err:  # noqa: BLE001 - reported as the rows' result
+        failed = f"failed: {type(err).__name__}: {err}"[:300]
+        print(f"FAILED {type(err).__name__}: {err}", flush=True)
+        timed = [{"variant": v, "batch": batch, "skipped": failed} for v in ready]
+    print(f"{len(ready)} variants in {format_duration(watch.elapsed_ms() / 1e3)}", flush=True)
+    by = {r["variant"]: r for r in timed}
+    return [by.get(v) or {"variant": v, "batch": batch, "skipped": why[v]} for v in variants]
 
 
 def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world: int, rank: int) -> int:
@@ -730,6 +855,13 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
     spent_s = 0.0
     results = []
     for batch in batches:
+        if a.interleave:
+            rows = _interleaved(a, variants, why, model=model, batch=batch, steps=steps, warmup=warmup,
+                                device=device, world=world, noise=noise)
+            results.extend(rows)
+            _report(rows, a, model=model, batch=batch, multi=len(batches) > 1, env=env, world=world,
+                    extra=recompute + ddp + ", steps timed in turn (--interleave)")
+            continue
         rows = []
         for v in variants:
             done += 1
@@ -749,9 +881,7 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
             except Exception as err:  # noqa: BLE001 - one broken variant is reported, the rest still run
                 r = {"variant": v, "batch": batch, "skipped": f"failed: {type(err).__name__}: {err}"[:300]}
                 what = f"FAILED {type(err).__name__}: {err}"
-                gc.collect()
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+                _free(device)
             took_s = watch.elapsed_ms() / 1e3  # build, warm-up and timing: the GPU has finished them
             r["wall_s"] = took_s
             rows.append(r)
@@ -761,12 +891,8 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
             left = (f"about {format_duration(estimate.left(pending))} left" if pending
                     else f"{format_duration(spent_s)} in all")
             print(f"{tag}: {what} ({format_duration(took_s)}; {left})", flush=True)
-        print(f"\n{model}, batch {batch}{' per process' if world > 1 else ''}, {env['device']}{recompute}{ddp}:")
-        # img/s counts every process's images: the price is that of all their GPUs
-        print(_table(rows, _peak(env["device"]), a.price_per_hour * world if a.price_per_hour else None))
-        note = _unfused_note(rows)
-        if note:
-            print(note)
+        _report(rows, a, model=model, batch=batch, multi=len(batches) > 1, env=env, world=world,
+                extra=recompute + ddp)
         results.extend(rows)
     if extra:
         print(f"\nlargest batch that fits, {model}{recompute}:")
@@ -776,6 +902,7 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
         with open(a.json, "w") as f:
             json.dump({"environment": env, "model": model, "world": world, "steps": steps, "warmup": warmup,
                        "optimizer": a.optimizer, "mlp_recompute": a.mlp_recompute, "drop_path_rate": a.drop_path,
+                       "interleaved": a.interleave,
                        "results": results,
                        "max_batch": extra}, f, indent=2)
     if a.plot and rank == 0:

@@ -15,6 +15,8 @@ import gc
 import inspect
 import time
 import weakref
+import itertools
+import operator
 from typing import Any, Optional, Tuple
 
 import torch
@@ -26,6 +28,12 @@ from .._te.recipes import recipe_name
 from ..blocks.base import FP8Block
 from ..blocks.weights import is_sharded
 from .detect import gpu_info
+
+# getters that _fingerprint and _copy_aliased_grads apply by map(), in C: per-step scans of every
+# block parameter, which a synchronized step pays while the GPU waits
+_is, _NONES = operator.is_, itertools.repeat(None)
+_REQUIRES_GRAD, _GRAD = operator.attrgetter("requires_grad"), operator.attrgetter("grad")
+_SWITCHES = operator.attrgetter("fp8_enabled", "grad_checkpointing", "recompute_mlp", "gelu_in_gemm")
 
 __all__ = ["GraphedBlocks", "GraphShape", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES", "TE_TUNED_LAYERNORM_WIDTHS",
            "cudnn_norm_pays"]
@@ -279,6 +287,9 @@ class GraphedBlocks:
         self._seq: Optional[tuple] = None  # per-block: what the next block of this forward does
         self._pool = None
         self._slots: tuple = ()
+        # per graphed module: (its parameters' dicts, their names, its FP8 blocks), for _fingerprint
+        self._watch: tuple = ()
+        self._stale: Optional[str] = None  # a change a later block's check met, acted on at block 0
         self._fp8_blocks: tuple = ()
         self._fingerprint_at_capture = None
         self._params: tuple = ()
@@ -411,7 +422,7 @@ class GraphedBlocks:
         self._entries.clear()
         _te.release_main_grad(self._main_grad_weights)
         self._main_grad_weights, self._main_grads, self._params = (), (), ()
-        self._static_ptrs, self._pool, self._fingerprint_at_capture = set(), None, None
+        self._static_ptrs, self._pool, self._fingerprint_at_capture, self._stale = set(), None, None, None
         self._main_ptrs = frozenset()
         if had:
             gc.collect()  # TE's graphed callables hold their graphs in reference cycles
@@ -454,7 +465,15 @@ class GraphedBlocks:
         if kind == "replay":
             if (not args and tuple(x.shape) == what.shape and x.dtype == what.input_dtypes[i]
                     and self._spec(kwargs) == what._key[4]):
-                return self._replay(what, i, x, kwargs)
+                changed = self._changed(i)
+                if changed is None:
+                    return self._replay(what, i, x, kwargs)
+                # block 0 replayed with its parameters as captured; this one and the rest run
+                # eagerly, and the next forward drops the graphs (they are held until then)
+                self._stale = changed
+                if nxt:
+                    self._seq = ("eager", "parameters changed", nxt)
+                return self._eager(t, "parameters changed", None, x, args, kwargs)
             message = (f"block {i} of a graphed forward got {list(x.shape)} {x.dtype} and keyword inputs "
                        f"{self._spec(kwargs)}, its graph was captured for {list(what.shape)} {what.input_dtypes[i]} and "
                        f"{what._key[4]}: it and the blocks after it run eagerly")
@@ -506,7 +525,7 @@ class GraphedBlocks:
                                             "nor a hashable value, so no graph can be keyed on it")
         key = (tuple(x.shape), x.dtype, dtype, recipe_name(recipe) if recipe is not None else None, spec)
         if self._entries:
-            changed = self._changed()
+            changed = self._stale or self._changed(0)
             if changed is not None:
                 if self._busy():
                     return None, "busy", _BUSY
@@ -621,30 +640,42 @@ class GraphedBlocks:
         return None
 
     # ------------------------------------------------------------------ state the graphs depend on
-    def _fingerprint(self) -> tuple:
-        params = []
-        for m, n in self._slots:
-            p = m._parameters.get(n)
-            params.append((id(p), p.data_ptr(), p.requires_grad) if p is not None else None)
+    def _fingerprint(self, i: int) -> tuple:
+        """Graphed module ``i``'s ``(parameter ids, data pointers, requires_grad flags, children,
+        switches)``: what its graph reads that a loop may change between steps. The host checks it
+        before each replay, so the loops over parameters run in C (``map`` over ``dict.get`` and
+        tensor getters: a Python loop over PE-core-L's 288 parameters took 426 us on a CPU), and
+        per-block graphs check each block before its own replay, while the GPU runs the ones before
+        (a synchronized step pays block 0's check only: the GPU has nothing queued then)."""
+        dicts, names, blocks = self._watch[i]
+        params = tuple(map(dict.get, dicts, names))  # None: a parameter set to None since
+        if any(map(_is, params, _NONES)):
+            ptrs = flags = None
+        else:
+            ptrs = tuple(map(torch.Tensor.data_ptr, params))
+            flags = tuple(map(_REQUIRES_GRAD, params))
         children = () if self.per_block else tuple(map(id, self._blocks._modules.values()))
-        switches = tuple((m.fp8_enabled, m.grad_checkpointing, m.recompute_mlp, m.gelu_in_gemm)
-                         for m in self._fp8_blocks)
-        return tuple(params), children, switches
+        return tuple(map(id, params)), ptrs, flags, children, tuple(map(_SWITCHES, blocks))
 
-    def _changed(self) -> Optional[str]:
-        """What changed since capture that the graphs depend on (None: nothing)."""
-        now, then = self._fingerprint(), self._fingerprint_at_capture
+    def _changed(self, i: int) -> Optional[str]:
+        """What changed since capture that graphed module ``i``'s graph depends on (None: nothing)."""
+        now, then = self._fingerprint(i), self._fingerprint_at_capture[i]
         if now == then:
             return None
-        if now[1] != then[1]:
+        if now[3] != then[3]:
             return "model.blocks holds other blocks"
-        if now[2] != then[2]:
+        if now[4] != then[4]:
             return "a block's fp8_enabled, grad_checkpointing, recompute_mlp or gelu_in_gemm switch changed"
-        grad = sum(1 for a, b in zip(now[0], then[0]) if a is not None and b is not None and a[2] != b[2])
-        moved = sum(1 for a, b in zip(now[0], then[0]) if a is None or b is None or a[:2] != b[:2])
-        return (f"requires_grad changed on {grad} block parameters" if grad and not moved else
-                f"{moved} block parameters were replaced or moved" if moved and not grad else
-                f"requires_grad changed on {grad} block parameters and {moved} were replaced or moved")
+        # per parameter, in Python: this runs once per change (at capture no parameter was None)
+        dicts, names, _ = self._watch[i]
+        moved = grad = 0
+        for p, pid, ptr, flag in zip(map(dict.get, dicts, names), *then[:3]):
+            moved += p is None or id(p) != pid or p.data_ptr() != ptr
+            grad += p is not None and p.requires_grad != flag
+        where = f" (block {i})" if self.per_block else ""
+        return (f"requires_grad changed on {grad} block parameters{where}" if grad and not moved else
+                f"{moved} block parameters{where} were replaced or moved" if moved and not grad else
+                f"requires_grad changed on {grad} block parameters{where} and {moved} were replaced or moved")
 
     # ------------------------------------------------------------------ replay and capture
     def _replay(self, entry: GraphShape, i: int, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -687,7 +718,10 @@ class GraphedBlocks:
             ptrs = ptrs - keep
         if not ptrs:
             return
-        todo = [p for p in self._params if p.grad is not None and p.grad.data_ptr() in ptrs]
+        grads = tuple(map(_GRAD, self._params))  # in C: this runs before each step's first replay
+        if all(map(_is, grads, _NONES)):  # the usual loop: zero_grad() before the forward
+            return
+        todo = [p for p, g in zip(self._params, grads) if g is not None and g.data_ptr() in ptrs]
         if todo:  # one multi-tensor kernel, not a copy each (ViT-H/16: ~260 biases and norms a step)
             grads = [p.grad for p in todo]
             copies = [torch.empty_like(g) for g in grads]
@@ -709,6 +743,11 @@ class GraphedBlocks:
         if first:
             self._slots = tuple((m, name) for t in targets for m in t.modules()
                                 for name, p in m._parameters.items() if p is not None)
+            self._watch = tuple(
+                (tuple(m._parameters for m, _ in slots), tuple(name for _, name in slots),
+                 tuple(m for m in t.modules() if isinstance(m, FP8Block)))
+                for t in targets for slots in [[(m, name) for m in t.modules()
+                                               for name, p in m._parameters.items() if p is not None]])
             self._fp8_blocks = tuple(m for t in targets for m in t.modules() if isinstance(m, FP8Block))
         self._copy_aliased_grads()  # the warm-up rewrites main_grad
         start = time.perf_counter()
@@ -739,7 +778,7 @@ class GraphedBlocks:
         self._main_ptrs = frozenset(w.main_grad.data_ptr() for w in weights)
         self._params = tuple(p for p in (m._parameters[name] for m, name in self._slots) if p.requires_grad)
         if first:
-            self._fingerprint_at_capture = self._fingerprint()
+            self._fingerprint_at_capture = tuple(map(self._fingerprint, range(n)))
         entry = GraphShape(shape=key[0], input_dtypes=tuple(dtypes), autocast_dtype=key[2], recipe_name=key[3],
                            call_kwargs=dict(key[4]), memory_bytes=memory,
                            capture_seconds=time.perf_counter() - start, _key=key, _graphed=graphed,
