@@ -21,9 +21,10 @@
 #            step was 2.9% slower than timm + compile, a run whose log was lost)
 #   generic  timm-bf16, timm-bf16-compile, fp8vit-fp8-delayed-compile (convert_to_te, then
 #            torch.compile(model): everything but fused blocks compiled, what convert_to_te(compile=True)
-#            does) and timm-bf16-compile again: fp8vit's variant, with nothing fused the very graph
-#            timm's compile ran, is held against the mean of the runs before and after it (an H100
-#            process measured ResNet-50's 1.1% slower third, its pipelined step the same: a drift).
+#            does), with --interleave: all three built first, their steps timed in turn, as fp8vit's
+#            variant, with nothing fused, is the very graph timm's compile ran, and one after the
+#            other a drift read as a difference (H100: ResNet-50's 1.1% slower third; Hiera's timm
+#            compile 50.3 ms, then 53.5 after fp8vit's variant, the same graph).
 #            fallback="compile" (-blockcompile: per-block compiles) is left out: one more
 #            compile per model (30-110 s each on the H200, by the estimates below) for a variant that
 #            compiles less of the model than that one. fallback="linear" (FP8 Linears, eager:
@@ -76,18 +77,18 @@ SWEEP="
 2 vitamin_base_224              128 224 hybrid   10  60  12  30
 2 vit_base_r50_s16_224          128 224 hybrid    8  50  10  25
 2 pit_b_224                     128 224 hybrid    6  35  10  35
-8 resnet50                      256 224 generic   8  50   15  15
+8 resnet50                      256 224 generic   8  50   15
 7 crossvit_15_240               256 240 narrow    8  60  12  40  40
 3 beit_base_patch16_224         128 224 fused     6  40   8  16
 3 swin_base_patch4_window7_224  128 224 fused    10 120  20  60
 4 convnext_base                 128 224 fused     8  70  15  45
-8 maxvit_tiny_tf_224            128 224 generic   8 110   20  20
-5 cait_s24_224                  256 224 generic  17  90   15  15
-5 xcit_small_12_p16_224         256 224 generic  10  90   15  15
-7 davit_base                    128 224 generic  10  90   20  20
-6 efficientformer_l3            256 224 generic  10 180   15  15
-6 hiera_base_224                128 224 generic   7  85   15  15
-4 mvitv2_small                  128 224 generic   7  80   20  20
+8 maxvit_tiny_tf_224            128 224 generic   8 110   20
+5 cait_s24_224                  256 224 generic  17  90   15
+5 xcit_small_12_p16_224         256 224 generic  10  90   15
+7 davit_base                    128 224 generic  10  90   20
+6 efficientformer_l3            256 224 generic  10 180   15
+6 hiera_base_224                128 224 generic   7  85   15
+4 mvitv2_small                  128 224 generic   7  80   20
 "
 
 variants_of() {  # kind -> comma-separated variants
@@ -96,7 +97,7 @@ variants_of() {  # kind -> comma-separated variants
     fused) echo "$base,fp8vit-fp8-delayed-graphed,fp8vit-fp8-delayed-graphed-compile" ;;
     hybrid) echo "$base,fp8vit-fp8-delayed-graphed,fp8vit-fp8-delayed-graphed-compile" ;;
     narrow) echo "$base,fp8vit-fp8-delayed-graphed,fp8vit-fp8-delayed-graphed-compile,fp8vit-fp8-delayed-bf16narrow-graphed-compile" ;;
-    generic) echo "$base,fp8vit-fp8-delayed-compile,timm-bf16-compile" ;;
+    generic) echo "$base,fp8vit-fp8-delayed-compile" ;;
     *) echo "sweep.sh: unknown kind $1" >&2; return 2 ;;
   esac
 }
@@ -168,7 +169,8 @@ while read -r group model batch img kind est; do
   # at the end. An old JSON goes first: a run stopped now writes none, and the old one would pass.
   rm -f "$name.json"
   timeout -k 10 "$limit" python3 -m fp8vit.tools.bench --model "$model" --batch-size "$batch" --img-size "$img" \
-    --steps 20 --warmup 8 --variants ${variants//,/ } --json "$name.json" < /dev/null > "$name.log" 2>&1
+    --steps 20 --warmup 8 --variants ${variants//,/ } $([ "$kind" = generic ] && echo --interleave) \
+    --json "$name.json" < /dev/null > "$name.log" 2>&1
   rc=$?
   packed+=("bench/${name##*/}.log")
   [ -f "$name.json" ] && packed+=("bench/${name##*/}.json")

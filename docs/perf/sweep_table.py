@@ -152,7 +152,7 @@ def _first_line(text: str, width: int = 90) -> str:
 
 
 def cell(row: Row, variant: str) -> str:
-    """``ms (speedup over eager[, compile s][; runs a, b])``; ``failed: ...`` or ``skipped: ...``;
+    """``ms (speedup over eager[, compile s][, in turn][; runs a, b])``; ``failed: ...`` or ``skipped: ...``;
     ``-`` if not run. A variant run more than once shows its mean and each run."""
     r = row.results.get(variant)
     if r is None:
@@ -165,6 +165,8 @@ def cell(row: Row, variant: str) -> str:
         extras.append(f"{row.ms(EAGER) / ms:.2f}x")
     if ("compile" in variant or "graphed" in variant) and row.compile_s(variant) is not None:  # set-up beside the step
         extras.append(f"{row.compile_s(variant):.0f} s")
+    if r.get("interleaved"):
+        extras.append("in turn")
     runs = row.runs_ms(variant)
     text = ", ".join(extras) + (f"; runs {', '.join(f'{t:.1f}' for t in runs)}" if len(runs) > 1 else "")
     return f"{ms:.1f}" + (f" ({text})" if text else "")
@@ -205,7 +207,8 @@ def table(rows: list[Row]) -> str:
             "the warm-up beyond its steps (torch.compile's compile; the build and CUDA-graph capture are not "
             "in the bench's JSON). best vs compile: fp8vit's fastest variant's step against "
             "timm-bf16-compile's (+: slower). runs: a variant run more than once in the process (before and "
-            "after fp8vit's) counts as the mean of its runs. A compile of a graph compiled earlier in the "
+            "after fp8vit's) counts as the mean of its runs. in turn: the variants' steps timed in rounds, one "
+            "of each per round (fp8vit-bench --interleave). A compile of a graph compiled earlier in the "
             "process (fp8vit's variant where it fuses nothing) comes from inductor's cache: seconds, not minutes.")
     lines += ["", note,
               f"{len(rows) - len(missed)} of {len(rows)} models within {100 * TOLERANCE:.0f}% of torch.compile "
