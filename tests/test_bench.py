@@ -812,6 +812,10 @@ class _FakeRun:
         self.log.append(("step", self.variant))
         return 10.0 + sum(1 for e in self.log if e[0] == "step")
 
+    def pipelined(self, steps):
+        self.log.append(("piped", self.variant, steps))
+        return [100.0] + [1.0] * (steps - 1)  # the first of a burst starts on an idle GPU
+
     def result(self, times, piped):
         return {"variant": self.variant, "median_ms": statistics.median(times), "times": times, "piped": piped}
 
@@ -834,6 +838,16 @@ def test_interleaved_variants_are_built_first_then_timed_in_turn_so_a_drift_fall
     assert a["interleaved"] == b["interleaved"] == 2 and a["piped"] is None  # no pipelined steps on a CPU
     # 12 steps drifting by 11 ms: one after the other the medians would be 6 ms apart, in turn 0
     assert len(a["times"]) == len(b["times"]) == 6 and a["median_ms"] == b["median_ms"]
+
+
+def test_interleaved_pipelined_steps_come_in_bursts_in_turn_without_their_first(monkeypatch):
+    _FakeRun.log, _FakeRun.fail = [], ""
+    monkeypatch.setattr(bench, "_Run", _FakeRun)
+    a, b = bench.run_interleaved(["timm-bf16", "fp8vit-bf16"], model="micro", batch=2, steps=10, warmup=1,
+                                 device="cuda", burst=5)
+    bursts = [(v, n) for kind, v, *n in _FakeRun.log if kind == "piped"]
+    assert bursts == [("timm-bf16", [6]), ("fp8vit-bf16", [6]), ("fp8vit-bf16", [6]), ("timm-bf16", [6])]
+    assert a["piped"] == b["piped"] == [1.0] * 10  # 2 bursts of 5 each, the GPU's start left out
 
 
 def test_interleaved_run_that_fails_lets_every_built_variant_go(monkeypatch):

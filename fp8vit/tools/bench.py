@@ -348,7 +348,8 @@ def run_interleaved(variants: List[str], *, model: str, batch: int, steps: int, 
                     burst: int = 5) -> List[Dict]:
     """:func:`run_variant` for several variants at once, their steps timed in turn: every variant is
     built and warmed up first, then each round times one synchronized step of each (the order
-    rotating from round to round), and pipelined steps in bursts of ``burst``, in turn as well.
+    rotating from round to round), and pipelined steps in bursts of ``burst`` (after one that starts
+    the GPU, not counted), in turn as well.
 
     Why: one variant after the other, a drift over the process (clocks, the host, the allocator)
     reads as a difference between them. Seen on an H100: timm's own compiled Hiera-B measured 50.3
@@ -371,7 +372,7 @@ def run_interleaved(variants: List[str], *, model: str, batch: int, steps: int, 
         if pipelined and device == "cuda":
             for i in range(max(1, steps // burst)):
                 for r in runs[i % len(runs):] + runs[:i % len(runs)]:
-                    piped[r.variant] += r.pipelined(burst)
+                    piped[r.variant] += r.pipelined(burst + 1)[1:]  # the first starts on an idle GPU
         return [dict(r.result(times[r.variant], piped[r.variant] or None), interleaved=len(runs)) for r in runs]
     finally:
         for r in runs:
