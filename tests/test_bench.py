@@ -802,7 +802,7 @@ class _FakeRun:
     def __init__(self, variant, **kw):
         if variant == _FakeRun.fail:
             raise RuntimeError(f"building {variant} failed")
-        self.variant = variant
+        self.variant, self.own_bytes, self.peak_bytes = variant, 50, None
         self.log.append(("build", variant, kw["mlp_recompute"]))
 
     def warm_up(self, steps):
@@ -817,7 +817,8 @@ class _FakeRun:
         return [100.0] + [1.0] * (steps - 1)  # the first of a burst starts on an idle GPU
 
     def result(self, times, piped):
-        return {"variant": self.variant, "median_ms": statistics.median(times), "times": times, "piped": piped}
+        return {"variant": self.variant, "median_ms": statistics.median(times), "times": times, "piped": piped,
+                "peak": self.peak_bytes}
 
     def close(self):
         self.log.append(("close", self.variant))
@@ -843,8 +844,14 @@ def test_interleaved_variants_are_built_first_then_timed_in_turn_so_a_drift_fall
 def test_interleaved_pipelined_steps_come_in_bursts_in_turn_without_their_first(monkeypatch):
     _FakeRun.log, _FakeRun.fail = [], ""
     monkeypatch.setattr(bench, "_Run", _FakeRun)
+    # the allocator as the second variant's warm-up sees it: 100 bytes held before, 350 at the peak
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 100)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 350)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     a, b = bench.run_interleaved(["timm-bf16", "fp8vit-bf16"], model="micro", batch=2, steps=10, warmup=1,
                                  device="cuda", burst=5)
+    assert a["peak"] == b["peak"] == 50 + 350 - 100  # its model's bytes and its warm-up's peak above the rest
     bursts = [(v, n) for kind, v, *n in _FakeRun.log if kind == "piped"]
     assert bursts == [("timm-bf16", [6]), ("fp8vit-bf16", [6]), ("fp8vit-bf16", [6]), ("timm-bf16", [6])]
     assert a["piped"] == b["piped"] == [1.0] * 10  # 2 bursts of 5 each, the GPU's start left out

@@ -249,17 +249,11 @@ class _Run:
         self.peak_bytes = None
 
     def warm_up(self, steps: int) -> None:
-        """``steps`` untimed steps (torch.compile compiles here); notes the peak memory this variant
-        adds to what was allocated before it was built."""
-        if self.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
+        """``steps`` untimed steps (torch.compile compiles here)."""
         watch = Stopwatch(self.device).start()
         for _ in range(steps):
             self.loss = self.step(self.x, self.y)
         self.warm_s = watch.elapsed_ms() / 1e3
-        if self.device == "cuda":
-            self.peak_bytes = self.own_bytes + torch.cuda.max_memory_allocated() - before
 
     def timed(self) -> float:
         """One synchronized step's time (ms): from the GPU reaching its first kernel to its last."""
@@ -361,9 +355,15 @@ def run_interleaved(variants: List[str], *, model: str, batch: int, steps: int, 
     runs = []
     try:
         for v in variants:
-            runs.append(_Run(v, model=model, batch=batch, device=device, optimizer=optimizer, img_size=img_size,
-                             mlp_recompute=_recompute_for(v, mlp_recompute), world=world, drop_path=drop_path))
-            runs[-1].warm_up(warmup)
+            run = _Run(v, model=model, batch=batch, device=device, optimizer=optimizer, img_size=img_size,
+                       mlp_recompute=_recompute_for(v, mlp_recompute), world=world, drop_path=drop_path)
+            runs.append(run)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            run.warm_up(warmup)
+            if device == "cuda":  # its own: its model's memory and its warm-up's peak above the rest
+                run.peak_bytes = run.own_bytes + torch.cuda.max_memory_allocated() - before
         times: Dict[str, List[float]] = {r.variant: [] for r in runs}
         piped: Dict[str, List[float]] = {r.variant: [] for r in runs}
         for i in range(steps):
@@ -773,7 +773,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             dist.destroy_process_group()
 
 
-def _report(rows: List[dict], a: argparse.Namespace, *, model: str, batch: int, multi: bool, env: dict, world: int,
+def _report(rows: List[dict], a: argparse.Namespace, *, model: str, batch: int, env: dict, world: int,
             extra: str) -> None:
     """One batch's table, then the note on unfused attention if any."""
     print(f"\n{model}, batch {batch}{' per process' if world > 1 else ''}, {env['device']}{extra}:")
@@ -860,7 +860,7 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
             rows = _interleaved(a, variants, why, model=model, batch=batch, steps=steps, warmup=warmup,
                                 device=device, world=world, noise=noise)
             results.extend(rows)
-            _report(rows, a, model=model, batch=batch, multi=len(batches) > 1, env=env, world=world,
+            _report(rows, a, model=model, batch=batch, env=env, world=world,
                     extra=recompute + ddp + ", steps timed in turn (--interleave)")
             continue
         rows = []
@@ -892,7 +892,7 @@ def _bench(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, world
             left = (f"about {format_duration(estimate.left(pending))} left" if pending
                     else f"{format_duration(spent_s)} in all")
             print(f"{tag}: {what} ({format_duration(took_s)}; {left})", flush=True)
-        _report(rows, a, model=model, batch=batch, multi=len(batches) > 1, env=env, world=world,
+        _report(rows, a, model=model, batch=batch, env=env, world=world,
                 extra=recompute + ddp)
         results.extend(rows)
     if extra:

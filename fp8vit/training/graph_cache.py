@@ -13,10 +13,10 @@ import contextlib
 import dataclasses
 import gc
 import inspect
-import time
-import weakref
 import itertools
 import operator
+import time
+import weakref
 from typing import Any, Optional, Tuple
 
 import torch
@@ -468,8 +468,8 @@ class GraphedBlocks:
                 changed = self._changed(i)
                 if changed is None:
                     return self._replay(what, i, x, kwargs)
-                # block 0 replayed with its parameters as captured; this one and the rest run
-                # eagerly, and the next forward drops the graphs (they are held until then)
+                # the blocks before it replayed with their parameters as captured; this one and the
+                # rest run eagerly, and the next forward drops the graphs (held until then)
                 self._stale = changed
                 if nxt:
                     self._seq = ("eager", "parameters changed", nxt)
