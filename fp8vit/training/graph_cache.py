@@ -741,14 +741,13 @@ class GraphedBlocks:
                               for _ in range(n)) \
             if self.per_block else None
         if first:
-            self._slots = tuple((m, name) for t in targets for m in t.modules()
-                                for name, p in m._parameters.items() if p is not None)
-            self._watch = tuple(
-                (tuple(m._parameters for m, _ in slots), tuple(name for _, name in slots),
-                 tuple(m for m in t.modules() if isinstance(m, FP8Block)))
-                for t in targets for slots in [[(m, name) for m in t.modules()
-                                               for name, p in m._parameters.items() if p is not None]])
-            self._fp8_blocks = tuple(m for t in targets for m in t.modules() if isinstance(m, FP8Block))
+            slots = [[(m, name) for m in t.modules() for name, p in m._parameters.items() if p is not None]
+                     for t in targets]  # per graphed module
+            self._watch = tuple((tuple(m._parameters for m, _ in ts), tuple(name for _, name in ts),
+                                 tuple(m for m in t.modules() if isinstance(m, FP8Block)))
+                                for t, ts in zip(targets, slots))
+            self._slots = tuple(s for ts in slots for s in ts)
+            self._fp8_blocks = tuple(b for w in self._watch for b in w[2])
         self._copy_aliased_grads()  # the warm-up rewrites main_grad
         start = time.perf_counter()
         try:
