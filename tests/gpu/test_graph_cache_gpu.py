@@ -291,6 +291,39 @@ def test_per_block_graphs_capture_shapes_as_they_come():
     assert handle.shapes[0].call_kwargs["rope"][0] == (256, 2 * 64)
 
 
+def test_per_block_graphs_meet_a_change_in_a_later_block_like_eager():
+    # Each block's parameters are checked just before its own replay: a parameter of the last block
+    # frozen between steps, that step replays blocks 0 and 1 and runs block 2 eagerly, and the next
+    # drops the graphs and captures them again. Gradients follow eager training's throughout.
+    from test_eva_gpu import _convert, _model
+    data = [(x, y % 100) for x, y in _batches([16] * 5)]
+    eager = _convert(_model("eva02_base_patch14_224", depth=3)).train()
+    graphed = fp8vit.convert_to_te(_model("eva02_base_patch14_224", depth=3), cuda_graphs=True,
+                                   patch_gemm=False).train()  # as eager's patch conv (see above)
+    handle = fp8vit.GraphedBlocks.of(graphed)
+    seqs, trail = [], [[], []]
+    with norm_kernels(same_norm_kernels(graphed)), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for model, states in zip((eager, graphed), trail):
+            seq = []
+            for i, (x, y) in enumerate(data):
+                if i == 2:
+                    model.blocks[2].mlp.fc2.bias.requires_grad_(False)
+                with fp8vit.fp8_context("delayed"):
+                    loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                states.append((f"step {i}", _scaling_state(model)))
+                seq.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+                model.zero_grad(set_to_none=True)
+            seqs.append(seq)
+    print(f"{handle}\nscaling state first differs after: {_first_divergence(trail)}")
+    assert "blocks.2.mlp.fc2.bias" in seqs[1][1] and "blocks.2.mlp.fc2.bias" not in seqs[1][2]
+    _assert_same_gradients(*seqs, trail)
+    # step 0 eager (first sight), 1 captured, 2 blocks 0-1 replayed, 3 captured again, 4 replayed
+    assert handle.eager_reasons["parameters changed"] == 1 and handle.replays == 3 + 2 + 3 + 3
+    assert any("requires_grad changed on 1 block parameters (block 2)" in str(w.message) for w in record)
+
+
 def test_a_capture_that_fails_inside_a_step_leaves_training_and_the_rng_working(monkeypatch):
     # A capture inside a training step that CUDA invalidates (here: a host sync in a block while
     # capturing) warns once and the blocks run eagerly; the CUDA generator, which torch leaves
