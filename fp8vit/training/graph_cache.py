@@ -721,9 +721,9 @@ class GraphedBlocks:
         grads = tuple(map(_GRAD, self._params))  # in C: this runs before each step's first replay
         if all(map(_is, grads, _NONES)):  # the usual loop: zero_grad() before the forward
             return
-        todo = [p for p, g in zip(self._params, grads) if g is not None and g.data_ptr() in ptrs]
+        todo = [(p, g) for p, g in zip(self._params, grads) if g is not None and g.data_ptr() in ptrs]
         if todo:  # one multi-tensor kernel, not a copy each (ViT-H/16: ~260 biases and norms a step)
-            grads = [p.grad for p in todo]
+            todo, grads = zip(*todo)
             copies = [torch.empty_like(g) for g in grads]
             torch._foreach_copy_(copies, grads)
             for p, c in zip(todo, copies):
