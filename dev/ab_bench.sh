@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A lever's before and after in one device call, where no switch turns it off: fp8vit-bench from an
 # earlier commit's fp8vit and from this tree's, in turn (before, after, before, after: a drift over
-# the call falls on both), each process with its own timm-bf16 (its ratios are within itself).
+# the call falls on both), each process with its own timm-bf16 (its ratios are within itself). Both
+# sides measure with this tree's fp8vit/tools (the bench, its workloads): only the library differs.
 #
 #   bash dev/ab_bench.sh prepare COMMIT               # here: COMMIT's fp8vit/ into .ab/COMMIT (git-ignored:
 #                                                     #   run with carry [".kit", ".ab"])
@@ -16,6 +17,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 case $1 in
   prepare)
     rm -rf ".ab/$2" && mkdir -p ".ab/$2" && git archive "$2" fp8vit | tar -x -C ".ab/$2" || exit 1
+    # the measuring code is this tree's on both sides (session 31: 63447f8's bench read its loss
+    # before the pipelined steps and timed with its own loop; a bench change is not the lever)
+    rm -rf ".ab/$2/fp8vit/tools" && cp -r fp8vit/tools ".ab/$2/fp8vit/tools" && find ".ab/$2" -name __pycache__ -prune -exec rm -rf {} + || exit 1
     echo "fp8vit of $2 in .ab/$2 ($(du -sh ".ab/$2" | cut -f1)); run with carry [\".kit\", \".ab\"]" ;;
   run)
     commit=$2 name=$3; shift 3
@@ -23,7 +27,7 @@ case $1 in
     . docs/perf/te_env.sh  # TE, $out, $gpu; PYTHONPATH: this tree first
     mkdir -p "$out/bench"
     rc=0
-    for round in 1 2; do
+    for round in $(seq "${AB_ROUNDS:-2}"); do
       for side in before after; do
         log="$(cd "$out" && pwd)/bench/${name}_${side}${round}_$gpu"
         # python puts the working directory first on sys.path: each side runs from its tree
