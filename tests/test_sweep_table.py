@@ -333,3 +333,25 @@ def test_sweep_leaves_out_what_the_budget_cannot_hold(tmp_path):
     ok_run = stub_sweep(tmp_path, "vit_base_patch16_224")
     assert ok_run.returncode == 0, ok_run.stdout + ok_run.stderr
     assert "1 of 1 models ran every variant" in ok_run.stdout
+
+
+DEVICE_RUN = ROOT / "dev" / "device_run.sh"
+
+
+def test_device_run_packs_what_a_command_wrote_before_its_time_ran_out(tmp_path):
+    # Session 31 lost a profile (more than 8 files in $OUT) and two A/B rounds (a command stopped at
+    # the call's limit before it copied its logs): dev/device_run.sh packs the scratch folder either way.
+    import tarfile
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "DEVICE_RUN_DIR": str(scratch), "DEVICE_RUN_S": "2"}
+    cmd = 'mkdir -p "$OUT/bench" && for i in 1 2 3 4 5 6 7 8 9; do echo $i > "$OUT/bench/r$i.log"; done; sleep 30'
+    res = subprocess.run(["bash", str(DEVICE_RUN), cmd], capture_output=True, text=True, env=env, timeout=60)
+    assert res.returncode == 124, res.stdout + res.stderr
+    assert "stopped at 2 s" in res.stdout
+    with tarfile.open(out / "device_out.tgz") as t:
+        names = sorted(n for n in t.getnames() if n.endswith(".log"))
+    assert names == [f"./bench/r{i}.log" for i in range(1, 10)]  # 9 logs, one file back
+    assert [p.name for p in out.iterdir()] == ["device_out.tgz"]
+    done = subprocess.run(["bash", str(DEVICE_RUN), "exit 3"], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 3  # the command's own status

@@ -268,7 +268,11 @@ def test_parameter_gradients_leave_the_graph_without_a_copy():
     n_params = sum(1 for _ in model.blocks.parameters())
     counts, allocated = {}, {}
     for mode in ("none", "zeros", "lightning"):
-        for _ in range(2):  # the second step starts from what zero_grad left
+        # step 2 starts from what zero_grad left; "none" and "lightning" are alike from then on, so
+        # the least of steps 2-3 there: a lazy one-off allocation (1.7 MB in the lightning step after
+        # this file's earlier tests, on an H100) is not a copy. "zeros" copies at step 2 only (the
+        # .grad are then copies, outside the graphs' buffers)
+        for k in range(3):
             torch.cuda.synchronize()
             before = torch.cuda.memory_stats()["allocated_bytes.all.allocated"]
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -278,7 +282,9 @@ def test_parameter_gradients_leave_the_graph_without_a_copy():
                     opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.cuda.synchronize()
-            allocated[mode] = torch.cuda.memory_stats()["allocated_bytes.all.allocated"] - before
+            step_bytes = torch.cuda.memory_stats()["allocated_bytes.all.allocated"] - before
+            if k == 1 or (k == 2 and mode != "zeros"):
+                allocated[mode] = min(allocated.get(mode, step_bytes), step_bytes)
             opt.step()
             if mode != "lightning":
                 opt.zero_grad(set_to_none=mode == "none")
