@@ -92,3 +92,32 @@ def test_host_ops_are_the_outermost_per_thread_and_fill_a_gap():
     assert host_during(ops, 90.0, 180.0) == [("fp8vit::graphed_blocks", 50.0), ("aten::add", 10.0),
                                             ("aten::mul", 4.0), ("(between ops)", 26.0)]
     assert host_during(ops, 0.0, 10.0) == [("(between ops)", 10.0)]
+
+
+def test_synchronized_steps_split_into_lead_gaps_busy_and_tail():
+    from fp8vit.tools.profiling import STEP_RANGE, step_exposure, step_windows
+    events = [  # two --sync step ranges on the host; another range and a kernel-side annotation ignored
+        {"ph": "X", "cat": "user_annotation", "name": STEP_RANGE, "ts": 200, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": STEP_RANGE, "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "fp8vit::graphed_blocks", "ts": 10, "dur": 5},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": STEP_RANGE, "ts": 1, "dur": 90}]
+    windows = step_windows(events)
+    assert windows == [(0.0, 100.0), (200.0, 300.0)]
+    # step 1: idle 0 -> 20 (the host's first launches), a [20, 50), gap 50 -> 60, b [60, 90), tail 90 -> 100
+    # step 2: idle 200 -> 210, c [210, 290) with d inside it, tail 290 -> 300; e between the steps: no step's
+    kernels = [("a", 20.0, 30.0), ("b", 60.0, 30.0), ("c", 210.0, 80.0), ("d", 220.0, 5.0), ("e", 150.0, 10.0)]
+    ex, gaps = step_exposure(kernels, windows)
+    assert ex == {"step": 100.0, "busy": (60.0 + 80.0) / 2, "lead": (20.0 + 10.0) / 2, "gaps": 5.0, "tail": 10.0}
+    assert gaps == [(10.0, "a", "b", 50.0)]
+    # each window adds up: lead + busy + gaps + tail = step
+    assert ex["lead"] + ex["busy"] + ex["gaps"] + ex["tail"] == ex["step"]
+    assert step_exposure(kernels, []) == ({"step": 0.0, "busy": 0.0, "lead": 0.0, "gaps": 0.0, "tail": 0.0}, [])
+
+
+def test_profile_runs_synchronized_steps_on_the_cpu(capsys):
+    # no GPU: CPU ops' time; --sync times each step alone (the bench's synchronized median)
+    from fp8vit.tools.profiling import main
+    assert main(["--model", "vit_tiny_patch16_224", "--batch-size", "2", "--variant", "timm-bf16", "--steps", "2",
+                 "--warmup", "1", "--sync"]) == 0
+    out = capsys.readouterr().out
+    assert "ms/step (synchronized median, unprofiled), CPU op time" in out

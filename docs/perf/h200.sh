@@ -8,6 +8,7 @@
 #   bash docs/perf/h200.sh bench:eva02_base_patch14_224:128        # default variants: bench/eva02_base_patch14_224_b128_default4_h200.{log,json}
 #   bash docs/perf/h200.sh bench:MODEL:BATCH:V1,V2,...:TAG         # chosen variants: bench/MODEL_bBATCH_TAG_h200.{log,json}
 #   bash docs/perf/h200.sh profile:MODEL:BATCH:VARIANT             # fp8vit-profile: profile/MODEL_bBATCH_VARIANT_h200.{log,kernels.txt}
+#   bash docs/perf/h200.sh profile:MODEL:BATCH:VARIANT:sync        # its synchronized steps: profile/..._VARIANT_sync_h200.*
 set -o pipefail
 . "$(dirname "$0")/te_env.sh"
 mkdir -p "$out/tests" "$out/bench" "$out/profile"
@@ -26,9 +27,10 @@ for stage in "$@"; do
       python3 -m fp8vit.tools.bench --model "$a" --batch-size "${b:-128}" $variants \
         --json "$out/${name}_$gpu.json" 2>&1 | tee "$out/${name}_$gpu.log" || rc=1 ;;
     profile)
-      name="profile/${a}_b${b:-128}_${c:-fp8vit-fp8-delayed-graphed}_$gpu"
+      # d = sync: synchronized steps (fp8vit-bench's median), 20 of them, where their time goes
+      name="profile/${a}_b${b:-128}_${c:-fp8vit-fp8-delayed-graphed}${d:+_$d}_$gpu"
       python3 -m fp8vit.tools.profiling --model "$a" --batch-size "${b:-128}" --variant "${c:-fp8vit-fp8-delayed-graphed}" \
-        --kernels "$out/$name.kernels.txt" > "$out/$name.log" 2>&1 || rc=1
+        ${d:+--$d --steps 20} --kernels "$out/$name.kernels.txt" > "$out/$name.log" 2>&1 || rc=1
       grep -A12 "wall" "$out/$name.log" ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

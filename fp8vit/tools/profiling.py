@@ -21,6 +21,7 @@ import collections
 import json
 import os
 import re
+import statistics
 import tempfile
 from typing import Dict, Iterable, List, Tuple
 
@@ -30,7 +31,7 @@ from .timing import Stopwatch
 from .workload import SIZES, VARIANTS, build_workload, make_optimizer, synthetic_batch, train_step_fn
 
 __all__ = ["CATEGORIES", "categorize", "idle_gaps", "host_during", "kernel_breakdown", "kernel_table", "trace_events",
-           "trace_kernels", "trace_host_ops", "main"]
+           "trace_kernels", "trace_host_ops", "step_windows", "step_exposure", "STEP_RANGE", "main"]
 
 CATEGORIES: List[Tuple[str, str]] = [
     ("attention", r"flash|fmha|attn|attention|sdpa|cudnn_generated|cudnn::fusion"),
@@ -93,6 +94,41 @@ def idle_gaps(kernels: Iterable[Tuple[str, float, float]]) -> Tuple[float, float
             cur_end, cur_last = start + dur, name
     busy += cur_end - cur_start
     return busy, cur_end - ks[0][1], sorted(gaps, key=lambda g: -g[0])
+
+
+STEP_RANGE = "fp8vit::synchronized_step"  # --sync: the host range around each profiled step and its sync
+
+
+def step_windows(events: list, name: str = STEP_RANGE) -> List[Tuple[float, float]]:
+    """``(start_us, end_us)`` of each host range ``name`` among a trace's :func:`trace_events`:
+    with ``--sync``, one per profiled step, from its first Python line to its sync's return."""
+    return sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+                  if e.get("cat") == "user_annotation" and e.get("name") == name)
+
+
+def step_exposure(kernels: Iterable[Tuple[str, float, float]], windows: List[Tuple[float, float]]
+                  ) -> Tuple[Dict[str, float], List[Tuple[float, str, str, float]]]:
+    """Where a synchronized step's time goes (what ``fp8vit-bench`` times as its median): per
+    window of :func:`step_windows` (us, averaged over the windows with kernels), ``step`` (the
+    window), ``busy`` (GPU), ``lead`` (before the first kernel: the host issuing the step's first
+    work on an idle GPU), ``gaps`` (idle between kernels: the host behind the GPU) and ``tail``
+    (after the last kernel: the sync's return); with every window's gaps, longest first, as
+    :func:`idle_gaps` gives them."""
+    ks = sorted(kernels, key=lambda k: k[1])
+    total = dict.fromkeys(("step", "busy", "lead", "gaps", "tail"), 0.0)
+    gaps, n = [], 0
+    for w0, w1 in windows:
+        inside = [k for k in ks if w0 <= k[1] < w1]
+        if not inside:
+            continue
+        busy, span, g = idle_gaps(inside)
+        first, last = inside[0][1], max(k[1] + k[2] for k in inside)
+        for key, us in (("step", w1 - w0), ("busy", busy), ("lead", first - w0), ("gaps", span - busy),
+                        ("tail", max(w1 - last, 0.0))):
+            total[key] += us
+        gaps += g
+        n += 1
+    return {k: v / max(n, 1) for k, v in total.items()}, sorted(gaps, key=lambda x: -x[0])
 
 
 def trace_events(prof) -> list:
@@ -167,6 +203,12 @@ def _launches(prof) -> List[Tuple[str, str, float]]:
     return out
 
 
+def _timed(watch: Stopwatch, step, x, y) -> float:
+    watch.start()
+    step(x, y)
+    return watch.elapsed_ms()
+
+
 def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
@@ -179,6 +221,10 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default=None, help="write the per-kernel table (with op paths) here")
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
     p.add_argument("--gaps", type=int, default=10, help="list this many of the longest GPU-idle gaps")
+    p.add_argument("--sync", action="store_true",
+                   help="synchronize after each step, as fp8vit-bench's synchronized median does, and say where "
+                   "such a step's time goes: GPU busy, idle before its first kernel, between kernels, after the last "
+                   "(default: steps back to back, as a training loop runs them)")
     p.add_argument("--ncu-step", action="store_true",
                    help="after warm-up, run one step between cudaProfilerStart/Stop (for ncu) and exit")
     a = p.parse_args(argv)
@@ -199,13 +245,21 @@ def main(argv=None) -> int:
         torch.cuda.profiler.stop()
         return 0
     watch = Stopwatch(device).start()
-    for _ in range(a.steps):
-        step(x, y)
-    wall_ms = watch.elapsed_ms() / a.steps
+    if a.sync:  # the bench's synchronized median: each step timed alone
+        wall_ms = statistics.median(_timed(watch, step, x, y) for _ in range(a.steps))
+    else:
+        for _ in range(a.steps):
+            step(x, y)
+        wall_ms = watch.elapsed_ms() / a.steps
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=acts) as prof:
         for _ in range(a.steps):
-            step(x, y)
+            if a.sync:
+                with torch.profiler.record_function(STEP_RANGE):
+                    step(x, y)
+                    sync()
+            else:
+                step(x, y)
         sync()
     if a.trace:
         prof.export_chrome_trace(a.trace)
@@ -224,16 +278,25 @@ def main(argv=None) -> int:
         launches = [(e.key, e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.key.startswith("aten::")]
         what = "CPU op"
     br = kernel_breakdown([(k, us) for k, _, us in launches], a.steps)
-    print(f"{a.model} batch {a.batch_size} {a.variant}: wall {wall_ms:.1f} ms/step (unprofiled), "
+    print(f"{a.model} batch {a.batch_size} {a.variant}: wall {wall_ms:.1f} ms/step "
+          f"({'synchronized median, ' if a.sync else ''}unprofiled), "
           f"{what} time {br['total']:.1f} ms/step")
     for cat in [c for c, _ in CATEGORIES] + ["other"]:
         if cat in br:
             print(f"  {cat:26s} {br[cat]:8.2f} ms  {100 * br[cat] / br['total']:5.1f}%")
-    if device == "cuda":
+    if device == "cuda" and a.sync:
+        ex, gaps = step_exposure(kernels, step_windows(events))
+        print(f"  synchronized step {ex['step'] / 1e3:.2f} ms (profiled): GPU busy {ex['busy'] / 1e3:.2f}, idle before "
+              f"the first kernel {ex['lead'] / 1e3:.2f}, between kernels {ex['gaps'] / 1e3:.2f} in "
+              f"{len(gaps) / a.steps:.0f} gaps, after the last {ex['tail'] / 1e3:.2f}; longest in-step gaps:")
+        # the step ranges are not host work of their own: the ops inside them are
+        host = trace_host_ops([e for e in events if e.get("name") != STEP_RANGE])
+    elif device == "cuda":
         busy, span, gaps = idle_gaps(kernels)
         print(f"  GPU busy {busy / 1e3 / a.steps:.2f} of {span / 1e3 / a.steps:.2f} ms/step (first to last kernel); "
               f"idle {(span - busy) / 1e3 / a.steps:.2f} ms/step in {len(gaps) / a.steps:.0f} gaps/step; longest:")
         host = trace_host_ops(events)
+    if device == "cuda":
         for us, before, after, start in gaps[:a.gaps]:
             print(f"    {us / 1e3:7.3f} ms  after {before[:60]}  before {after[:60]}")
             meanwhile = host_during(host, start, start + us)
