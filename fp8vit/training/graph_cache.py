@@ -847,12 +847,14 @@ class GraphedBlocks:
     @staticmethod
     def _reinstall(t: nn.Module, dispatch: "_Dispatch"):
         """Take TE's graphed forward off the module (and the ``backward_dw``/``reset`` it set there),
-        put the dispatch back; returns TE's forward (None: the capture failed before setting it)."""
+        put the dispatch back; returns TE's forward, without its per-call module walk where it is
+        TE's known one (None: the capture failed before setting it)."""
         graphed = vars(t).pop("forward", None)
         for attr in ("backward_dw", "reset"):
             vars(t).pop(attr, None)
         t.forward = dispatch
-        return None if graphed is dispatch else graphed
+        # lever 41: TE's forward walks every submodule on each call, before the replay
+        return None if graphed is dispatch else _te.lean_graphed_forward(graphed)
 
 
 def _fresh_handle(blocks, per_block, settings) -> GraphedBlocks:
