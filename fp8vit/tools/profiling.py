@@ -21,13 +21,12 @@ import collections
 import json
 import os
 import re
-import statistics
 import tempfile
 from typing import Dict, Iterable, List, Tuple
 
 import torch
 
-from .timing import Stopwatch
+from .timing import Stopwatch, median_ms
 from .workload import SIZES, VARIANTS, build_workload, make_optimizer, synthetic_batch, train_step_fn
 
 __all__ = ["CATEGORIES", "categorize", "idle_gaps", "host_during", "kernel_breakdown", "kernel_table", "trace_events",
@@ -203,12 +202,6 @@ def _launches(prof) -> List[Tuple[str, str, float]]:
     return out
 
 
-def _timed(watch: Stopwatch, step, x, y) -> float:
-    watch.start()
-    step(x, y)
-    return watch.elapsed_ms()
-
-
 def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
@@ -244,10 +237,10 @@ def main(argv=None) -> int:
         sync()
         torch.cuda.profiler.stop()
         return 0
-    watch = Stopwatch(device).start()
     if a.sync:  # the bench's synchronized median: each step timed alone
-        wall_ms = statistics.median(_timed(watch, step, x, y) for _ in range(a.steps))
+        wall_ms = median_ms(step, x, y, device=device, reps=a.steps, warmup=0)
     else:
+        watch = Stopwatch(device).start()
         for _ in range(a.steps):
             step(x, y)
         wall_ms = watch.elapsed_ms() / a.steps
