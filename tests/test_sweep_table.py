@@ -7,6 +7,7 @@ compile, failed variants shown by their error's first line, and ``--check``'s ex
 script: ``--list`` names >= 20 distinct timm models in groups that fit a device command, with valid
 variants; a run with a stub bench (no GPU: ``python3 -m fp8vit.tools.bench`` answered by a small
 script) names its files as docs/perf/h200.sh does, keeps going past a failed model and exits 1.
+dev/device_run.sh, which packs a device call's logs, is tested here too.
 """
 
 from __future__ import annotations

@@ -36,8 +36,7 @@ _DPA_MODULE = "transformer_engine.pytorch.attention.dot_product_attention"
 class _LeanForward:
     """TE's graphed forward for one module, its walk replaced by a list (module docstring)."""
 
-    def __init__(self, te_forward: Callable, cells: Dict[str, Any], manager: Any, te_base: type, op_base: type):
-        self.te_forward = te_forward  # what this replaces, kept for inspection
+    def __init__(self, cells: Dict[str, Any], manager: Any, te_base: type, op_base: type):
         self._func, self._training = cells["func"], cells["graph_training_state"]
         self._graphed, self._orig, self._helpers = cells["graphed"], cells["orig_fwd"], cells["helpers"]
         self._te_modules = cells["te_modules"]
@@ -102,4 +101,4 @@ def lean_graphed_forward(forward: Optional[Callable]) -> Optional[Callable]:
         manager, te_base, op_base = g["FP8GlobalStateManager"], g["TransformerEngineBaseModule"], g["BasicOperation"]
     except KeyError:
         return forward
-    return _LeanForward(forward, cells, manager, te_base, op_base)
+    return _LeanForward(cells, manager, te_base, op_base)
