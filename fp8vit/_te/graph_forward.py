@@ -6,8 +6,8 @@ TE module the capture visited, sets ``fp8_meta["fp8_group"]`` and ``fp8_meta["re
 current autocast's and registers its amax tensors for the delayed-scaling reduction (a no-op after
 the first call), importing ``DotProductAttention`` inside the loop to skip attention that runs in
 bf16. For a whole ViT-B stack that walk is 169 modules and 36 registrations per step, on the host
-before the graph's replay: about 176 us on a 2-core CPU (``dev/NOTES.md``), which a synchronized
-step pays as GPU idle time.
+before the graph's replay: about 290 us on a 2-core CPU (``dev/graph_forward_host_time.py``), which
+a synchronized step pays as GPU idle time.
 
 :func:`lean_graphed_forward` returns a callable that does the same per call for a list of those
 modules made once (per setting of the recipe's ``fp8_mha``/``fp8_dpa``), in the walk's order,
@@ -41,11 +41,12 @@ class _LeanForward:
         self._graphed, self._orig, self._helpers = cells["graphed"], cells["orig_fwd"], cells["helpers"]
         self._te_modules = cells["te_modules"]
         self._manager, self._te_base, self._op_base = manager, te_base, op_base
-        self._lists: Dict[bool, Tuple[Tuple[bool, Any], ...]] = {}
+        self._lists: Dict[bool, Tuple[Tuple[Any, Optional[str]], ...]] = {}
 
-    def _visits(self, fp8_attention: bool) -> Tuple[Tuple[bool, Any], ...]:
-        """``(is_te_module, module)`` in the order TE's walk meets them, as its loop filters them:
-        captured TE modules (attention only if ``fp8_attention``) and captured basic operations."""
+    def _visits(self, fp8_attention: bool) -> Tuple[Tuple[Any, Optional[str]], ...]:
+        """``(module, mode)`` in the order TE's walk meets them, as its loop filters them: captured
+        TE modules (mode None; attention only if ``fp8_attention``), then for each captured basic
+        operation its ``"forward"`` and ``"backward"`` metadata."""
         dpa = getattr(importlib.import_module(_DPA_MODULE), "DotProductAttention")
         out = []
         for m in self._func.modules():
@@ -54,9 +55,9 @@ class _LeanForward:
             if isinstance(m, self._te_base):
                 if isinstance(m, dpa) and not fp8_attention:
                     continue
-                out.append((True, m))
+                out.append((m, None))
             elif isinstance(m, self._op_base):
-                out.append((False, m))
+                out += [(m, "forward"), (m, "backward")]
         return tuple(out)
 
     def __call__(self, *args, **kwargs):
@@ -71,19 +72,16 @@ class _LeanForward:
             if visits is None:
                 visits = self._lists[fp8_attention] = self._visits(fp8_attention)
             group, add = mgr.get_fp8_group(), mgr.add_fp8_tensors_to_global_buffer
-            for is_te, m in visits:
-                if is_te:
+            for m, mode in visits:
+                if mode is None:
                     meta = m.fp8_meta
-                    meta["fp8_group"] = group
-                    meta["recipe"] = recipe
-                    add(meta)
+                elif m.num_quantizers(mode):  # as TE: asked on each call
+                    meta = m._fp8_metas[mode]
                 else:
-                    for mode in ("forward", "backward"):
-                        if m.num_quantizers(mode):
-                            meta = m._fp8_metas[mode]
-                            meta["fp8_group"] = group
-                            meta["recipe"] = recipe
-                            add(meta)
+                    continue
+                meta["fp8_group"] = group
+                meta["recipe"] = recipe
+                add(meta)
         return self._graphed(*args, **kwargs)
 
 
