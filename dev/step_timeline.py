@@ -1,0 +1,179 @@
+"""Where a synchronized graphed step's GPU-idle time goes, segment by segment, without a profiler.
+
+    PYTHONPATH=. python3 dev/step_timeline.py --model vit_base_patch16_224 --batch-size 128
+
+Why: fp8vit-bench's synchronized median (what timm's train.py sees: it reads ``loss.item()`` each
+step) is 0.8 ms longer than the pipelined one at ViT-B on an H100 (30.4 against 29.5 ms), and the
+profiler's own overhead (31.8 ms profiled) hides which host work the GPU waits for: its longest gap,
+0.7-1.4 ms, lies inside ``fp8vit::graphed_blocks`` with no op in it.
+
+How: the bench's step (``fp8vit.tools.workload.train_step_fn``'s five lines, written out here with
+marks between them) with a mark at each point below: the host's clock (``perf_counter``) and a CUDA
+event on the current stream. Hooks and wrappers set the marks inside the forward: the stem, the
+graph dispatch's check (``_choose``), TE's graphed forward, each ``CUDAGraph.replay`` (the forward's
+and the backward's), the head. The step runs ``--steps`` times synchronized (as the bench's median)
+and as many back to back (pipelined). Per segment (from one mark to the next) it prints the median
+host time of the synchronized steps and the GPU time between the segment's events in both runs:
+pipelined, the host is ahead and the GPU time is the segment's kernels; synchronized, whatever more
+the GPU spent there it spent idle, waiting for the host.
+"""
+
+import argparse
+import collections
+import itertools
+import math
+import statistics
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from fp8vit import fp8_context
+from fp8vit._te import graph_forward
+from fp8vit.tools.workload import build_workload, make_optimizer, synthetic_batch
+from fp8vit.training import graph_cache as GC
+
+
+class Marks:
+    """One step's marks, in order: ``(name, host seconds, CUDA event)``."""
+
+    def __init__(self):
+        self.on = False
+        self.rows = []
+        self.replays = 0
+
+    def __call__(self, name: str) -> None:
+        if not self.on:
+            return
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self.rows.append((name, time.perf_counter(), ev))
+
+    def take(self):
+        rows, self.rows, self.replays = self.rows, [], 0
+        return rows
+
+
+MARK = Marks()
+
+
+def _wrap_exit(cls, name: str, mark: str) -> None:
+    f = getattr(cls, name)
+
+    def wrapped(*a, **k):
+        out = f(*a, **k)
+        MARK(mark)
+        return out
+    setattr(cls, name, wrapped)
+
+
+def instrument(model) -> None:
+    """Marks on a timm ViT's stem, blocks and head, the graph dispatch, TE's graphed forward and
+    every CUDA-graph replay (process-wide: the class methods are replaced)."""
+    model.patch_embed.register_forward_pre_hook(lambda *a: MARK("stem: patch_embed called"))
+    model.blocks.register_forward_pre_hook(lambda *a: MARK("stem done: blocks called"))
+    model.blocks.register_forward_hook(lambda *a: MARK("blocks returned"))
+    model.head.register_forward_hook(lambda *a: MARK("head done"))
+    _wrap_exit(GC.GraphedBlocks, "_choose", "dispatch: _choose done")
+    lean_call = graph_forward._LeanForward.__call__
+
+    def lean(self, *a, **k):
+        MARK("TE graphed forward called")
+        if not getattr(self, "_timeline", False):
+            inner = self._graphed
+
+            def graphed(*a2, **k2):
+                MARK("TE functionalized called (module walk done)")
+                return inner(*a2, **k2)
+            self._graphed, self._timeline = graphed, True
+        return lean_call(self, *a, **k)
+    graph_forward._LeanForward.__call__ = lean
+    replay = torch.cuda.CUDAGraph.replay
+
+    def timed_replay(self):
+        MARK.replays += 1
+        MARK(f"graph replay {MARK.replays} called")
+        replay(self)
+        MARK(f"graph replay {MARK.replays} returned")
+    torch.cuda.CUDAGraph.replay = timed_replay
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="vit_base_patch16_224")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--variant", default="fp8vit-fp8-delayed-graphed")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=8)
+    a = p.parse_args()
+    warnings.simplefilter("ignore")  # conversion notes; the table is the output
+    if not torch.cuda.is_available():
+        raise SystemExit("step_timeline: needs a CUDA GPU (CUDA events time the GPU side)")
+    torch.manual_seed(0)
+    wl = build_workload(a.model, a.variant, batch_size=a.batch_size)
+    opt = make_optimizer(wl.model.parameters(), "sgd", lr=1e-3)
+    x, y = synthetic_batch(a.batch_size, wl)
+    instrument(wl.model)
+
+    def step():  # train_step_fn's step, with marks
+        MARK("step start")
+        with fp8_context(wl.recipe, enabled=wl.variant.te_fp8):
+            MARK("fp8_context entered")
+            out = wl.net(x)
+            loss = F.cross_entropy(out, y)
+            MARK("loss")
+        MARK("fp8_context exited")
+        loss.backward()
+        MARK("backward returned")
+        opt.step()
+        MARK("optimizer stepped")
+        opt.zero_grad(set_to_none=True)
+        MARK("zero_grad done")
+        return loss.detach()
+
+    for _ in range(a.warmup):
+        step()
+    torch.cuda.synchronize()
+    runs = {}
+    for mode in ("synchronized", "pipelined"):
+        MARK.on = True
+        steps = []
+        for _ in range(a.steps):
+            step()
+            if mode == "synchronized":
+                MARK("synchronize called")
+                torch.cuda.synchronize()
+                steps.append(MARK.take())
+            else:
+                steps.append(MARK.take())
+        torch.cuda.synchronize()
+        MARK.on = False
+        runs[mode] = steps
+    names = [n for n, _, _ in runs["synchronized"][0]]
+    seg = collections.defaultdict(lambda: collections.defaultdict(list))
+    for mode, steps in runs.items():
+        for rows in steps:
+            if [n for n, _, _ in rows] != names[:len(rows)]:
+                raise SystemExit(f"step_timeline: marks differ between steps: {[n for n, _, _ in rows]} vs {names}")
+            for (n0, h0, e0), (n1, h1, e1) in itertools.pairwise(rows):
+                seg[(n0, n1)][f"{mode} host"].append((h1 - h0) * 1e3)
+                seg[(n0, n1)][f"{mode} gpu"].append(e0.elapsed_time(e1))
+        ends = [rows[0][2].elapsed_time(rows[-1][2]) for rows in steps]
+        print(f"{mode}: first mark to last, GPU time, median {statistics.median(ends):.3f} ms over {len(steps)} steps")
+    print(f"\n{a.model} batch {a.batch_size} {a.variant}, {torch.cuda.get_device_name()}; medians over {a.steps} steps, ms")
+    print(f"{'segment (from the mark before to this one)':58s} {'host sync':>9s} {'GPU sync':>9s} {'GPU pipe':>9s} "
+          f"{'idle':>7s} {'host pipe':>9s}")
+    idle_total = 0.0
+    for n0, n1 in itertools.pairwise(names):
+        s = seg[(n0, n1)]
+        med = {k: statistics.median(v) for k, v in s.items()}
+        idle = med["synchronized gpu"] - med.get("pipelined gpu", float("nan"))
+        idle_total += 0.0 if math.isnan(idle) else idle
+        print(f"  {n1[:56]:56s} {med['synchronized host']:9.3f} {med['synchronized gpu']:9.3f} "
+              f"{med.get('pipelined gpu', float('nan')):9.3f} {idle:7.3f} {med.get('pipelined host', float('nan')):9.3f}")
+    print(f"  idle (synchronized GPU time less pipelined), summed over segments: {idle_total:.3f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
