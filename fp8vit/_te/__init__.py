@@ -16,6 +16,7 @@ see ``pyproject.toml``). One concern per module:
                     model's ``nn.Linear``
 ``ops``             kernels called one by one: packed-QKV attention, fused RoPE, gated activations,
                     cuDNN LayerNorm
+``param_cast``      a block's norm weights and biases cast to the autocast dtype in one kernel
 ``graphs``          CUDA-graph capture and weight gradients written into fp32 ``main_grad`` buffers
 ``graph_forward``   TE's graphed forward without its per-call walk over the module tree
 ``kernels``         fp8vit's own Triton kernels
@@ -33,6 +34,7 @@ from .graphs import make_graphed_callables, release_main_grad, restore_scaling, 
 from .loader import (INSTALL_HINT, MIN_TE_VERSION, clear_cache, installed, load_te, preload, release_import_warnings,
                      te_check, te_module, te_status, te_version)
 from .module_types import MODULE_NAMES, SwappedLinear, fp8_linear_class, modules, transformer_layer_class
+from .param_cast import cast_small_params
 from .ops import attention_backend, cudnn_norm, cudnn_norm_available, cudnn_norm_enabled, fused_rope, gated_activation, packed_attention, set_cudnn_norm
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     # modules and kernels
     "modules", "MODULE_NAMES", "SwappedLinear", "fp8_linear_class", "transformer_layer_class",
     "packed_attention", "attention_backend", "fused_rope", "gated_activation", "cudnn_norm", "cudnn_norm_available", "cudnn_norm_enabled", "set_cudnn_norm",
+    "cast_small_params",
     # CUDA graphs
     "make_graphed_callables", "lean_graphed_forward", "wgrad_into_main_grad", "release_main_grad", "save_scaling",
     "restore_scaling",

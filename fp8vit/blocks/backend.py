@@ -72,6 +72,11 @@ class Backend:
             return _te.fused_rope(t, angles, interleaved)
         return reference.rope(t, angles, interleaved)
 
+    def cast_small_params(self, block: torch.nn.Module) -> ContextManager:
+        """TE: the block's TE modules get their norm weights and biases cast to the autocast dtype
+        by one kernel for the forward (:func:`fp8vit._te.cast_small_params`), not one each."""
+        return _te.cast_small_params(block) if self.fp8 else contextlib.nullcontext()
+
     def checkpoint(self, fn: Callable, *args) -> torch.Tensor:
         """Activation checkpointing; TE's version restores the FP8 state on recompute."""
         if self.fp8:

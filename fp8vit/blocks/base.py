@@ -186,7 +186,8 @@ class FP8Block(nn.Module):
             gelu_gemm = self.gelu_in_gemm and fp8_name == "delayed"
             if self.grad_checkpointing and torch.is_grad_enabled():
                 return impl.checkpoint(self._forward, x, *args, mult, gelu_gemm)
-            return self._forward(x, *args, mult, gelu_gemm)
+            with impl.cast_small_params(self):  # lever 42: one cast kernel, not one per vector
+                return self._forward(x, *args, mult, gelu_gemm)
 
     def _bool_mask(self, attn_mask: Optional[torch.Tensor], is_causal: bool) -> Optional[torch.Tensor]:
         """timm's ``attn_mask`` as a boolean mask (True = attend): boolean as given, an additive

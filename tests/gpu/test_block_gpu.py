@@ -119,3 +119,32 @@ def test_row_padding_with_te_kernels():
     ref.square().sum().backward()
     assert max_rel_err(ref, y) < 1e-5 and max_rel_err(x.grad, gx) < 1e-5
     assert max_rel_err(lin.weight.grad, gw) < 1e-4
+
+
+@pytest.mark.parametrize("case", ["vit", "layerscale_qknorm", "exact_gelu"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_vector_parameters_cast_together_change_no_bit_eagerly(case, fp8, monkeypatch):
+    # lever 42 without graphs: one multi-tensor cast of the block's norm weights and biases each
+    # way instead of TE's cast per parameter; the same roundings, so the same output and gradients
+    import contextlib
+    import copy
+    from fp8vit.blocks.backend import Backend
+    _, te = _pair(case)
+    each = copy.deepcopy(te)
+    x = torch.randn(8, 197, 128, device="cuda")
+
+    def step(block):
+        xi = x.clone().requires_grad_(True)
+        with fp8vit.fp8_context(enabled=fp8):
+            out = block(xi)
+        out.float().square().mean().backward()
+        return out, xi.grad
+
+    out, dx = step(te)
+    with monkeypatch.context() as m:
+        m.setattr(Backend, "cast_small_params", lambda self, block: contextlib.nullcontext())
+        out_each, dx_each = step(each)
+    assert torch.equal(out, out_each) and torch.equal(dx, dx_each)
+    for (n, p), q in zip(te.named_parameters(), each.parameters()):
+        assert type(p) is torch.nn.Parameter, n  # the parameters are back after the forward
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), n

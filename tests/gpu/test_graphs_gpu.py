@@ -2,6 +2,7 @@
 updating, mismatched calls fall back to eager with a warning, DDP and accumulation work.
 Shapes captured as they come (the shape cache): test_graph_cache_gpu.py."""
 
+import contextlib
 import copy
 import io
 import os
@@ -167,6 +168,42 @@ def test_fused_wgrad_gradients_match_eager(recipe, accumulate, set_to_none):
     _assert_same_gradients(ge, gg)
     if recipe == "delayed":  # same weights, same tensors: the same FP8 scales, bit for bit
         _assert_same_scales(eager, graphed)
+
+
+def test_vector_parameters_are_cast_by_one_kernel_each_way_with_the_same_bits(monkeypatch):
+    # lever 42: TE casts each norm weight and bias and each GEMM bias to bf16 per forward (8 a ViT
+    # block) and autograd casts each gradient back; fp8vit._te.cast_small_params makes those
+    # copies with one multi-tensor kernel each way. The same roundings: bit-identical training.
+    from torch.profiler import ProfilerActivity, profile
+    from fp8vit.blocks.backend import Backend
+    from fp8vit.tools.profiling import trace_events, trace_kernels
+    data = _data(3)
+    copies, grads, losses = {}, {}, {}
+    for together in (True, False):
+        if not together:  # TE's own per-parameter casts
+            monkeypatch.setattr(Backend, "cast_small_params", lambda self, block: contextlib.nullcontext())
+        model = _vit()
+        fp8vit.make_graphed_blocks(model, B)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        losses[together] = []
+        for i, (x, y) in enumerate(data):  # observe, capture, replay: the last is profiled
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                with fp8vit.fp8_context():
+                    loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                torch.cuda.synchronize()
+            losses[together].append(loss.item())
+            if i < len(data) - 1:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        names = [k for k, _, _ in trace_kernels(trace_events(prof))]
+        copies[together] = sum(1 for k in names if "copy_kernel" in k)
+        grads[together] = {n: p.grad.clone() for n, p in model.blocks.named_parameters()}
+    print(f"copy kernels in a graphed ViT step (3 blocks): cast together {copies[True]}, each {copies[False]}")
+    assert copies[False] - copies[True] >= 2 * 7 * 3, copies  # 8 vectors a block, each way
+    assert losses[True] == losses[False]
+    for n, g in grads[False].items():
+        assert torch.equal(grads[True][n], g), n
 
 
 def test_fused_wgrad_writes_fp32_weight_gradients_without_cast_kernels():
