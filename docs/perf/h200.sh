@@ -9,6 +9,7 @@
 #   bash docs/perf/h200.sh bench:MODEL:BATCH:V1,V2,...:TAG         # chosen variants: bench/MODEL_bBATCH_TAG_h200.{log,json}
 #   bash docs/perf/h200.sh profile:MODEL:BATCH:VARIANT             # fp8vit-profile: profile/MODEL_bBATCH_VARIANT_h200.{log,kernels.txt}
 #   bash docs/perf/h200.sh profile:MODEL:BATCH:VARIANT:sync        # its synchronized steps: profile/..._VARIANT_sync_h200.*
+#   bash docs/perf/h200.sh timeline:MODEL:BATCH                    # dev/step_timeline.py: profile/MODEL_bBATCH_timeline_h200.log
 set -o pipefail
 . "$(dirname "$0")/te_env.sh"
 mkdir -p "$out/tests" "$out/bench" "$out/profile"
@@ -32,6 +33,11 @@ for stage in "$@"; do
       python3 -m fp8vit.tools.profiling --model "$a" --batch-size "${b:-128}" --variant "${c:-fp8vit-fp8-delayed-graphed}" \
         ${d:+--$d --steps 20} --kernels "$out/$name.kernels.txt" > "$out/$name.log" 2>&1 || rc=1
       grep -A12 "wall" "$out/$name.log" ;;
+    timeline)
+      # a synchronized graphed step's GPU idle per segment (host marks, CUDA events; no profiler)
+      name="profile/${a}_b${b:-128}_timeline_$gpu"
+      python3 dev/step_timeline.py --model "$a" --batch-size "${b:-128}" > "$out/$name.log" 2>&1 || rc=1
+      tail -40 "$out/$name.log" ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
 done
