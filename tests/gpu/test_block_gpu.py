@@ -144,7 +144,10 @@ def test_vector_parameters_cast_together_change_no_bit_eagerly(case, fp8, monkey
     with monkeypatch.context() as m:
         m.setattr(Backend, "cast_small_params", lambda self, block: contextlib.nullcontext())
         out_each, dx_each = step(each)
-    assert torch.equal(out, out_each) and torch.equal(dx, dx_each)
+    assert torch.equal(out, out_each)  # the same casts: the same forward, bit for bit
+    # backward: equal but for atomics in attention's backward, if cuDNN runs any (>> 60 dB)
+    assert snr_db(dx_each, dx) > 60
     for (n, p), q in zip(te.named_parameters(), each.parameters()):
         assert type(p) is torch.nn.Parameter, n  # the parameters are back after the forward
-        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), n
+        assert (p.grad is None) == (q.grad is None), n
+        assert q.grad is None or (p.grad.dtype == q.grad.dtype == p.dtype and snr_db(q.grad, p.grad) > 60), n
