@@ -15,7 +15,9 @@ and the backward's), the head. The step runs ``--steps`` times synchronized (as 
 and as many back to back (pipelined). Per segment (from one mark to the next) it prints the median
 host time of the synchronized steps and the GPU time between the segment's events in both runs:
 pipelined, the host is ahead and the GPU time is the segment's kernels; synchronized, whatever more
-the GPU spent there it spent idle, waiting for the host.
+the GPU spent there it spent idle, waiting for the host. "GPU behind": at each mark of the
+synchronized steps, how much work the GPU still had queued (its time since the step's first mark
+less the host's); about 0 where the host is the bottleneck.
 """
 
 import argparse
@@ -159,11 +161,15 @@ def main() -> None:
             for (n0, h0, e0), (n1, h1, e1) in itertools.pairwise(rows):
                 seg[(n0, n1)][f"{mode} host"].append((h1 - h0) * 1e3)
                 seg[(n0, n1)][f"{mode} gpu"].append(e0.elapsed_time(e1))
+                # how far the GPU trails the host at the mark: the GPU reaches the step's first
+                # mark (nothing queued) as the host records it, so the GPU's time since then less
+                # the host's is its backlog; about 0: the GPU waits for the host there
+                seg[(n0, n1)][f"{mode} behind"].append(rows[0][2].elapsed_time(e1) - (h1 - rows[0][1]) * 1e3)
         ends = [rows[0][2].elapsed_time(rows[-1][2]) for rows in steps]
         print(f"{mode}: first mark to last, GPU time, median {statistics.median(ends):.3f} ms over {len(steps)} steps")
     print(f"\n{a.model} batch {a.batch_size} {a.variant}, {torch.cuda.get_device_name()}; medians over {a.steps} steps, ms")
     print(f"{'segment (from the mark before to this one)':58s} {'host sync':>9s} {'GPU sync':>9s} {'GPU pipe':>9s} "
-          f"{'idle':>7s} {'host pipe':>9s}")
+          f"{'idle':>7s} {'host pipe':>9s} {'GPU behind':>10s}")
     idle_total = 0.0
     for n0, n1 in itertools.pairwise(names):
         s = seg[(n0, n1)]
@@ -171,7 +177,8 @@ def main() -> None:
         idle = med["synchronized gpu"] - med.get("pipelined gpu", float("nan"))
         idle_total += 0.0 if math.isnan(idle) else idle
         print(f"  {n1[:56]:56s} {med['synchronized host']:9.3f} {med['synchronized gpu']:9.3f} "
-              f"{med.get('pipelined gpu', float('nan')):9.3f} {idle:7.3f} {med.get('pipelined host', float('nan')):9.3f}")
+              f"{med.get('pipelined gpu', float('nan')):9.3f} {idle:7.3f} {med.get('pipelined host', float('nan')):9.3f} "
+              f"{med['synchronized behind']:10.3f}")
     print(f"  idle (synchronized GPU time less pipelined), summed over segments: {idle_total:.3f} ms/step")
 
 
