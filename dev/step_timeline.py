@@ -30,6 +30,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from fp8vit import fp8_context
 from fp8vit._te import graph_forward
@@ -74,8 +75,11 @@ def instrument(model) -> None:
     """Marks on a timm ViT's stem, blocks and head, the graph dispatch, TE's graphed forward and
     every CUDA-graph replay (process-wide: the class methods are replaced)."""
     model.patch_embed.register_forward_pre_hook(lambda *a: MARK("stem: patch_embed called"))
-    model.blocks.register_forward_pre_hook(lambda *a: MARK("stem done: blocks called"))
-    model.blocks.register_forward_hook(lambda *a: MARK("blocks returned"))
+    # a ViT calls model.blocks (a Sequential, graphed whole); EVA-style models loop over a
+    # ModuleList (graphed per block), which is never called itself
+    first, last = (model.blocks,) * 2 if isinstance(model.blocks, nn.Sequential) else (model.blocks[0], model.blocks[-1])
+    first.register_forward_pre_hook(lambda *a: MARK("stem done: blocks called"))
+    last.register_forward_hook(lambda *a: MARK("blocks returned"))
     model.head.register_forward_hook(lambda *a: MARK("head done"))
     _wrap_exit(GC.GraphedBlocks, "_choose", "dispatch: _choose done")
     lean_call = graph_forward._LeanForward.__call__
