@@ -107,3 +107,15 @@ def test_outside_cuda_autocast_nothing_is_swapped(te_kinds):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with param_cast.cast_small_params(block):
             assert block.qkv.bias is bias
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_forward_without_autograd_casts_and_puts_back_alike(te_kinds, mode):
+    block = _Block()
+    x = torch.randn(4, 6)
+    ref = block(x)
+    with mode():
+        with param_cast._swapped(param_cast._slots(block, torch.bfloat16), torch.bfloat16):
+            assert block.qkv.bias.dtype == torch.bfloat16 and not block.qkv.bias.requires_grad
+            out = block(x)
+    assert torch.equal(out, ref) and type(block.qkv.bias) is nn.Parameter
