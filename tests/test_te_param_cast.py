@@ -3,6 +3,7 @@ kernel each way, handed to its TE modules for the forward. On the CPU with stand
 read their parameters as TE 2.20's do (``getattr``, then ``cast_if_needed``); the GPU tests run
 the real blocks with it."""
 
+import contextlib
 import types
 
 import pytest
@@ -119,3 +120,35 @@ def test_a_forward_without_autograd_casts_and_puts_back_alike(te_kinds, mode):
             assert block.qkv.bias.dtype == torch.bfloat16 and not block.qkv.bias.requires_grad
             out = block(x)
     assert torch.equal(out, ref) and type(block.qkv.bias) is nn.Parameter
+
+
+def test_a_whole_block_trains_through_the_swap(monkeypatch):
+    # fp8vit's own block code around the TE modules (reference stand-ins here, same parameter
+    # names) runs with the casts in the slots: every vector parameter gets its gradient, in fp32,
+    # close to the one without the swap (the weights rounded to bf16 are the only difference here:
+    # CPU autocast runs the reference LayerNorm in fp32; TE casts them to bf16 itself)
+    import timm
+    import fp8vit
+    from fp8vit.blocks import reference
+    from fp8vit.training.numerics import snr_db
+
+    monkeypatch.setattr(param_cast, "modules", reference.modules)
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", depth=1, num_classes=4)
+    fp8vit.convert_to_te(model, backend="reference")
+    block = model.blocks[0]
+    x = torch.randn(2, 197, 192)
+    grads = {}
+    for swap in (False, True):
+        block.zero_grad(set_to_none=True)
+        slots = param_cast._slots(block, torch.bfloat16) if swap else ()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with param_cast._swapped(slots, torch.bfloat16) if swap else contextlib.nullcontext():
+                out = block(x)
+        out.float().square().mean().backward()
+        grads[swap] = {n: p.grad for n, p in block.named_parameters()}
+    assert len(slots) == 8  # norm1, qkv bias, proj bias, norm2, fc1 and fc2 biases
+    for n, g in grads[False].items():
+        assert grads[True][n] is not None and grads[True][n].dtype == torch.float32, n
+        assert snr_db(g, grads[True][n]) > 30, n  # measured: 39 dB and up
+    assert all(type(p) is nn.Parameter for p in block.parameters())
