@@ -45,16 +45,19 @@ class Marks:
         self.on = False
         self.rows = []
         self.replays = 0
+        self.seen = collections.Counter()
 
     def __call__(self, name: str) -> None:
         if not self.on:
             return
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
-        self.rows.append((name, time.perf_counter(), ev))
+        self.seen[name] += 1  # per-block graphs pass the same point once per block: number them
+        self.rows.append((name if self.seen[name] == 1 else f"{name} #{self.seen[name]}", time.perf_counter(), ev))
 
     def take(self):
         rows, self.rows, self.replays = self.rows, [], 0
+        self.seen.clear()
         return rows
 
 
