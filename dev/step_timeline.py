@@ -153,9 +153,7 @@ def main() -> None:
             if mode == "synchronized":
                 MARK("synchronize called")
                 torch.cuda.synchronize()
-                steps.append(MARK.take())
-            else:
-                steps.append(MARK.take())
+            steps.append(MARK.take())
         torch.cuda.synchronize()
         MARK.on = False
         runs[mode] = steps
@@ -168,10 +166,11 @@ def main() -> None:
             for (n0, h0, e0), (n1, h1, e1) in itertools.pairwise(rows):
                 seg[(n0, n1)][f"{mode} host"].append((h1 - h0) * 1e3)
                 seg[(n0, n1)][f"{mode} gpu"].append(e0.elapsed_time(e1))
-                # how far the GPU trails the host at the mark: the GPU reaches the step's first
-                # mark (nothing queued) as the host records it, so the GPU's time since then less
-                # the host's is its backlog; about 0: the GPU waits for the host there
-                seg[(n0, n1)][f"{mode} behind"].append(rows[0][2].elapsed_time(e1) - (h1 - rows[0][1]) * 1e3)
+                if mode == "synchronized":
+                    # how far the GPU trails the host at the mark: a synchronized step's GPU reaches
+                    # its first mark (nothing queued) as the host records it, so the GPU's time since
+                    # then less the host's is its backlog; about 0: the GPU waits for the host there
+                    seg[(n0, n1)]["behind"].append(rows[0][2].elapsed_time(e1) - (h1 - rows[0][1]) * 1e3)
         ends = [rows[0][2].elapsed_time(rows[-1][2]) for rows in steps]
         print(f"{mode}: first mark to last, GPU time, median {statistics.median(ends):.3f} ms over {len(steps)} steps")
     print(f"\n{a.model} batch {a.batch_size} {a.variant}, {torch.cuda.get_device_name()}; medians over {a.steps} steps, ms")
@@ -185,7 +184,7 @@ def main() -> None:
         idle_total += 0.0 if math.isnan(idle) else idle
         print(f"  {n1[:56]:56s} {med['synchronized host']:9.3f} {med['synchronized gpu']:9.3f} "
               f"{med.get('pipelined gpu', float('nan')):9.3f} {idle:7.3f} {med.get('pipelined host', float('nan')):9.3f} "
-              f"{med['synchronized behind']:10.3f}")
+              f"{med['behind']:10.3f}")
     print(f"  idle (synchronized GPU time less pipelined), summed over segments: {idle_total:.3f} ms/step")
 
 
