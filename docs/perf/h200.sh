@@ -10,6 +10,7 @@
 #   bash docs/perf/h200.sh profile:MODEL:BATCH:VARIANT             # fp8vit-profile: profile/MODEL_bBATCH_VARIANT_h200.{log,kernels.txt}
 #   bash docs/perf/h200.sh profile:MODEL:BATCH:VARIANT:sync        # its synchronized steps: profile/..._VARIANT_sync_h200.*
 #   bash docs/perf/h200.sh timeline:MODEL:BATCH                    # dev/step_timeline.py: profile/MODEL_bBATCH_timeline_h200.log
+#   bash docs/perf/h200.sh hostcosts:MODEL:BATCH                   # dev/host_costs.py: profile/MODEL_bBATCH_hostcosts_h200.log
 set -o pipefail
 . "$(dirname "$0")/te_env.sh"
 mkdir -p "$out/tests" "$out/bench" "$out/profile"
@@ -38,6 +39,11 @@ for stage in "$@"; do
       name="profile/${a}_b${b:-128}_timeline_$gpu"
       python3 dev/step_timeline.py --model "$a" --batch-size "${b:-128}" > "$out/$name.log" 2>&1 || rc=1
       tail -40 "$out/$name.log" ;;
+    hostcosts)
+      # host time of fp8_context, autocast, TE's autocast and the graph dispatch; cProfile of the step
+      name="profile/${a}_b${b:-128}_hostcosts_$gpu"
+      python3 dev/host_costs.py --model "$a" --batch-size "${b:-128}" > "$out/$name.log" 2>&1 || rc=1
+      head -20 "$out/$name.log" ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
 done

@@ -1,0 +1,121 @@
+"""Host time of the pieces a synchronized graphed step runs before its first replay.
+
+    bash docs/perf/h200.sh hostcosts:vit_base_patch16_224:128   (te_env.sh puts the repository on PYTHONPATH)
+
+Why: dev/step_timeline.py (H100, lever 42) finds a synchronized ViT-B step's GPU idle 0.9 ms, all of
+it before the first graph replay: entering ``fp8_context`` 0.22 ms, the stem 0.30 (its host time 0.55
+against 0.27 of kernels), the graph dispatch 0.49. On the CPU, fp8vit's own part of ``fp8_context``
+takes 13 us and the dispatch's parameter check (``_fingerprint``) 70 us: the rest is TE, CUDA
+autocast or the GPU host's slower Python, which only that host can say.
+
+What: (1) each context and call on its own, ``timeit`` medians in microseconds: torch autocast (CPU,
+CUDA), TE's autocast with a fixed recipe, ``make_recipe``, ``fp8_context`` with no recipe, a name and a
+recipe object, the graph dispatch's ``_fingerprint`` and ``_choose``; (2) cProfile of ``--steps``
+pipelined training steps of the bench's workload (the bench's step: forward under ``fp8_context``, loss,
+backward, optimizer): the functions with the most own time, which names the host work to cut.
+cProfile slows Python several-fold; the ranking, not the times, is the result of part (2).
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import timeit
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import fp8vit
+from fp8vit import _te
+from fp8vit._te.recipes import make_recipe
+from fp8vit.tools.workload import build_workload, make_optimizer, synthetic_batch
+from fp8vit.training import graph_cache as GC
+
+
+def _us(fn, number: int = 2000, repeat: int = 5) -> float:
+    """Median over ``repeat`` runs of ``fn``'s mean time over ``number`` calls, in microseconds."""
+    return statistics.median(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+
+
+def _enter_exit(make):
+    def run():
+        with make():
+            pass
+    return run
+
+
+def contexts() -> None:
+    rows = [("torch.autocast('cpu', bf16)", _enter_exit(lambda: torch.autocast("cpu", dtype=torch.bfloat16))),
+            ("torch.autocast('cuda', bf16)", _enter_exit(lambda: torch.autocast("cuda", dtype=torch.bfloat16)))]
+    if _te.te_status().ok:
+        recipe = make_recipe("delayed")
+        rows += [("make_recipe('delayed')", lambda: make_recipe("delayed")),
+                 ("te.autocast(recipe object)", _enter_exit(lambda: _te.autocast(True, recipe))),
+                 ("fp8_context()", _enter_exit(lambda: fp8vit.fp8_context())),
+                 ("fp8_context('delayed')", _enter_exit(lambda: fp8vit.fp8_context("delayed"))),
+                 ("fp8_context(recipe object)", _enter_exit(lambda: fp8vit.fp8_context(recipe)))]
+    for name, fn in rows:
+        print(f"  {name:34s} {_us(fn):8.1f} us")
+    if _te.te_status().ok:
+        pr = cProfile.Profile()
+        pr.enable()
+        run = _enter_exit(lambda: fp8vit.fp8_context())
+        for _ in range(2000):
+            run()
+        pr.disable()
+        _print_stats(pr, "fp8_context() enter and exit, 2000 times", 15)
+
+
+def _print_stats(pr: cProfile.Profile, title: str, n: int) -> None:
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(n)
+    lines = buf.getvalue().splitlines()
+    start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+    print(f"\n{title}: own time, top {n}")
+    print("\n".join(lines[start:start + n + 1]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="vit_base_patch16_224")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--variant", default="fp8vit-fp8-delayed-graphed")
+    p.add_argument("--steps", type=int, default=50)
+    a = p.parse_args()
+    warnings.simplefilter("ignore")  # conversion notes
+    if not torch.cuda.is_available():
+        raise SystemExit("host_costs: needs a CUDA GPU (the host costs of CUDA autocast, TE and the graphs)")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; microseconds per call (timeit medians)")
+    contexts()
+
+    torch.manual_seed(0)
+    wl = build_workload(a.model, a.variant, batch_size=a.batch_size)
+    opt = make_optimizer(wl.model.parameters(), "sgd", lr=1e-3)
+    x, y = synthetic_batch(a.batch_size, wl)
+
+    def step():
+        with fp8vit.fp8_context(wl.recipe, enabled=wl.variant.te_fp8):
+            loss = F.cross_entropy(wl.net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(10):  # capture and warm-up
+        step()
+    torch.cuda.synchronize()
+    handle = GC.GraphedBlocks.of(wl.model) if a.variant.endswith("graphed") else None
+    if handle is not None and handle._fingerprint_at_capture:
+        print(f"  {'graph dispatch _fingerprint(0)':34s} {_us(lambda: handle._fingerprint(0)):8.1f} us")
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(a.steps):
+        step()
+    torch.cuda.synchronize()
+    pr.disable()
+    _print_stats(pr, f"{a.model} b{a.batch_size} {a.variant}, {a.steps} pipelined steps under cProfile", 30)
+
+
+if __name__ == "__main__":
+    main()
