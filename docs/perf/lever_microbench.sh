@@ -6,5 +6,5 @@ set -o pipefail
 mkdir -p "$out/levers"
 for s in rope_qkv_bench:rope_te_fused_qkv layerscale_bench:layerscale_cost \
          layerscale_triton_bench:layerscale_backward_triton rope_packed_bench:rope_packed_qkv_triton; do
-  python3 "docs/perf/${s%%:*}.py" 2>&1 | tee "$out/levers/${s##*:}_microbench_h200.log" | tail -6
+  python3 "docs/perf/${s%%:*}.py" 2>&1 | tee "$out/levers/${s##*:}_microbench_${gpu}.log" | tail -6
 done

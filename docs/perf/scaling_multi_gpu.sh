@@ -10,9 +10,9 @@ mkdir -p "$out/scaling"
 n=$(nvidia-smi -L | wc -l)
 [ "$n" -ge 2 ] || { echo "needs 2 or more GPUs ($n visible)"; exit 2; }
 timeout 300 torchrun --standalone --nproc-per-node "$n" tests/gpu/distributed_check.py 2>&1 \
-  | tee "$out/scaling/distributed_check_${n}gpu_h200.log" | tail -15
+  | tee "$out/scaling/distributed_check_${n}gpu_${gpu}.log" | tail -15
 for m in base huge; do
   timeout 240 python3 -m fp8vit.tools.bench --model $m --batch-size 128 --nproc 1 "$n" \
-    --variants timm-bf16 fp8vit-fp8-delayed-graphed --json "$out/scaling/vit_${m}_b128_nproc1-${n}_h200.json" 2>&1 \
-    | tee "$out/scaling/vit_${m}_b128_nproc1-${n}_h200.log" | tail -8
+    --variants timm-bf16 fp8vit-fp8-delayed-graphed --json "$out/scaling/vit_${m}_b128_nproc1-${n}_${gpu}.json" 2>&1 \
+    | tee "$out/scaling/vit_${m}_b128_nproc1-${n}_${gpu}.log" | tail -8
 done

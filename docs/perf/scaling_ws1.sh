@@ -14,7 +14,7 @@ for run in "$@"; do
   mode=${run%%:*}; b=${run##*:}
   case $mode in ddp) flag= ;; ddp-graphs) flag=--cuda-graphs ;; fsdp) flag=--fsdp ;;
     fsdp-fp8w) flag="--fsdp --fp8-weights" ;; *) echo "unknown mode $mode"; exit 2 ;; esac
-  log="$out/scaling/${model}_b${b}_${mode}_ws1_h200.log"
+  log="$out/scaling/${model}_b${b}_${mode}_ws1_${gpu}.log"
   echo "== $model $mode batch $b"
   timeout "${TIMEOUT:-110}" torchrun --standalone --nproc-per-node 1 examples/train_vit.py $flag --model "$model" \
     --batch-size "$b" --steps "${STEPS:-30}" --price-per-hour 3.5 > "$log" 2>&1

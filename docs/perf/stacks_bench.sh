@@ -46,5 +46,5 @@ done
 [ -z "$repeats" ] || [ "$repeats" = 1 ] || name=${name}_r${repeats}
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 python3 docs/perf/stacks_bench.py --models "$models" --stacks "$stacks" --batch-size 128 --steps 30 --warmup 10 \
-  --json "$out/stacks/${name}_h200.json" "$@" 2>&1 | tee "$out/stacks/${name}_h200.log"
+  --json "$out/stacks/${name}_${gpu}.json" "$@" 2>&1 | tee "$out/stacks/${name}_${gpu}.log"
 exit "${PIPESTATUS[0]}"
