@@ -81,6 +81,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="vit_base_patch16_224")
     p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--img-size", type=int, default=224)
     p.add_argument("--variant", default="fp8vit-fp8-delayed-graphed")
     p.add_argument("--steps", type=int, default=50)
     a = p.parse_args()
@@ -91,7 +92,7 @@ def main() -> None:
     contexts()
 
     torch.manual_seed(0)
-    wl = build_workload(a.model, a.variant, batch_size=a.batch_size)
+    wl = build_workload(a.model, a.variant, batch_size=a.batch_size, img_size=a.img_size)
     opt = make_optimizer(wl.model.parameters(), "sgd", lr=1e-3)
     x, y = synthetic_batch(a.batch_size, wl)
 

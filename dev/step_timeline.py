@@ -112,6 +112,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="vit_base_patch16_224")
     p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--img-size", type=int, default=224)
     p.add_argument("--variant", default="fp8vit-fp8-delayed-graphed")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=8)
@@ -120,7 +121,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("step_timeline: needs a CUDA GPU (CUDA events time the GPU side)")
     torch.manual_seed(0)
-    wl = build_workload(a.model, a.variant, batch_size=a.batch_size)
+    wl = build_workload(a.model, a.variant, batch_size=a.batch_size, img_size=a.img_size)
     opt = make_optimizer(wl.model.parameters(), "sgd", lr=1e-3)
     x, y = synthetic_batch(a.batch_size, wl)
     instrument(wl.model)
@@ -173,7 +174,8 @@ def main() -> None:
                     seg[(n0, n1)]["behind"].append(rows[0][2].elapsed_time(e1) - (h1 - rows[0][1]) * 1e3)
         ends = [rows[0][2].elapsed_time(rows[-1][2]) for rows in steps]
         print(f"{mode}: first mark to last, GPU time, median {statistics.median(ends):.3f} ms over {len(steps)} steps")
-    print(f"\n{a.model} batch {a.batch_size} {a.variant}, {torch.cuda.get_device_name()}; medians over {a.steps} steps, ms")
+    size = "" if a.img_size == 224 else f" at {a.img_size} px"
+    print(f"\n{a.model} batch {a.batch_size}{size} {a.variant}, {torch.cuda.get_device_name()}; medians over {a.steps} steps, ms")
     print(f"{'segment (from the mark before to this one)':58s} {'host sync':>9s} {'GPU sync':>9s} {'GPU pipe':>9s} "
           f"{'idle':>7s} {'host pipe':>9s} {'GPU behind':>10s}")
     idle_total = 0.0

@@ -121,3 +121,20 @@ def test_profile_runs_synchronized_steps_on_the_cpu(capsys):
                  "--warmup", "1", "--sync"]) == 0
     out = capsys.readouterr().out
     assert "ms/step (synchronized median, unprofiled), CPU op time" in out
+
+
+def test_profile_builds_the_model_at_the_image_size_asked(capsys, monkeypatch):
+    # --img-size reaches the model (PE-core-L's native 336 px, say): the tokens a step runs on change
+    from fp8vit.tools import profiling
+    built = []
+
+    def build(*args, **kwargs):
+        wl = workload.build_workload(*args, **kwargs)
+        built.append(wl.model.patch_embed.img_size)
+        return wl
+    from fp8vit.tools import workload
+    monkeypatch.setattr(profiling, "build_workload", build)
+    assert profiling.main(["--model", "vit_tiny_patch16_224", "--batch-size", "1", "--img-size", "64",
+                           "--variant", "timm-bf16", "--steps", "1", "--warmup", "1"]) == 0
+    assert built == [(64, 64)]
+    assert "vit_tiny_patch16_224 batch 1 at 64 px timm-bf16: wall" in capsys.readouterr().out

@@ -11,11 +11,14 @@
 #   bash docs/perf/h200.sh profile:MODEL:BATCH:VARIANT:sync        # its synchronized steps: profile/..._VARIANT_sync_h200.*
 #   bash docs/perf/h200.sh timeline:MODEL:BATCH                    # dev/step_timeline.py: profile/MODEL_bBATCH_timeline_h200.log
 #   bash docs/perf/h200.sh hostcosts:MODEL:BATCH                   # dev/host_costs.py: profile/MODEL_bBATCH_hostcosts_h200.log
+# IMG_SIZE=336 (bench, profile, timeline, hostcosts): that image side, `_336px` after the batch in the names.
 set -o pipefail
 . "$(dirname "$0")/te_env.sh"
 mkdir -p "$out/tests" "$out/bench" "$out/profile"
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 rc=0
+px=${IMG_SIZE:+_${IMG_SIZE}px}
+img=${IMG_SIZE:+--img-size $IMG_SIZE}
 for stage in "$@"; do
   IFS=: read -r kind a b c d <<< "$stage"
   case $kind in
@@ -25,24 +28,24 @@ for stage in "$@"; do
       python3 -m pytest -m gpu -q -s -p no:cacheprovider ${files//,/ } 2>&1 | tee "$out/tests/${name}_$gpu.log" | tail -40 || rc=1 ;;
     bench)
       variants=${c:+--variants ${c//,/ }}
-      name="bench/${a}_b${b:-128}_${d:-${c:+custom}}"; name=${name%_}; [ -z "$c" ] && name="${name}_default4"
-      python3 -m fp8vit.tools.bench --model "$a" --batch-size "${b:-128}" $variants \
+      name="bench/${a}_b${b:-128}${px}_${d:-${c:+custom}}"; name=${name%_}; [ -z "$c" ] && name="${name}_default4"
+      python3 -m fp8vit.tools.bench --model "$a" --batch-size "${b:-128}" $img $variants \
         --json "$out/${name}_$gpu.json" 2>&1 | tee "$out/${name}_$gpu.log" || rc=1 ;;
     profile)
       # d = sync: synchronized steps (fp8vit-bench's median), 20 of them, where their time goes
-      name="profile/${a}_b${b:-128}_${c:-fp8vit-fp8-delayed-graphed}${d:+_$d}_$gpu"
-      python3 -m fp8vit.tools.profiling --model "$a" --batch-size "${b:-128}" --variant "${c:-fp8vit-fp8-delayed-graphed}" \
+      name="profile/${a}_b${b:-128}${px}_${c:-fp8vit-fp8-delayed-graphed}${d:+_$d}_$gpu"
+      python3 -m fp8vit.tools.profiling --model "$a" --batch-size "${b:-128}" $img --variant "${c:-fp8vit-fp8-delayed-graphed}" \
         ${d:+--$d --steps 20} --kernels "$out/$name.kernels.txt" > "$out/$name.log" 2>&1 || rc=1
       grep -A12 "wall" "$out/$name.log" ;;
     timeline)
       # a synchronized graphed step's GPU idle per segment (host marks, CUDA events; no profiler)
-      name="profile/${a}_b${b:-128}_timeline_$gpu"
-      python3 dev/step_timeline.py --model "$a" --batch-size "${b:-128}" > "$out/$name.log" 2>&1 || rc=1
+      name="profile/${a}_b${b:-128}${px}_timeline_$gpu"
+      python3 dev/step_timeline.py --model "$a" --batch-size "${b:-128}" $img > "$out/$name.log" 2>&1 || rc=1
       tail -40 "$out/$name.log" ;;
     hostcosts)
       # host time of fp8_context, autocast, TE's autocast and the graph dispatch; cProfile of the step
-      name="profile/${a}_b${b:-128}_hostcosts_$gpu"
-      python3 dev/host_costs.py --model "$a" --batch-size "${b:-128}" > "$out/$name.log" 2>&1 || rc=1
+      name="profile/${a}_b${b:-128}${px}_hostcosts_$gpu"
+      python3 dev/host_costs.py --model "$a" --batch-size "${b:-128}" $img > "$out/$name.log" 2>&1 || rc=1
       head -20 "$out/$name.log" ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

@@ -208,6 +208,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="fp8vit-profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="huge", help=f"{sorted(SIZES)} or a timm model name")
     p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--img-size", type=int, default=224, help="image side in pixels (as fp8vit-bench's)")
     p.add_argument("--variant", default="fp8vit-fp8-delayed", choices=VARIANTS)
     p.add_argument("--steps", type=int, default=5, help="profiled steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=5)
@@ -223,7 +224,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    wl = build_workload(a.model, a.variant, batch_size=a.batch_size, device=device)
+    wl = build_workload(a.model, a.variant, batch_size=a.batch_size, img_size=a.img_size, device=device)
     opt = make_optimizer(wl.model.parameters(), "sgd", lr=1e-3, device=device)
     step = train_step_fn(wl, opt)
     x, y = synthetic_batch(a.batch_size, wl, device=device)
@@ -271,7 +272,8 @@ def main(argv=None) -> int:
         launches = [(e.key, e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.key.startswith("aten::")]
         what = "CPU op"
     br = kernel_breakdown([(k, us) for k, _, us in launches], a.steps)
-    print(f"{a.model} batch {a.batch_size} {a.variant}: wall {wall_ms:.1f} ms/step "
+    size = "" if a.img_size == 224 else f" at {a.img_size} px"
+    print(f"{a.model} batch {a.batch_size}{size} {a.variant}: wall {wall_ms:.1f} ms/step "
           f"({'synchronized median, ' if a.sync else ''}unprofiled), "
           f"{what} time {br['total']:.1f} ms/step")
     for cat in [c for c, _ in CATEGORIES] + ["other"]:
@@ -297,7 +299,7 @@ def main(argv=None) -> int:
     table = kernel_table(launches, a.steps)
     if a.kernels:
         with open(a.kernels, "w") as f:
-            f.write(f"# {a.model} batch {a.batch_size} {a.variant}: {br['total']:.2f} ms {what} time/step, "
+            f.write(f"# {a.model} batch {a.batch_size}{size} {a.variant}: {br['total']:.2f} ms {what} time/step, "
                     f"wall {wall_ms:.1f} ms/step\n# ms/step  calls/step  category  kernel  <-  launching op path\n")
             for kernel, path, calls, ms in table:
                 f.write(f"{ms:9.3f} {calls:7.1f}  {categorize(kernel):12.12s}  {kernel[:110]}  <-  {path}\n")
