@@ -792,6 +792,21 @@ def test_bias_variants_set_every_fused_block_to_that_bias_attention():
             assert kinds == {want}, (model, variant, kinds)
 
 
+def test_tritonrope_variant_sets_every_rope_block_to_the_triton_kernel():
+    # -tritonrope: TE_EvaBlock.rope_kernel = "triton" in every RoPE block; the plain variant keeps "te"
+    from fp8vit.blocks.eva import TE_EvaBlock
+    from fp8vit.tools.workload import build_workload
+    assert Variant.parse("fp8vit-fp8-delayed-tritonrope-graphed").rope_kernel == "triton"
+    assert Variant.parse("fp8vit-fp8-delayed-graphed").rope_kernel is None
+    kw = dict(batch_size=2, img_size=64, num_classes=10, device="cpu", backend="reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for variant, want in (("fp8vit-fp8-delayed-tritonrope", {"triton"}), ("fp8vit-fp8-delayed", {"te"})):
+            net = build_workload("vit_base_patch16_rope_224", variant, **kw).model
+            kinds = {m.rope_kernel for m in net.modules() if isinstance(m, TE_EvaBlock)}
+            assert kinds == want, (variant, kinds)
+
+
 class _FakeRun:
     """bench._Run without a model: logs what the bench asks of it; each timed step takes one ms
     longer than the step before it, across variants (a drift over the process)."""

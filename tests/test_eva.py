@@ -3,6 +3,7 @@ logits, gradients, exact weights both ways, the held-at-zero k bias, RoPE with p
 RoPE layout, grouped-query and gated attention."""
 
 import copy
+import dataclasses
 
 import pytest
 import timm
@@ -338,3 +339,130 @@ def test_post_norm_mlp_runs_unfused_with_the_exact_activation():
                                  backend="reference", exact_gelu=False)
     assert gelu.cfg.mlp.te_activation is None and not gelu.cfg.mlp.fused
     assert isinstance(gelu.mlp.act, torch.nn.GELU) and gelu.mlp.act.approximate == "none"
+
+
+# --- RoPE in one pass over the packed QKV buffer (rope_kernel="triton", RopeQKV) -------------------
+
+def _timm_rope_packed(qkv, table, npt, interleaved):
+    """timm's RoPE on q and k of a packed [B, N, 3, H, D] buffer (fp32 math), v as it is: the
+    reference for the Triton kernel and for RopeQKV's gradient."""
+    from timm.layers.pos_embed_sincos import apply_rot_embed_cat
+
+    outs = []
+    for i in (0, 1):
+        t = qkv[:, :, i].transpose(1, 2).float()  # [B, H, N, D], timm's layout
+        r = torch.cat([t[:, :, :npt], apply_rot_embed_cat(t[:, :, npt:], table, half=not interleaved)], 2)
+        outs.append(r.transpose(1, 2).to(qkv.dtype))
+    return torch.stack([*outs, qkv[:, :, 2]], 2)
+
+
+def test_packed_rope_kernel_is_timms_rope_and_its_transpose_in_tritons_interpreter():
+    # The kernel behind RopeQKV, run by Triton's CPU interpreter (TRITON_INTERPRET=1, a fresh process)
+    # on bf16 data where every product and sum is exact (multiples of 1/4, table values in {0, +-1/2,
+    # +-1}): forward equal to timm's apply_rot_embed_cat, backward (in place) equal to autograd's
+    # gradient of it, for both pairings, prefix tokens, and head counts and head dims whose halves are
+    # no power of two (masked lanes).
+    pytest.importorskip("triton", reason="Triton is not installed with this torch")
+    code = """
+import contextlib
+import torch
+import fp8vit._te.kernels as K
+from test_eva import _timm_rope_packed
+torch.cuda.device = lambda device: contextlib.nullcontext()  # the wrapper's launch context, on the CPU
+torch.manual_seed(0)
+vals = torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0])
+for B, N, H, D, npt, inter in [(2, 5, 3, 8, 1, False), (2, 5, 3, 8, 1, True), (1, 7, 2, 10, 0, True),
+                               (3, 4, 1, 4, 2, False), (1, 6, 5, 6, 1, False)]:
+    qkv = torch.randint(-8, 8, (B, N, 3, H, D)).float().div(4).bfloat16()
+    table = vals[torch.randint(0, 5, (N - npt, 2 * D))].contiguous()
+    out = K.rope_packed_qkv(qkv, table, npt, inter)
+    assert out.data_ptr() != qkv.data_ptr()
+    assert torch.equal(out, _timm_rope_packed(qkv, table, npt, inter)), (B, N, H, D, npt, inter)
+    x = qkv.float().requires_grad_(True)
+    g = torch.randint(-8, 8, x.shape).float().div(4)
+    _timm_rope_packed(x, table, npt, inter).backward(g)
+    gb = g.bfloat16()
+    assert K.rope_packed_qkv(gb, table, npt, inter, backward=True) is gb  # in place
+    assert torch.equal(gb.float(), x.grad), (B, N, H, D, npt, inter)
+print("ok")
+"""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr[-3000:]
+
+
+def _rope_packed_in_torch(calls):
+    """A torch stand-in for the Triton kernel (same contract: new buffer forward, in place backward),
+    counting its calls: RopeQKV's plumbing on the CPU."""
+    def rope_packed(qkv, table, npt, interleaved, backward=False):
+        calls.append("backward" if backward else "forward")
+        if not backward:
+            return _timm_rope_packed(qkv, table, npt, interleaved)
+        with torch.enable_grad():  # called inside RopeQKV's backward, where grad mode is off
+            x = qkv.detach().float().requires_grad_(True)
+            _timm_rope_packed(x, table, npt, interleaved).float().backward(qkv.float())
+        return qkv.copy_(x.grad)
+    return rope_packed
+
+
+@pytest.mark.parametrize("key", ["vit_base_patch16_rope_224", "vit_small_patch16_dinov3", "vit_pe_core_large_patch14_336"])
+def test_packed_rope_trains_as_te_rope(key, monkeypatch):
+    # rope_kernel="triton" (RopeQKV) against the default path, the kernel replaced by torch's
+    # arithmetic: the views, the prefix tokens (class and registers), the pairing and the packed
+    # gradient's assembly (the reference attention's dq, dk, dv are stacked) are RopeQKV's
+    calls = []
+    monkeypatch.setattr(fp8vit.blocks.eva, "rope_packed_qkv", _rope_packed_in_torch(calls))
+    monkeypatch.setattr(TE_EvaBlock, "_packed_rope_refusal", lambda self, qkv, rope: None)  # CPU tensors
+    x = torch.randn(2, 3, *_model(key).patch_embed.img_size)
+    results = []
+    for kernel in ("te", "triton"):
+        model = _convert(_model(key)).train()
+        for blk in model.blocks:
+            blk.rope_kernel = kernel
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        out.square().sum().backward()
+        results.append((out, xi.grad, {n: p.grad for n, p in model.named_parameters()}))
+    (out_te, dx_te, g_te), (out_tr, dx_tr, g_tr) = results
+    depth = len(model.blocks)
+    assert calls == ["forward"] * depth + ["backward"] * depth
+    torch.testing.assert_close(out_tr, out_te, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx_tr, dx_te, rtol=1e-4, atol=1e-5)
+    for n in g_te:
+        torch.testing.assert_close(g_tr[n], g_te[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_packed_rope_says_why_it_cannot_run_and_runs_te_rope(monkeypatch):
+    from fp8vit import _warn
+
+    model = _convert(_model("vit_base_patch16_rope_224"))
+    x = torch.randn(2, 3, *model.patch_embed.img_size)
+    want = model(x)
+    for blk in model.blocks:
+        blk.rope_kernel = "triton"
+    monkeypatch.setattr(_warn, "_seen", set())
+    with pytest.warns(RuntimeWarning, match=r"rope_kernel='triton' cannot run here \(Triton kernels run on CUDA tensors\)"):
+        got = model(x)
+    assert torch.equal(got, want)  # TE's path (the reference backend's RoPE), said once
+    blk = model.blocks[0]
+    blk.rope_kernel = "Triton"
+    with pytest.raises(ValueError, match=r"rope_kernel='Triton': expected one of \('te', 'triton'\)"):
+        model(x)
+    # the other refusals, each named
+    D, npt = blk.cfg.head_dim, blk.cfg.num_prefix_tokens
+    qkv = torch.zeros(2, 17, 3 * blk.cfg.attn_dim)
+    table = torch.zeros(17 - npt, 2 * D)
+    assert "one row per patch token (16, 32)" in blk._packed_rope_refusal(qkv, torch.zeros(4, 17 - npt, 2 * D))
+    assert "learnable" in blk._packed_rope_refusal(qkv, table.requires_grad_(True))
+    qk_norm = _convert(_model("vit_base_patch16_rope_224")).blocks[0]
+    object.__setattr__(qk_norm, "cfg", dataclasses.replace(qk_norm.cfg, qk_norm=True))
+    assert "q/k norm" in qk_norm._packed_rope_refusal(qkv, table.detach())
+    gqa = dataclasses.replace(blk.cfg, num_kv_heads=blk.cfg.num_heads // 2)
+    object.__setattr__(qk_norm, "cfg", gqa)
+    assert "grouped-query" in qk_norm._packed_rope_refusal(qkv, table.detach())

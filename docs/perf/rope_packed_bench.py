@@ -1,7 +1,7 @@
-"""Lever 25 (docs/performance.md), rejected: RoPE on the packed QKV buffer in one Triton pass against
-TE's RoPE kernel on q and k, the path fp8vit keeps. The kernel and its autograd function live here
-only: they were in the library when it was measured (commit 4ccd229,
-`docs/results/levers/rope_packed_qkv_triton_microbench_h200.log`) and were taken out after it, as slower. This script is that code, moved.
+"""Levers 25 (rejected) and 43 (docs/performance.md): RoPE on the packed QKV buffer in one Triton pass against
+TE's RoPE kernel on q and k, fp8vit's default path. Lever 25's kernel lives here only: it was in the
+library when it was measured (commit 4ccd229, `docs/results/levers/rope_packed_qkv_triton_microbench_h200.log`)
+and was taken out after it, as slower; its autograd function was the library's RopeQKV of today.
 
     python3 docs/perf/rope_packed_bench.py          # on the GPU machine, TE installed
 
@@ -21,17 +21,25 @@ Prediction (written before the run): RoPE ViT-B's RoPE kernels (2.6 ms per step)
 **-1.5 to -2 ms per RoPE ViT-B step**. Measured: +1.4 ms (slower), EVA02-B +0.3 ms, PE-core-L
 +2.2 ms per step.
 Times: CUDA events around 10 back-to-back calls, median of 50 after 10 warm-up, divided by 10.
-"""
 
-import types
+Lever 43 (written before its run): the library's kernel (``fp8vit._te.rope_packed_qkv`` through
+``RopeQKV``, ``TE_EvaBlock.rope_kernel = "triton"``), column ``packed``: the same 10 passes as lever
+25's, but each program takes 4 token rows and loads each channel pair as two contiguous half-rows
+(rotate-half) or two stride-2 rows (interleaved), no per-element gather. Lever 25's kernel, one
+token row a program with a gathered partner load, moved its bytes at about a quarter of the H200's
+bandwidth (PE-core-L: 0.55 ms over ``none`` for ~380 MB). At 60-70% of bandwidth the packed pass
+costs ~0.1 ms per PE-core-L block against TE's 0.46: predicted **PE-core-L 336 px -0.15 to -0.3 ms
+per block (-3.5 to -7 ms per step), RoPE ViT-B and EVA02-B 0 to -0.08 per block (0 to -1 ms)**,
+whose TE path already moves its bytes near bandwidth.
+"""
 
 import timm
 import torch
 import triton
 import triton.language as tl
 
+import fp8vit.blocks.eva as eva
 from fp8vit.blocks.eva import TE_EvaBlock
-from fp8vit.blocks.base import SplitQKV
 from layerscale_triton_bench import per_call_ms  # 10 back-to-back calls per timing (this folder is on sys.path)
 
 SHAPES = {"RoPE ViT-B b128": ("vit_base_patch16_rope_224", 128, 224, 12),
@@ -94,33 +102,17 @@ def rope_packed_qkv(qkv, table, num_prefix_tokens, interleaved, backward=False):
     return out
 
 
-class RopeQKV(torch.autograd.Function):
-    """Packed QKV GEMM output ``[B, N, 3, H, D]`` -> q, k, v views of one new packed buffer, q and k
-    rotated; backward rotates TE's packed gradient in place and hands it on unstacked."""
-
-    @staticmethod
-    def forward(ctx, qkv, table, num_prefix_tokens, interleaved):
-        out = rope_packed_qkv(qkv, table, num_prefix_tokens, interleaved)
-        ctx.save_for_backward(table)
-        ctx.args = (num_prefix_tokens, interleaved)
-        ctx.packed_stride = out.stride()
-        return out.unbind(2)
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        (table,) = ctx.saved_tensors
-        # SplitQKV's packed-gradient logic: TE's packed buffer as it is, else a stack.
-        g = SplitQKV.backward(types.SimpleNamespace(packed_stride=ctx.packed_stride), dq, dk, dv).contiguous()
-        return rope_packed_qkv(g, table, *ctx.args, backward=True), None, None, None
+LEVER43_KERNEL = eva.rope_packed_qkv
 
 
 def heads(blk, kind, qkv, rope):
     """q, k, v [B, N, H, D] for attention from the QKV GEMM's output [B, N, 3 H D]."""
-    c = blk.cfg
-    if kind == "triton":
-        B, N, _ = qkv.shape
-        return RopeQKV.apply(qkv.view(B, N, 3, c.num_heads, c.head_dim), rope.float().contiguous(),
-                             c.num_prefix_tokens, not c.rotate_half)
+    if kind in ("packed", "triton"):  # the library's RopeQKV with lever 43's kernel, or with lever 25's
+        eva.rope_packed_qkv = LEVER43_KERNEL if kind == "packed" else rope_packed_qkv
+        blk.rope_kernel = "triton"
+        q, k, v, _ = blk._qkv_heads(qkv, rope)
+        blk.rope_kernel = "te"
+        return q, k, v
     q, k, v, _ = blk._split_qkv(qkv)
     if kind == "te":
         q, k = blk._rope(q, k, rope)
@@ -135,8 +127,9 @@ def step(blk, kind, qkv, rope, g):
 
 def main():
     torch.manual_seed(0)
-    print(f"{'shape':16s} {'te ms':>8s} {'triton ms':>9s} {'none ms':>8s}   per step (depth blocks): "
-          "te - none, triton - none, saved; max |triton - te| / max |te| of the attention output")
+    print(f"{'shape':16s} {'te ms':>8s} {'triton ms':>9s} {'packed ms':>9s} {'none ms':>8s}   per step (depth blocks): "
+          "te - none, triton - none, packed - none, packed - te; max |x - te| / max |te| of the attention "
+          "output, x = triton, packed")
     for name, (model, B, img, depth) in SHAPES.items():
         m = timm.create_model(model, pretrained=False, depth=1, img_size=img)
         blk = TE_EvaBlock.from_timm(m.blocks[0], backend="te").cuda().to(torch.bfloat16)
@@ -145,14 +138,14 @@ def main():
         A = blk.cfg.num_heads * blk.cfg.head_dim
         qkv = torch.randn(B, N, 3 * A, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(B, N, A, device="cuda", dtype=torch.bfloat16)
-        t = {k: per_call_ms(step, blk, k, qkv, rope, g) for k in ("te", "triton", "none")}
+        t = {k: per_call_ms(step, blk, k, qkv, rope, g) for k in ("te", "triton", "packed", "none")}
         with torch.no_grad():
-            o_te = blk._impl.attention(blk.attn, *heads(blk, "te", qkv, rope))
-            o_tr = blk._impl.attention(blk.attn, *heads(blk, "triton", qkv, rope))
-        diff = float((o_tr.float() - o_te.float()).abs().max() / o_te.float().abs().max())
-        print(f"{name:16s} {t['te']:8.3f} {t['triton']:9.3f} {t['none']:8.3f}   "
+            o = {k: blk._impl.attention(blk.attn, *heads(blk, k, qkv, rope)).float() for k in ("te", "triton", "packed")}
+        diff = [float((o[k] - o["te"]).abs().max() / o["te"].abs().max()) for k in ("triton", "packed")]
+        print(f"{name:16s} {t['te']:8.3f} {t['triton']:9.3f} {t['packed']:9.3f} {t['none']:8.3f}   "
               f"{depth * (t['te'] - t['none']):6.2f} ms, {depth * (t['triton'] - t['none']):6.2f} ms, "
-              f"{depth * (t['te'] - t['triton']):6.2f} ms; {diff:.1e}")
+              f"{depth * (t['packed'] - t['none']):6.2f} ms, {depth * (t['packed'] - t['te']):6.2f} ms; "
+              f"{diff[0]:.1e}, {diff[1]:.1e}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@
 - drop path's per-sample scale with the residual add (:func:`row_scale_add`), for
   :class:`fp8vit.blocks.base.DropPathAdd`;
 - the norm over the real units of a padded MLP's hidden layer (:func:`padded_norm_forward`,
-  :func:`padded_norm_backward`), for :class:`fp8vit.blocks.mlp.PaddedNorm`.
+  :func:`padded_norm_backward`), for :class:`fp8vit.blocks.mlp.PaddedNorm`;
+- RoPE on q and k of the packed QKV buffer (:func:`rope_packed_qkv`), for
+  :class:`fp8vit.blocks.eva.RopeQKV`.
 
 Each takes contiguous tensors in one half-precision dtype on one GPU (:func:`kernel_takes`).
 Triton comes with torch's CUDA wheels; it is imported on first use on a CUDA tensor only, so that
@@ -27,7 +29,7 @@ import torch
 from ..errors import Check
 
 __all__ = ["triton_support", "kernel_takes", "layerscale_backward", "row_scale_add", "column_scale_add",
-           "padded_norm_forward", "padded_norm_backward"]
+           "padded_norm_forward", "padded_norm_backward", "rope_packed_qkv"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,6 +52,8 @@ def triton_support() -> Check:
         column_scale_add(g, g, g[0])
         y, mean, rstd = padded_norm_forward(g, 15, g[0, :15].float(), None, 1e-6, rms=False)
         padded_norm_backward(g, g, g[0, :15].float(), mean, rstd, 15, has_bias=False, rms=False)
+        qkv = torch.zeros(1, 2, 3, 1, 4, device="cuda", dtype=torch.bfloat16)
+        rope_packed_qkv(qkv, torch.zeros(1, 8, device="cuda"), 1, interleaved=False)
     except Exception as e:
         return Check(False, f"Triton is installed but its first kernel failed with {type(e).__name__}: {e}; "
                             "fix the Triton setup (a C compiler, a writable ~/.triton cache) or set FP8VIT_TRITON=0")
@@ -173,8 +177,60 @@ def _kernels():
         if HAS_B:
             tl.store(PART_B + pid * H + cols, acc_b, mask=real)
 
+    @triton.jit
+    def rope_qk(X, OUT, TABLE, R, N, NPT, H2, V, D: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_V: tl.constexpr, INTERLEAVED: tl.constexpr,
+                BACKWARD: tl.constexpr):
+        # One program: BLOCK_T token rows of the packed buffer X [R = B N, 3, H, D], a row being q and
+        # k (H2 = 2H heads of D channels) then v (V = H D elements). Channels pair up as (a, b): (2j,
+        # 2j + 1) interleaved, (j, j + D/2) rotate-half, j < HALF = D/2; timm's rot(x) is -x_b at a
+        # and x_a at b in both. TABLE [N - NPT, 2D] fp32 is timm's sin | cos per patch token; the NPT
+        # prefix tokens of each image get cos 1, sin 0 (an exact copy).
+        #   forward   out_a = x_a cos_a - x_b sin_a,  out_b = x_b cos_b + x_a sin_b   (+ v copied)
+        #   backward  dx_a = g_a cos_a + g_b sin_b,   dx_b = g_b cos_b - g_a sin_a   (its transpose,
+        #             in place in X: each pair is loaded and stored by the same thread)
+        # fp32 arithmetic, one rounding per output, as timm's expression under autocast.
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [T]
+        live = rows < R
+        n = rows % N
+        patch = live & (n >= NPT)
+        base = rows.to(tl.int64) * (H2 * D + V)
+        h = tl.arange(0, BLOCK_H)
+        j = tl.arange(0, BLOCK_J)  # BLOCK_J = HALF where D/2 is a power of two (D = 64, 128)
+        jm = j < HALF
+        if INTERLEAVED:
+            ca, cb = 2 * j, 2 * j + 1
+        else:
+            ca, cb = j, j + HALF
+        m = live[:, None, None] & (h < H2)[None, :, None] & jm[None, None, :]
+        xa_p = X + base[:, None, None] + (h * D)[None, :, None] + ca[None, None, :]
+        xb_p = X + base[:, None, None] + (h * D)[None, :, None] + cb[None, None, :]
+        xa = tl.load(xa_p, mask=m, other=0.0).to(tl.float32)
+        xb = tl.load(xb_p, mask=m, other=0.0).to(tl.float32)
+        t = TABLE + (n - NPT).to(tl.int64)[:, None] * (2 * D)  # [T, 1]; read for patch tokens only
+        tm = patch[:, None] & jm[None, :]
+        sin_a = tl.load(t + ca[None, :], mask=tm, other=0.0)[:, None, :]
+        sin_b = tl.load(t + cb[None, :], mask=tm, other=0.0)[:, None, :]
+        cos_a = tl.load(t + D + ca[None, :], mask=tm, other=1.0)[:, None, :]
+        cos_b = tl.load(t + D + cb[None, :], mask=tm, other=1.0)[:, None, :]
+        if BACKWARD:
+            oa = xa * cos_a + xb * sin_b
+            ob = xb * cos_b - xa * sin_a
+            tl.debug_barrier()  # in place: every load of the tile before the first store
+        else:
+            oa = xa * cos_a - xb * sin_a
+            ob = xb * cos_b + xa * sin_b
+        out = OUT + base[:, None, None] + (h * D)[None, :, None]
+        tl.store(out + ca[None, None, :], oa.to(OUT.dtype.element_ty), mask=m)
+        tl.store(out + cb[None, None, :], ob.to(OUT.dtype.element_ty), mask=m)
+        if not BACKWARD:
+            v = tl.arange(0, BLOCK_V)
+            vm = live[:, None] & (v < V)[None, :]
+            vo = base[:, None] + H2 * D + v[None, :]
+            tl.store(OUT + vo, tl.load(X + vo, mask=vm), mask=vm)
+
     return SimpleNamespace(triton=triton, layerscale_bwd=layerscale_bwd, row_scale_add=row_scale_add_kernel,
-                           padded_norm_fwd=padded_norm_fwd, padded_norm_bwd=padded_norm_bwd)
+                           padded_norm_fwd=padded_norm_fwd, padded_norm_bwd=padded_norm_bwd, rope_qk=rope_qk)
 
 
 _BLOCK_R, _BLOCK_C = 32, 128
@@ -321,3 +377,42 @@ def padded_norm_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.Tens
         k.padded_norm_bwd[(progs,)](g2, h2, weight, mean, rstd, dh, part_w, part_b, rows, real, hp, per,
                                     has_bias, rms, block, num_warps=warps)
     return dh.view(h.shape), part_w.sum(0), (part_b.sum(0) if has_bias else None)
+
+
+# Token rows per program of rope_qk: 4 rows of q and k at ViT-B/L widths (2H x D/2 fp32 pairs: 32
+# registers a thread at 8 warps), several thousand programs per step
+_ROPE_ROWS, _ROPE_WARPS = 4, 8
+
+
+def rope_packed_qkv(qkv: torch.Tensor, table: torch.Tensor, num_prefix_tokens: int, interleaved: bool,
+                    backward: bool = False) -> torch.Tensor:
+    """timm's RoPE (``apply_rot_embed_cat``) on q and k of a packed QKV buffer, in one pass.
+
+    Forward: a new packed buffer with q and k rotated and v copied, so that attention reads q, k and
+    v as views of one buffer (TE's ``bs3hd``, no copies); backward (``backward=True``): the
+    transposed rotation of q's and k's gradients, in place in the packed gradient, v's left as is.
+
+    Args:
+        qkv: ``[B, N, 3, H, D]`` (q, k, v of ``H`` heads of ``D`` channels, ``D`` even), CUDA,
+            contiguous, bf16 or fp16.
+        table: timm's ``[N - num_prefix_tokens, 2 * D]`` fp32 table (sin, then cos, per patch token
+            and channel), contiguous, on ``qkv``'s device.
+        num_prefix_tokens: leading tokens of each image left unrotated (class, register tokens).
+        interleaved: channels pair as (2j, 2j + 1); else as (j, j + D/2) (timm's ``half``).
+        backward: rotate back in place (the gradient), else forward into a new buffer.
+
+    Returns:
+        the new buffer (forward) or ``qkv`` itself (backward), ``[B, N, 3, H, D]``.
+    """
+    k = _kernels()
+    B, N, _, H, D = qkv.shape
+    out = qkv if backward else torch.empty_like(qkv)
+    rows = B * N
+    if rows:
+        with torch.cuda.device(qkv.device):  # Triton launches on the current device
+            k.rope_qk[(k.triton.cdiv(rows, _ROPE_ROWS),)](
+                qkv, out, table, rows, N, num_prefix_tokens, 2 * H, H * D, D, D // 2, _ROPE_ROWS,
+                k.triton.next_power_of_2(2 * H), k.triton.next_power_of_2(D // 2), k.triton.next_power_of_2(H * D),
+                interleaved, backward,
+                num_warps=_ROPE_WARPS)
+    return out

@@ -25,7 +25,7 @@ from .mlp import norm_in_dtype
 from .._te.kernels import column_scale_add, kernel_takes, layerscale_backward, row_scale_add, triton_support
 from .._te.recipes import recipe_name, row_multiple
 
-__all__ = ["FP8Block", "check_block_args", "aligned_rows", "SplitQKV", "LayerScaleAdd", "DropPathAdd",
+__all__ = ["FP8Block", "check_block_args", "aligned_rows", "SplitQKV", "packed_gradient", "LayerScaleAdd", "DropPathAdd",
            "additive_to_bool", "te_mask_kwargs"]
 
 
@@ -226,12 +226,7 @@ class FP8Block(nn.Module):
             bias: an additive bias of the attention logits after scaling, ``[1, H, N, N]``
                 (BEiT's relative position bias; TE's ``post_scale_bias``), or None.
         """
-        q, k, v, gate = self._split_qkv(aligned_rows(self.qkv, x, mult))
-        if self.cfg.qk_norm:
-            # The norm runs in fp32 under autocast; TE's attention wants one dtype (SDPA casts too).
-            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
-        if rope is not None:
-            q, k = self._rope(q, k, rope)
+        q, k, v, gate = self._qkv_heads(aligned_rows(self.qkv, x, mult), rope)
         kwargs = te_mask_kwargs(attn_mask, is_causal)
         if bias is not None:
             o = self._biased_attention(q, k, v, bias, **kwargs)
@@ -264,8 +259,20 @@ class FP8Block(nn.Module):
         kwargs.update(core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
         return self._impl.attention(self.attn, q, k, v, **kwargs)
 
+    def _qkv_heads(self, qkv: torch.Tensor, rope: Optional[torch.Tensor]):
+        """Hook of :meth:`_attention`: the qkv GEMM's output ``[B, N, 3 * H * D]`` -> q, k, v
+        ``[B, N, H, D]`` as attention takes them (:meth:`_split_qkv`, q/k norm, :meth:`_rope` with
+        ``rope`` unless None) and the gate's input (None: no gate)."""
+        q, k, v, gate = self._split_qkv(qkv)
+        if self.cfg.qk_norm:
+            # The norm runs in fp32 under autocast; TE's attention wants one dtype (SDPA casts too).
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
+        if rope is not None:
+            q, k = self._rope(q, k, rope)
+        return q, k, v, gate
+
     def _split_qkv(self, qkv: torch.Tensor):
-        """Hook of :meth:`_attention`: the qkv GEMM's output ``[B, N, 3 * H * D]`` (timm's
+        """Hook of :meth:`_qkv_heads`: the qkv GEMM's output ``[B, N, 3 * H * D]`` (timm's
         ``(3, H, D)`` row order) -> q, k, v ``[B, N, H, D]`` (views, whose gradient comes back
         packed: :class:`SplitQKV`) and the gate's input (None: no gate). A family with other
         layouts (grouped-query attention, a gate) overrides it."""
@@ -274,7 +281,7 @@ class FP8Block(nn.Module):
         return q, k, v, None
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor):
-        """Hook of :meth:`_attention`: rotary position embedding on q and k ``[B, N, H, D]``.
+        """Hook of :meth:`_qkv_heads`: rotary position embedding on q and k ``[B, N, H, D]``.
         A family with RoPE overrides it; the classic ViT block has none (identity)."""
         return q, k
 
@@ -386,15 +393,24 @@ class SplitQKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):  # never None: autograd materializes unused gradients as zeros
-        B, N, H, D = dq.shape
-        step = ctx.packed_stride[2]
-        if (dq.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()
-                and dk.storage_offset() == dq.storage_offset() + step
-                and dv.storage_offset() == dq.storage_offset() + 2 * step
-                and dq.stride() == dk.stride() == dv.stride()
-                and dq.stride() == ctx.packed_stride[:2] + ctx.packed_stride[3:]):
-            return dq.as_strided((B, N, 3, H, D), ctx.packed_stride, dq.storage_offset())
-        return torch.stack((dq, dk, dv), dim=2)
+        return packed_gradient(dq, dk, dv, ctx.packed_stride)
+
+
+def packed_gradient(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, packed_stride: tuple) -> torch.Tensor:
+    """The gradient ``[B, N, 3, H, D]`` of a packed buffer (strides ``packed_stride``) from those of
+    its q, k, v views ``[B, N, H, D]``: TE's attention writes them as views of one buffer laid out
+    so, which is returned as is; any other layout (the reference backend's) is stacked, one copy.
+    Either way a tensor no one else holds (a view's gradient accumulated from two uses is a new
+    tensor, not TE's buffer)."""
+    B, N, H, D = dq.shape
+    step = packed_stride[2]
+    if (dq.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()
+            and dk.storage_offset() == dq.storage_offset() + step
+            and dv.storage_offset() == dq.storage_offset() + 2 * step
+            and dq.stride() == dk.stride() == dv.stride()
+            and dq.stride() == packed_stride[:2] + packed_stride[3:]):
+        return dq.as_strided((B, N, 3, H, D), packed_stride, dq.storage_offset())
+    return torch.stack((dq, dk, dv), dim=2)
 
 
 class LayerScaleAdd(torch.autograd.Function):

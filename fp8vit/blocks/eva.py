@@ -42,14 +42,20 @@ from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 from timm.models.eva import EvaAttention, EvaBlock, EvaBlockPostNorm
 from torch import nn
 
+from .._te.kernels import kernel_takes, rope_packed_qkv, triton_support
 from .._validate import check_type
-from .base import FP8Block, LastResult
+from .._warn import warn_once
+from .base import FP8Block, LastResult, packed_gradient
 from .mlp import MlpConfig, build_mlp, mlp_config_from_timm, mlp_ties, norm_in_dtype, torch_norm
 from .timm_layers import register_notrace_module, require_timm_class, resolve_norm
 from .weights import Part, Tie, block_from_timm, load_timm_state, rename, timm_block_of
 
 __all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "eva_like_config", "rope_angles",
-           "forward_rope_angles"]
+           "forward_rope_angles", "RopeQKV", "ROPE_KERNELS"]
+
+# TE_EvaBlock.rope_kernel's values: TE's fused RoPE on q and k, or fp8vit's Triton pass over the
+# packed QKV buffer (RopeQKV; lever 43 of docs/performance.md, opt-in until measured)
+ROPE_KERNELS = ("te", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,7 +358,18 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
             ``fp32_residual`` not a bool, ``device``/``dtype`` not a device/dtype; checked before
             anything is built.
         ValueError: an unknown ``backend``, a device string naming no device, a non-float ``dtype``.
+
+    Attributes:
+        rope_kernel: how RoPE rotates q and k (a table of one row per patch token, timm's usual):
+            ``"te"``, TE's fused RoPE kernel on q and k apart (the default), or ``"triton"``, one
+            Triton pass over the packed QKV buffer that hands attention q, k and v as views of one
+            buffer, and rotates their packed gradient back in place (:class:`RopeQKV`; measured
+            on the GPU before it becomes a default). Settable per block. Where that pass cannot run
+            (q/k norm, a gate, grouped-query attention, another table form, no Triton), TE's runs,
+            said once.
     """
+
+    rope_kernel: str = "te"
 
     def __init__(self, cfg: EvaBlockConfig, *, timm_skeleton: nn.Module, device=None,
                  dtype: Optional[torch.dtype] = None, backend: Optional[str] = None,
@@ -487,6 +504,44 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
             q, k, v = qkv.view(B, N, sum(heads), c.head_dim).split(heads, dim=2)
         return q, k, v, gate
 
+    def _qkv_heads(self, qkv: torch.Tensor, rope: Optional[torch.Tensor]):
+        """q, k, v for attention (see ``FP8Block._qkv_heads``); with ``rope_kernel="triton"``, RoPE
+        in one pass over the packed QKV buffer (:class:`RopeQKV`) where it runs."""
+        if rope is not None and self.rope_kernel != "te":
+            if self.rope_kernel not in ROPE_KERNELS:
+                raise ValueError(f"{type(self).__name__}.rope_kernel={self.rope_kernel!r}: expected one of {ROPE_KERNELS}")
+            why = self._packed_rope_refusal(qkv, rope)
+            if why is None:
+                c = self.cfg
+                B, N, _ = qkv.shape
+                q, k, v = RopeQKV.apply(qkv.view(B, N, 3, c.num_heads, c.head_dim), rope, c.num_prefix_tokens,
+                                        not c.rotate_half)
+                return q, k, v, None
+            warn_once(f"fp8vit: {type(self).__name__}.rope_kernel='triton' cannot run here ({why}); "
+                      "TE's RoPE kernel runs instead", RuntimeWarning, stacklevel=2)
+        return super()._qkv_heads(qkv, rope)
+
+    def _packed_rope_refusal(self, qkv: torch.Tensor, rope: torch.Tensor) -> Optional[str]:
+        """Why :class:`RopeQKV` cannot rotate this block's q and k (None: it can)."""
+        c = self.cfg
+        n_patch = qkv.shape[1] - c.num_prefix_tokens
+        if c.qk_norm:
+            return "q/k norm runs between the QKV GEMM and RoPE"
+        if c.gated or c.num_kv_heads != c.num_heads:
+            return "the QKV GEMM's output is not q, k, v of equal heads (a gate, or grouped-query attention)"
+        if c.head_dim % 2:
+            return f"head dim {c.head_dim} is odd"
+        if rope.dim() != 2 or tuple(rope.shape) != (n_patch, 2 * c.head_dim):
+            return (f"a RoPE table of shape {tuple(rope.shape)}, not one row per patch token ({n_patch}, "
+                    f"{2 * c.head_dim}): per head or per batch (mixed RoPE, patch dropout)")
+        if rope.requires_grad:
+            return "the RoPE table requires grad (learnable frequencies)"
+        if not (qkv.is_cuda and rope.device == qkv.device):
+            return "Triton kernels run on CUDA tensors"
+        if not kernel_takes(qkv):
+            return triton_support().reason or f"qkv in {qkv.dtype} (bf16 or fp16 only)"
+        return None
+
     def _rope(self, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor):
         """RoPE on q and k ``[B, N, H, D]`` of the patch tokens, as timm's ``apply_rot_embed_cat``."""
         c = self.cfg
@@ -514,6 +569,38 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
                 + f", attn={c.attn_type}, qkv_bias={c.qkv_bias}" + (", gated" if c.gated else "")
                 + f", mlp={c.mlp.describe()}, norm={c.norm}(eps={c.norm_eps})" + (", post_norm" if c.post_norm else "")
                 + f", backend={self.backend}")
+
+
+class RopeQKV(torch.autograd.Function):
+    """timm's RoPE on the packed QKV GEMM output in one Triton pass (``_te.rope_packed_qkv``).
+
+    ``[B, N, 3, H, D]`` (contiguous) -> q, k, v ``[B, N, H, D]``, views of one new packed buffer
+    with q and k rotated and v copied, which TE's attention reads in place (``bs3hd``). TE's kernel
+    path instead writes new q and k, leaves v a strided view, and in backward rotates dq and dk
+    apart and stacks the three. Backward here: the packed gradient (:func:`packed_gradient`: TE's
+    buffer as it is) rotated back in place, v's part untouched.
+
+    Args (of ``apply``):
+        qkv: ``[B, N, 3, H, D]``, CUDA, contiguous, bf16 or fp16.
+        table: timm's ``[N - prefix, 2 * D]`` sin | cos table (no gradient: it gets none).
+        num_prefix_tokens: leading tokens left unrotated.
+        interleaved: channel pairs (2j, 2j + 1); else timm's rotate-half.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, table, num_prefix_tokens, interleaved):
+        table = table.float().contiguous()
+        out = rope_packed_qkv(qkv, table, num_prefix_tokens, interleaved)
+        ctx.save_for_backward(table)
+        ctx.args = (num_prefix_tokens, interleaved)
+        ctx.packed_stride = out.stride()
+        return out.unbind(2)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        (table,) = ctx.saved_tensors
+        g = packed_gradient(dq, dk, dv, ctx.packed_stride).contiguous()
+        return rope_packed_qkv(g, table, *ctx.args, backward=True), None, None, None
 
 
 # A TE_EvaBlock is one leaf for timm's FX feature extraction (TE's modules cannot be traced).

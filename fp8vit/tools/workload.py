@@ -35,6 +35,8 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-delayed-convpatch-graphed[-compile]``  the patch embedding left a convolution
                                    (``convert_to_te(patch_gemm=False)``; every other fp8vit
                                    variant runs it as one GEMM, :func:`fp8vit.set_patch_gemm`)
+``fp8vit-fp8-delayed-tritonrope[-graphed]``  RoPE blocks rotate q and k in one Triton pass over the
+                                   packed QKV buffer (``TE_EvaBlock.rope_kernel = "triton"``)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -60,6 +62,7 @@ from ..convert import convert_to_te
 from ..training.switches import set_block_fp8, set_mlp_recompute
 from ..training.graphs import GraphedBlocks, branch_blocks, graphed_handles, install_graphs, make_graphed_blocks
 from ..blocks.base import FP8Block
+from ..blocks.eva import TE_EvaBlock
 from ..blocks.linear import is_block
 from .._te.recipes import RECIPE_NAMES, make_recipe
 
@@ -85,6 +88,7 @@ VARIANTS = (
     *(f"fp8vit-fp8-delayed-{k}bias-graphed{c}" for k in ("torch", "te") for c in ("", "-compile")),
     "fp8vit-fp8-delayed-bf16narrow-graphed", "fp8vit-fp8-delayed-bf16narrow-graphed-compile",
     "fp8vit-fp8-delayed-convpatch-graphed", "fp8vit-fp8-delayed-convpatch-graphed-compile",
+    "fp8vit-fp8-delayed-tritonrope", "fp8vit-fp8-delayed-tritonrope-graphed",
 )
 
 # -bf16narrow: fused blocks whose width (``cfg.dim``) is below this run with FP8 off
@@ -111,6 +115,7 @@ class Variant:
         bf16_narrow: FP8 off in the fused blocks narrower than :data:`NARROW`.
         patch_gemm: the patch embedding's convolution as one GEMM (``convert_to_te``'s
             ``patch_gemm``, its default; False: ``-convpatch``).
+        rope_kernel: the RoPE blocks' ``rope_kernel`` (``"triton"``), or None for the default.
     """
 
     name: str
@@ -125,6 +130,7 @@ class Variant:
     bias_attention: Optional[str] = None
     bf16_narrow: bool = False
     patch_gemm: bool = True
+    rope_kernel: Optional[str] = None
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -142,7 +148,8 @@ class Variant:
         return cls(name, parts[0], fp8, compile_, graphed, cudnn_norm, linear="linear" in parts,
                    block_compile="blockcompile" in parts, fp8_attention="fp8attn" in parts,
                    bias_attention=next((p[:-4] for p in parts if p in ("torchbias", "tebias")), None),
-                   bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts)
+                   bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts,
+                   rope_kernel="triton" if "tritonrope" in parts else None)
 
     @property
     def te_fp8(self) -> bool:
@@ -267,6 +274,10 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
             for m in net.modules():
                 if isinstance(m, FP8Block):
                     m.bias_attention = v.bias_attention
+        if v.rope_kernel:
+            for m in net.modules():
+                if isinstance(m, TE_EvaBlock):
+                    m.rope_kernel = v.rope_kernel
         if v.bf16_narrow:
             narrow = [n for n, m in net.named_modules() if isinstance(m, FP8Block) and m.cfg.dim < NARROW]
             if narrow:

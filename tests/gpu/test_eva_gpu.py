@@ -50,13 +50,18 @@ def _convert(model):
     return model
 
 
+def _rope_table(n_patch, D, interleaved):
+    """A timm-layout RoPE table [n_patch, 2 D] (sin | cos) of random angles, paired as ``interleaved``."""
+    theta = torch.rand(n_patch, D // 2, device="cuda") * 6
+    theta = theta.repeat_interleave(2, -1) if interleaved else theta.repeat(1, 2)
+    return torch.cat([theta.sin(), theta.cos()], -1)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_fused_rope_kernel_matches_timm_on_packed_views(interleaved):
     torch.manual_seed(0)
     B, npt, n_patch, H, D = 4, 1, 256, 4, 64
-    theta = torch.rand(n_patch, D // 2, device="cuda") * 6
-    theta = theta.repeat_interleave(2, -1) if interleaved else theta.repeat(1, 2)
-    table = torch.cat([theta.sin(), theta.cos()], -1)
+    table = _rope_table(n_patch, D, interleaved)
     qkv = torch.randn(B, npt + n_patch, 3, H, D, device="cuda", requires_grad=True)
     q = qkv[:, :, 0]  # a strided view, as TE_EvaBlock hands it over
     got = _te.fused_rope(q, rope_angles(table, npt + n_patch, npt), interleaved)
@@ -132,9 +137,7 @@ def test_gated_block_fp32_matches_timm(kw):
         for p in blk.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     te = TE_EvaBlock.from_timm(blk, backend="te", exact_gelu=True)
-    theta = torch.rand(256, 32, device="cuda") * 6
-    theta = theta.repeat(1, 2) if te.cfg.rotate_half else theta.repeat_interleave(2, -1)
-    rope = torch.cat([theta.sin(), theta.cos()], -1)
+    rope = _rope_table(256, 64, not te.cfg.rotate_half)
     x = torch.randn(4, 257, 256, device="cuda", requires_grad=True)
     ref = blk(x, rope=rope)
     (dx_ref,) = torch.autograd.grad(ref.square().sum(), x)
@@ -159,27 +162,38 @@ def test_k_bias_stays_zero_under_fp8_training():
         assert torch.count_nonzero(b.qkv.bias[:A]) > 0
 
 
+def _batches(n):
+    """``n`` seeded (images [16, 3, 224, 224], labels of 100 classes) training batches."""
+    g = torch.Generator("cuda").manual_seed(1)
+    return [(torch.randn(16, 3, 224, 224, device="cuda", generator=g),
+             torch.randint(0, 100, (16,), device="cuda", generator=g)) for _ in range(n)]
+
+
 def _eva_train(model, data, recipe):
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     return train_steps(model, data, opt, lambda: fp8vit.fp8_context(recipe))
+
+
+def _assert_graphed_trains_like_eager(eager, graphed, data, recipe, label):
+    """Per-block graphs of ``graphed`` (fused_wgrad=False: the graphs run the eager kernels exactly)
+    train as ``eager`` does on ``data``: every replay taken, parameters within 40 dB. The handle."""
+    handle = fp8vit.make_graphed_blocks(graphed, 16, recipe=recipe, fused_wgrad=False)
+    le, lg = _eva_train(eager, data, recipe), _eva_train(graphed, data, recipe)
+    print(f"{label}: eager losses {le}, graphed {lg}")
+    assert handle.per_block and handle.replays == len(data) * len(graphed.blocks) and handle.eager_calls == 0
+    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
+        assert snr_db(a, b) > 40, n
+    return handle
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_per_block_graphs_train_like_eager(recipe):
     # EVA's blocks sit in an nn.ModuleList and get the RoPE table as a keyword: one graph pair per
     # block, the table a graph input. fused_wgrad=False: the graphs run the eager kernels exactly.
-    g = torch.Generator("cuda").manual_seed(1)
-    data = [(torch.randn(16, 3, 224, 224, device="cuda", generator=g),
-             torch.randint(0, 100, (16,), device="cuda", generator=g)) for _ in range(4)]
     eager = _convert(_model("eva02_base_patch14_224", depth=3)).train()
     graphed = _convert(_model("eva02_base_patch14_224", depth=3)).train()
-    handle = fp8vit.make_graphed_blocks(graphed, 16, recipe=recipe, fused_wgrad=False)
-    assert handle.per_block and handle.call_kwargs["rope"][0] == (256, 2 * 64)
-    le, lg = _eva_train(eager, data, recipe), _eva_train(graphed, data, recipe)
-    print(f"{recipe}: eager losses {le}, graphed {lg}")
-    assert handle.replays == len(data) * 3 and handle.eager_calls == 0
-    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
-        assert snr_db(a, b) > 40, n
+    handle = _assert_graphed_trains_like_eager(eager, graphed, _batches(4), recipe, recipe)
+    assert handle.call_kwargs["rope"][0] == (256, 2 * 64)
     A = graphed.blocks[0].cfg.attn_dim
     assert all(torch.count_nonzero(b.qkv.bias[A:2 * A]) == 0 for b in graphed.blocks)
 
@@ -187,17 +201,8 @@ def test_per_block_graphs_train_like_eager(recipe):
 @pytest.mark.parametrize("name", ["vit_base_patch16_sapiens2", "eva02_enormous_patch14_clip_224"])
 def test_per_block_graphs_train_like_eager_gqa_and_post_norm(name):
     # Grouped-query attention (Sapiens2's block 0) and the post-norm block, graphed per block.
-    g = torch.Generator("cuda").manual_seed(1)
-    data = [(torch.randn(16, 3, 224, 224, device="cuda", generator=g),
-             torch.randint(0, 100, (16,), device="cuda", generator=g)) for _ in range(3)]
-    eager = _convert(_model(name)).train()
-    graphed = _convert(_model(name)).train()
-    handle = fp8vit.make_graphed_blocks(graphed, 16, recipe="delayed", fused_wgrad=False)
-    le, lg = _eva_train(eager, data, "delayed"), _eva_train(graphed, data, "delayed")
-    print(f"{name}: eager losses {le}, graphed {lg}")
-    assert handle.per_block and handle.replays == len(data) * 2 and handle.eager_calls == 0
-    for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
-        assert snr_db(a, b) > 40, n
+    _assert_graphed_trains_like_eager(_convert(_model(name)).train(), _convert(_model(name)).train(), _batches(3),
+                                      "delayed", name)
 
 
 def test_per_block_graphs_fall_back_on_another_rope_table():
@@ -247,3 +252,79 @@ def test_mixed_rope_frequencies_get_their_gradient_through_per_block_graphs(fp8)
     assert handle.per_block and handle.replays == 2 * 2 and handle.eager_calls == 0
     assert float(eager.norm()) > 0 and graphed is not None
     assert snr_db(eager, graphed) > 40
+
+
+# --- rope_kernel="triton": RoPE in one Triton pass over the packed QKV buffer (RopeQKV, lever 43) ---
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_packed_rope_kernel_matches_timm(interleaved):
+    # bf16 q, k, v of 256 patch tokens and a class token: the forward is timm's fp32 expression
+    # rounded once (at most one bf16 ulp apart: fused multiply-adds), v copied bit for bit; the
+    # backward (autograd through RopeQKV, TE's attention not involved) is its transpose
+    from fp8vit.blocks.eva import RopeQKV
+
+    torch.manual_seed(0)
+    B, npt, n_patch, H, D = 4, 1, 256, 4, 64
+    table = _rope_table(n_patch, D, interleaved)
+    qkv = torch.randn(B, npt + n_patch, 3, H, D, device="cuda").bfloat16().requires_grad_(True)
+    q, k, v = RopeQKV.apply(qkv, table, npt, interleaved)
+    assert q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()  # one packed buffer (bs3hd)
+    x = qkv.detach().float().requires_grad_(True)
+    ref = []
+    for i in (0, 1):
+        t = x[:, :, i].transpose(1, 2)
+        t = torch.cat([t[:, :, :npt], apply_rot_embed_cat(t[:, :, npt:], table, half=not interleaved)], 2)
+        ref.append(t.transpose(1, 2))
+    for got, want in zip((q, k), ref):
+        assert torch.equal(got[:, :npt], qkv[:, :npt, 0 if got is q else 1])
+        ulps = ((got.float() - want).abs() / want.abs().clamp_min(1e-30)).max()
+        print(f"interleaved={interleaved}: max relative error {ulps:.1e} (bf16 ulp 7.8e-3)")
+        assert ulps <= 2 ** -7
+    assert torch.equal(v, qkv[:, :, 2])
+    gq, gk, gv = (torch.randn_like(t) for t in (q, k, v))
+    (dqkv,) = torch.autograd.grad((q, k, v), qkv, (gq, gk, gv))
+    (dx,) = torch.autograd.grad((*ref, x[:, :, 2]), x, (gq.float(), gk.float(), gv.float()))
+    print(f"interleaved={interleaved}: gradient rel L2 {rel_l2_err(dx, dqkv.float()):.1e}")
+    assert rel_l2_err(dx, dqkv.float()) < 5e-3 and torch.equal(dqkv[:, :, 2], gv)
+
+
+@pytest.mark.parametrize("name", ["vit_base_patch16_rope_224", "vit_small_patch16_dinov3", "eva02_base_patch14_224"])
+def test_packed_rope_block_trains_as_te_rope(name, monkeypatch):
+    # Whole models in bf16 autocast (FP8 off: the comparison is RoPE's alone) with rope_kernel="triton"
+    # against TE's fused RoPE: the kernel ran in every block, forward and backward, and logits and
+    # every gradient agree to bf16's noise (TE's kernel recomputes sin and cos from angles; this one
+    # reads timm's table). A wrong pairing or prefix would give ~0 dB.
+    import fp8vit.blocks.eva as eva
+
+    calls = []
+    kernel = eva.rope_packed_qkv
+
+    def counted(qkv, *args, **kwargs):
+        calls.append(kwargs.get("backward", False))
+        return kernel(qkv, *args, **kwargs)
+    monkeypatch.setattr(eva, "rope_packed_qkv", counted)
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    results = {}
+    for rope_kernel in ("te", "triton"):
+        model = _convert(_model(name)).train()
+        for blk in model.blocks:
+            blk.rope_kernel = rope_kernel
+        results[rope_kernel] = fp8_step(model, x, None, enabled=False)
+    depth = len(model.blocks)
+    assert calls == [False] * depth + [True] * depth
+    (ref, ref_g), (got, got_g) = results["te"], results["triton"]
+    snrs = {"logits": snr_db(ref, got), **{n: snr_db(ref_g[n], got_g[n]) for n in ref_g}}
+    worst = min(snrs, key=snrs.get)
+    print(f"{name}: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB")
+    assert snrs[worst] > 30
+
+
+def test_packed_rope_per_block_graphs_train_like_eager():
+    # the kernel's launches captured in per-block graphs (the table a graph input), FP8 delayed
+    models = []
+    for _ in range(2):
+        m = _convert(_model("vit_base_patch16_rope_224", depth=3)).train()
+        for blk in m.blocks:
+            blk.rope_kernel = "triton"
+        models.append(m)
+    _assert_graphed_trains_like_eager(*models, _batches(4), "delayed", "rope_kernel='triton'")
