@@ -24,8 +24,8 @@ Times: CUDA events around 10 back-to-back calls, median of 50 after 10 warm-up, 
 
 Lever 43 (written before its run): the library's kernel (``fp8vit._te.rope_packed_qkv`` through
 ``RopeQKV``, ``TE_EvaBlock.rope_kernel = "triton"``), column ``packed``: the same 10 passes as lever
-25's, but each program takes 4 token rows and loads each channel pair as two contiguous half-rows
-(rotate-half) or two stride-2 rows (interleaved), no per-element gather. Lever 25's kernel, one
+25's, but each program takes 4 token rows and loads every head's channels contiguously (the two
+halves for rotate-half; whole rows split into pairs in registers for interleaved), no gather. Lever 25's kernel, one
 token row a program with a gathered partner load, moved its bytes at about a quarter of the H200's
 bandwidth (PE-core-L: 0.55 ms over ``none`` for ~380 MB). At 60-70% of bandwidth the packed pass
 costs ~0.1 ms per PE-core-L block against TE's 0.46: predicted **PE-core-L 336 px -0.15 to -0.3 ms

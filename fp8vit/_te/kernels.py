@@ -29,7 +29,7 @@ import torch
 from ..errors import Check
 
 __all__ = ["triton_support", "kernel_takes", "layerscale_backward", "row_scale_add", "column_scale_add",
-           "padded_norm_forward", "padded_norm_backward", "rope_packed_qkv"]
+           "padded_norm_forward", "padded_norm_backward", "rope_support", "rope_packed_qkv"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,8 +52,6 @@ def triton_support() -> Check:
         column_scale_add(g, g, g[0])
         y, mean, rstd = padded_norm_forward(g, 15, g[0, :15].float(), None, 1e-6, rms=False)
         padded_norm_backward(g, g, g[0, :15].float(), mean, rstd, 15, has_bias=False, rms=False)
-        qkv = torch.zeros(1, 2, 3, 1, 4, device="cuda", dtype=torch.bfloat16)
-        rope_packed_qkv(qkv, torch.zeros(1, 8, device="cuda"), 1, interleaved=False)
     except Exception as e:
         return Check(False, f"Triton is installed but its first kernel failed with {type(e).__name__}: {e}; "
                             "fix the Triton setup (a C compiler, a writable ~/.triton cache) or set FP8VIT_TRITON=0")
@@ -184,7 +182,7 @@ def _kernels():
         # One program: BLOCK_T token rows of the packed buffer X [R = B N, 3, H, D], a row being q and
         # k (H2 = 2H heads of D channels) then v (V = H D elements). Channels pair up as (a, b): (2j,
         # 2j + 1) interleaved, (j, j + D/2) rotate-half, j < HALF = D/2; timm's rot(x) is -x_b at a
-        # and x_a at b in both. TABLE [N - NPT, 2D] fp32 is timm's sin | cos per patch token; the NPT
+        # and x_a at b in both. Every load and store is of contiguous channels (vectorized). TABLE [N - NPT, 2D] fp32 is timm's sin | cos per patch token; the NPT
         # prefix tokens of each image get cos 1, sin 0 (an exact copy).
         #   forward   out_a = x_a cos_a - x_b sin_a,  out_b = x_b cos_b + x_a sin_b   (+ v copied)
         #   backward  dx_a = g_a cos_a + g_b sin_b,   dx_b = g_b cos_b - g_a sin_a   (its transpose,
@@ -197,22 +195,27 @@ def _kernels():
         base = rows.to(tl.int64) * (H2 * D + V)
         h = tl.arange(0, BLOCK_H)
         j = tl.arange(0, BLOCK_J)  # BLOCK_J = HALF where D/2 is a power of two (D = 64, 128)
-        jm = j < HALF
-        if INTERLEAVED:
-            ca, cb = 2 * j, 2 * j + 1
-        else:
-            ca, cb = j, j + HALF
-        m = live[:, None, None] & (h < H2)[None, :, None] & jm[None, None, :]
-        xa_p = X + base[:, None, None] + (h * D)[None, :, None] + ca[None, None, :]
-        xb_p = X + base[:, None, None] + (h * D)[None, :, None] + cb[None, None, :]
-        xa = tl.load(xa_p, mask=m, other=0.0).to(tl.float32)
-        xb = tl.load(xb_p, mask=m, other=0.0).to(tl.float32)
         t = TABLE + (n - NPT).to(tl.int64)[:, None] * (2 * D)  # [T, 1]; read for patch tokens only
-        tm = patch[:, None] & jm[None, :]
-        sin_a = tl.load(t + ca[None, :], mask=tm, other=0.0)[:, None, :]
-        sin_b = tl.load(t + cb[None, :], mask=tm, other=0.0)[:, None, :]
-        cos_a = tl.load(t + D + ca[None, :], mask=tm, other=1.0)[:, None, :]
-        cos_b = tl.load(t + D + cb[None, :], mask=tm, other=1.0)[:, None, :]
+        heads = X + base[:, None, None] + (h * D)[None, :, None]
+        out = OUT + base[:, None, None] + (h * D)[None, :, None]
+        if INTERLEAVED:  # whole rows of D channels (contiguous loads), the pairs split in registers
+            d = tl.arange(0, 2 * BLOCK_J)
+            m = live[:, None, None] & (h < H2)[None, :, None] & (d < D)[None, None, :]
+            xa, xb = tl.split(tl.reshape(tl.load(heads + d[None, None, :], mask=m, other=0.0).to(tl.float32),
+                                         (BLOCK_T, BLOCK_H, BLOCK_J, 2)))
+            tm = patch[:, None] & (d < D)[None, :]
+            sin_a, sin_b = tl.split(tl.reshape(tl.load(t + d[None, :], mask=tm, other=0.0), (BLOCK_T, BLOCK_J, 2)))
+            cos_a, cos_b = tl.split(tl.reshape(tl.load(t + D + d[None, :], mask=tm, other=1.0), (BLOCK_T, BLOCK_J, 2)))
+        else:  # rotate-half: the two halves of each head, each contiguous
+            m = live[:, None, None] & (h < H2)[None, :, None] & (j < HALF)[None, None, :]
+            xa = tl.load(heads + j[None, None, :], mask=m, other=0.0).to(tl.float32)
+            xb = tl.load(heads + HALF + j[None, None, :], mask=m, other=0.0).to(tl.float32)
+            tm = patch[:, None] & (j < HALF)[None, :]
+            sin_a = tl.load(t + j[None, :], mask=tm, other=0.0)
+            sin_b = tl.load(t + HALF + j[None, :], mask=tm, other=0.0)
+            cos_a = tl.load(t + D + j[None, :], mask=tm, other=1.0)
+            cos_b = tl.load(t + D + HALF + j[None, :], mask=tm, other=1.0)
+        sin_a, sin_b, cos_a, cos_b = sin_a[:, None, :], sin_b[:, None, :], cos_a[:, None, :], cos_b[:, None, :]
         if BACKWARD:
             oa = xa * cos_a + xb * sin_b
             ob = xb * cos_b - xa * sin_a
@@ -220,9 +223,12 @@ def _kernels():
         else:
             oa = xa * cos_a - xb * sin_a
             ob = xb * cos_b + xa * sin_b
-        out = OUT + base[:, None, None] + (h * D)[None, :, None]
-        tl.store(out + ca[None, None, :], oa.to(OUT.dtype.element_ty), mask=m)
-        tl.store(out + cb[None, None, :], ob.to(OUT.dtype.element_ty), mask=m)
+        oa, ob = oa.to(OUT.dtype.element_ty), ob.to(OUT.dtype.element_ty)
+        if INTERLEAVED:
+            tl.store(out + d[None, None, :], tl.reshape(tl.join(oa, ob), (BLOCK_T, BLOCK_H, 2 * BLOCK_J)), mask=m)
+        else:
+            tl.store(out + j[None, None, :], oa, mask=m)
+            tl.store(out + HALF + j[None, None, :], ob, mask=m)
         if not BACKWARD:
             v = tl.arange(0, BLOCK_V)
             vm = live[:, None] & (v < V)[None, :]
@@ -377,6 +383,26 @@ def padded_norm_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.Tens
         k.padded_norm_bwd[(progs,)](g2, h2, weight, mean, rstd, dh, part_w, part_b, rows, real, hp, per,
                                     has_bias, rms, block, num_warps=warps)
     return dh.view(h.shape), part_w.sum(0), (part_b.sum(0) if has_bias else None)
+
+
+@functools.lru_cache(maxsize=None)
+def rope_support(interleaved: bool, dtype: torch.dtype) -> Check:
+    """Whether :func:`rope_packed_qkv` runs here for this pairing and dtype: Triton runs
+    (:func:`triton_support`) and the kernel's forward and backward compile and launch (checked
+    once, on a tiny buffer, by the first RoPE block that asks: models without RoPE never compile
+    it). Cached; ``fp8vit.clear_cache()`` forgets it."""
+    ok = triton_support()
+    if not ok.ok:
+        return ok
+    try:
+        qkv = torch.zeros(1, 2, 3, 1, 4, device="cuda", dtype=dtype)
+        table = torch.zeros(1, 8, device="cuda")
+        rope_packed_qkv(qkv, table, 1, interleaved)
+        rope_packed_qkv(qkv, table, 1, interleaved, backward=True)
+    except Exception as e:
+        return Check(False, f"fp8vit's RoPE kernel failed to compile or run ({'interleaved' if interleaved else 'rotate-half'}, "
+                            f"{dtype}) with {type(e).__name__}: {e}")
+    return Check(True)
 
 
 # Token rows per program of rope_qk: 4 rows of q and k at ViT-B/L widths (2H x D/2 fp32 pairs: 32

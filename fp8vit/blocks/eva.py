@@ -42,7 +42,7 @@ from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 from timm.models.eva import EvaAttention, EvaBlock, EvaBlockPostNorm
 from torch import nn
 
-from .._te.kernels import kernel_takes, rope_packed_qkv, triton_support
+from .._te.kernels import rope_packed_qkv, rope_support
 from .._validate import check_type
 from .._warn import warn_once
 from .base import FP8Block, LastResult, packed_gradient
@@ -538,9 +538,12 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
             return "the RoPE table requires grad (learnable frequencies)"
         if not (qkv.is_cuda and rope.device == qkv.device):
             return "Triton kernels run on CUDA tensors"
-        if not kernel_takes(qkv):
-            return triton_support().reason or f"qkv in {qkv.dtype} (bf16 or fp16 only)"
-        return None
+        if qkv.dtype not in (torch.bfloat16, torch.float16):
+            return f"qkv in {qkv.dtype}: the kernel takes bf16 or fp16 (autocast)"
+        if not qkv.is_contiguous():
+            return f"qkv of strides {qkv.stride()} is not contiguous"
+        ok = rope_support(not c.rotate_half, qkv.dtype)
+        return None if ok.ok else ok.reason
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor):
         """RoPE on q and k ``[B, N, H, D]`` of the patch tokens, as timm's ``apply_rot_embed_cat``."""

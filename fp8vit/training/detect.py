@@ -17,7 +17,7 @@ import torch
 
 from .. import _te
 from ..errors import Check, FP8UnavailableError
-from .._te.kernels import triton_support
+from .._te.kernels import rope_support, triton_support
 from .._te.recipes import RECIPE_NAMES, check_recipe_name, make_recipe
 
 __all__ = ["GPUInfo", "gpu_info", "fp8_support", "clear_cache", "arch_name", "MIN_CAPABILITY", "recipe_support",
@@ -174,3 +174,4 @@ def clear_cache() -> None:
     gpu_info.cache_clear()
     _te.clear_cache()
     triton_support.cache_clear()
+    rope_support.cache_clear()
