@@ -12,6 +12,7 @@
 #   bash docs/perf/h200.sh timeline:MODEL:BATCH                    # dev/step_timeline.py: profile/MODEL_bBATCH_timeline_h200.log
 #   bash docs/perf/h200.sh hostcosts:MODEL:BATCH                   # dev/host_costs.py: profile/MODEL_bBATCH_hostcosts_h200.log
 # IMG_SIZE=336 (bench, profile, timeline, hostcosts): that image side, `_336px` after the batch in the names.
+# BENCH_ARGS='--interleave' (bench): more fp8vit-bench arguments.
 set -o pipefail
 . "$(dirname "$0")/te_env.sh"
 mkdir -p "$out/tests" "$out/bench" "$out/profile"
@@ -29,7 +30,7 @@ for stage in "$@"; do
     bench)
       variants=${c:+--variants ${c//,/ }}
       name="bench/${a}_b${b:-128}${px}_${d:-${c:+custom}}"; name=${name%_}; [ -z "$c" ] && name="${name}_default4"
-      python3 -m fp8vit.tools.bench --model "$a" --batch-size "${b:-128}" $img $variants \
+      python3 -m fp8vit.tools.bench --model "$a" --batch-size "${b:-128}" $img $variants ${BENCH_ARGS:-} \
         --json "$out/${name}_$gpu.json" 2>&1 | tee "$out/${name}_$gpu.log" || rc=1 ;;
     profile)
       # d = sync: synchronized steps (fp8vit-bench's median), 20 of them, where their time goes
