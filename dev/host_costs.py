@@ -16,13 +16,11 @@ backward, optimizer): the functions with the most own time, which names the host
 cProfile slows Python several-fold; the ranking, not the times, is the result of part (2).
 """
 
-import argparse
 import cProfile
 import io
 import pstats
 import statistics
 import timeit
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +28,9 @@ import torch.nn.functional as F
 import fp8vit
 from fp8vit import _te
 from fp8vit._te.recipes import make_recipe
-from fp8vit.tools.workload import build_workload, make_optimizer, synthetic_batch
 from fp8vit.training import graph_cache as GC
+
+import probe  # dev/: the probes' shared command line and workload
 
 
 def _us(fn, number: int = 2000, repeat: int = 5) -> float:
@@ -78,23 +77,10 @@ def _print_stats(pr: cProfile.Profile, title: str, n: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="vit_base_patch16_224")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--img-size", type=int, default=224)
-    p.add_argument("--variant", default="fp8vit-fp8-delayed-graphed")
-    p.add_argument("--steps", type=int, default=50)
-    a = p.parse_args()
-    warnings.simplefilter("ignore")  # conversion notes
-    if not torch.cuda.is_available():
-        raise SystemExit("host_costs: needs a CUDA GPU (the host costs of CUDA autocast, TE and the graphs)")
+    a = probe.parse_args(__doc__, "host_costs", 50, "the host costs of CUDA autocast, TE and the graphs")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; microseconds per call (timeit medians)")
     contexts()
-
-    torch.manual_seed(0)
-    wl = build_workload(a.model, a.variant, batch_size=a.batch_size, img_size=a.img_size)
-    opt = make_optimizer(wl.model.parameters(), "sgd", lr=1e-3)
-    x, y = synthetic_batch(a.batch_size, wl)
+    wl, opt, x, y = probe.build(a)
 
     def step():
         with fp8vit.fp8_context(wl.recipe, enabled=wl.variant.te_fp8):

@@ -20,13 +20,11 @@ synchronized steps, how much work the GPU still had queued (its time since the s
 less the host's); about 0 where the host is the bottleneck.
 """
 
-import argparse
 import collections
 import itertools
 import math
 import statistics
 import time
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +32,9 @@ from torch import nn
 
 from fp8vit import fp8_context
 from fp8vit._te import graph_forward
-from fp8vit.tools.workload import build_workload, make_optimizer, synthetic_batch
 from fp8vit.training import graph_cache as GC
+
+import probe  # dev/: the probes' shared command line and workload
 
 
 class Marks:
@@ -109,21 +108,8 @@ def instrument(model) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="vit_base_patch16_224")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--img-size", type=int, default=224)
-    p.add_argument("--variant", default="fp8vit-fp8-delayed-graphed")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=8)
-    a = p.parse_args()
-    warnings.simplefilter("ignore")  # conversion notes; the table is the output
-    if not torch.cuda.is_available():
-        raise SystemExit("step_timeline: needs a CUDA GPU (CUDA events time the GPU side)")
-    torch.manual_seed(0)
-    wl = build_workload(a.model, a.variant, batch_size=a.batch_size, img_size=a.img_size)
-    opt = make_optimizer(wl.model.parameters(), "sgd", lr=1e-3)
-    x, y = synthetic_batch(a.batch_size, wl)
+    a = probe.parse_args(__doc__, "step_timeline", 30, "CUDA events time the GPU side", warmup=8)
+    wl, opt, x, y = probe.build(a)
     instrument(wl.model)
 
     def step():  # train_step_fn's step, with marks
