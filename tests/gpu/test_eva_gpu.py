@@ -277,9 +277,12 @@ def test_packed_rope_kernel_matches_timm(interleaved):
         ref.append(t.transpose(1, 2))
     for got, want in zip((q, k), ref):
         assert torch.equal(got[:, :npt], qkv[:, :npt, 0 if got is q else 1])
-        ulps = ((got.float() - want).abs() / want.abs().clamp_min(1e-30)).max()
-        print(f"interleaved={interleaved}: max relative error {ulps:.1e} (bf16 ulp 7.8e-3)")
-        assert ulps <= 2 ** -7
+        # one bf16 rounding of a value that may differ from timm's fp32 one in its last fp32 bits
+        # (fused multiply-adds: absolute, ~1e-7 of the terms), which matters where the two terms cancel
+        err = (got.float() - want).abs()
+        rel = (err / want.abs())[want.abs() > 1e-2].max()
+        print(f"interleaved={interleaved}: max relative error {rel:.1e} where |x| > 0.01 (bf16 half-ulp 3.9e-3)")
+        assert bool((err <= want.abs() * 2 ** -8 + 1e-5).all())
     assert torch.equal(v, qkv[:, :, 2])
     gq, gk, gv = (torch.randn_like(t) for t in (q, k, v))
     (dqkv,) = torch.autograd.grad((q, k, v), qkv, (gq, gk, gv))
