@@ -97,7 +97,9 @@ def test_accelerate_trains_in_fp8_and_resumes(tmp_path):
         GradientState._reset_state()
 
 
-def _median_step_ms(run, opt, x, y, steps=20, warmup=5):
+def _step_ms(run, opt, x, y, steps=20, warmup=5):
+    """Synchronized step times (ms, host clock): the median and ``(min, p10, p90, max)``, which tells
+    a run slow throughout from a few slow steps."""
     times = []
     for i in range(warmup + steps):
         torch.cuda.synchronize()
@@ -110,7 +112,8 @@ def _median_step_ms(run, opt, x, y, steps=20, warmup=5):
         torch.cuda.synchronize()
         if i >= warmup:
             times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    q = statistics.quantiles(times, n=10)
+    return statistics.median(times), (min(times), q[0], q[-1], max(times))
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager_blocks", "graphed_blocks"])
@@ -126,7 +129,7 @@ def test_torch_compile_of_a_converted_model_is_not_slower_or_says_so(capsys, mon
     _seen.discard(base.COMPILED_EAGER_BLOCKS)
     x = torch.randn(128, 3, 224, 224, device="cuda")
     y = torch.randint(0, 1000, (128,), device="cuda")
-    ms, said = {}, {}
+    ms, spread, said = {}, {}, {}
     for name in ("uncompiled", "compiled", "compile=True"):  # the last: convert_to_te(compile=True)
         _seen.discard(base.COMPILED_EAGER_BLOCKS)
         base._COMPILED["traced"] = False
@@ -137,7 +140,7 @@ def test_torch_compile_of_a_converted_model_is_not_slower_or_says_so(capsys, mon
                                          compile=name == "compile=True")
             opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
             run = torch.compile(model) if name == "compiled" else model
-            ms[name] = _median_step_ms(run, opt, x, y)
+            ms[name], spread[name] = _step_ms(run, opt, x, y)
         said[name] = [w for w in caught if str(w.message) == base.COMPILED_EAGER_BLOCKS]
         if cuda_graphs:
             assert fp8vit.GraphedBlocks.of(model).replays >= 20
@@ -146,7 +149,8 @@ def test_torch_compile_of_a_converted_model_is_not_slower_or_says_so(capsys, mon
     with capsys.disabled():
         print(f"\nViT-B/16 b128 FP8 step, cuda_graphs={cuda_graphs}: uncompiled {ms['uncompiled']:.1f} ms, "
               f"torch.compile {ms['compiled']:.1f} ms, convert_to_te(compile=True) {ms['compile=True']:.1f} ms; "
-              f"compile warnings: {len(said['compiled'])}, {len(said['compile=True'])}")
+              f"compile warnings: {len(said['compiled'])}, {len(said['compile=True'])}; min, p10, p90, max: "
+              + ", ".join(f"{k} {' '.join(f'{t:.1f}' for t in v)}" for k, v in spread.items()))
     assert not said["uncompiled"]
     if cuda_graphs:
         assert not said["compiled"] and not said["compile=True"]
