@@ -392,7 +392,8 @@ def test_a_replaced_parameter_or_block_switch_drops_the_graphs(fake):
     with pytest.warns(RuntimeWarning, match="1 block parameters were replaced or moved"):
         _step(model, 4)
     fp8vit.set_block_fp8(model, "blocks.0", False)
-    with pytest.warns(RuntimeWarning, match="fp8_enabled, grad_checkpointing, recompute_mlp or gelu_in_gemm switch"):
+    with pytest.warns(RuntimeWarning, match="fp8_enabled, grad_checkpointing, recompute_mlp, gelu_in_gemm, "
+                                            "bias_attention or rope_kernel switch"):
         _step(model, 4)
     assert len(fake.captures) == 3 and len(handle.shapes) == 1
 
@@ -407,15 +408,23 @@ def test_checkpointing_switched_on_after_capture_runs_eagerly_saying_why(fake):
     assert handle.shapes == [] and handle.eager_reasons["not capturable"] == 1
 
 
-@pytest.mark.parametrize("switch", ["fp8_enabled", "grad_checkpointing", "recompute_mlp", "gelu_in_gemm"])
-def test_every_block_switch_read_by_forward_is_watched_after_capture(switch):
+@pytest.mark.parametrize("switch, other", [("fp8_enabled", False), ("grad_checkpointing", True),
+                                            ("recompute_mlp", True), ("gelu_in_gemm", False),
+                                            ("bias_attention", "torch"), ("rope_kernel", "triton")])
+def test_every_block_switch_read_by_forward_is_watched_after_capture(fake, switch, other):
     # The graphs replay what was captured: flipping any block switch that changes the forward must
-    # be seen (the graphs are then captured again), never be silently ignored.
-    from fp8vit.training.graph_cache import _switches
+    # be seen (the graphs are then captured again), never be silently ignored. Every public switch
+    # FP8Block sets or declares is one of them.
+    from fp8vit.blocks.base import FP8Block
     model = _vit()
-    before = _switches(model.blocks)
-    setattr(model.blocks[1], switch, not getattr(model.blocks[1], switch))
-    assert _switches(model.blocks) != before
+    handle = fp8vit.make_graphed_blocks(model)
+    _step(model, 4), _step(model, 4)
+    assert other != getattr(model.blocks[1], switch)
+    setattr(model.blocks[1], switch, other)
+    assert handle._changed(0) is not None and "switch changed" in handle._changed(0)
+    watched = set(GC._SWITCHES.__reduce__()[1])  # the attribute names the dispatch reads
+    declared = {n for n, v in vars(FP8Block).items() if isinstance(v, (bool, str)) and not n.startswith("_")}
+    assert switch in watched and declared <= watched, declared - watched
 
 
 def test_fsdp2_sharded_blocks_run_eagerly_saying_why(fake, monkeypatch):

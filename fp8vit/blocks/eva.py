@@ -359,17 +359,11 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
             anything is built.
         ValueError: an unknown ``backend``, a device string naming no device, a non-float ``dtype``.
 
-    Attributes:
-        rope_kernel: how RoPE rotates q and k (a table of one row per patch token, timm's usual):
-            ``"te"``, TE's fused RoPE kernel on q and k apart (the default), or ``"triton"``, one
-            Triton pass over the packed QKV buffer that hands attention q, k and v as views of one
-            buffer, and rotates their packed gradient back in place (:class:`RopeQKV`; measured
-            on the GPU before it becomes a default). Settable per block. Where that pass cannot run
-            (q/k norm, a gate, grouped-query attention, another table form, no Triton), TE's runs,
-            said once.
+    ``rope_kernel = "triton"`` (``FP8Block``'s switch) rotates q and k in one pass over the packed
+    QKV buffer (:class:`RopeQKV`) where the RoPE table has one row per patch token; where that pass
+    cannot run (q/k norm, a gate, grouped-query attention, another table form, no Triton), TE's
+    kernel runs, said once.
     """
-
-    rope_kernel: str = "te"
 
     def __init__(self, cfg: EvaBlockConfig, *, timm_skeleton: nn.Module, device=None,
                  dtype: Optional[torch.dtype] = None, backend: Optional[str] = None,

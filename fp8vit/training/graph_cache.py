@@ -33,7 +33,9 @@ from .detect import gpu_info
 # block parameter, which a synchronized step pays while the GPU waits
 _is, _NONES = operator.is_, itertools.repeat(None)
 _REQUIRES_GRAD, _GRAD = operator.attrgetter("requires_grad"), operator.attrgetter("grad")
-_SWITCHES = operator.attrgetter("fp8_enabled", "grad_checkpointing", "recompute_mlp", "gelu_in_gemm")
+# every block switch its forward reads (FP8Block's): one changed after capture drops the graphs
+_SWITCHES = operator.attrgetter("fp8_enabled", "grad_checkpointing", "recompute_mlp", "gelu_in_gemm",
+                                "bias_attention", "rope_kernel")
 
 __all__ = ["GraphedBlocks", "GraphShape", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES", "TE_TUNED_LAYERNORM_WIDTHS",
            "cudnn_norm_pays"]
@@ -91,11 +93,6 @@ def _show(value: Any) -> str:
     if _is_tensor_spec(value):
         return f"{list(value[0])} {value[1]}" + (" requiring grad" if value[2] else "")
     return repr(value)
-
-
-def _switches(blocks: nn.Module) -> tuple:
-    return tuple((m.fp8_enabled, m.grad_checkpointing, m.recompute_mlp, m.gelu_in_gemm)
-                 for m in blocks.modules() if isinstance(m, FP8Block))
 
 
 def _uncapturable(blocks: nn.Module, targets: tuple) -> Optional[str]:
@@ -665,7 +662,8 @@ class GraphedBlocks:
         if now[3] != then[3]:
             return "model.blocks holds other blocks"
         if now[4] != then[4]:
-            return "a block's fp8_enabled, grad_checkpointing, recompute_mlp or gelu_in_gemm switch changed"
+            return ("a block's fp8_enabled, grad_checkpointing, recompute_mlp, gelu_in_gemm, bias_attention or "
+                    "rope_kernel switch changed")
         # per parameter, in Python: this runs once per change (at capture no parameter was None)
         dicts, names, _ = self._watch[i]
         moved = grad = 0
