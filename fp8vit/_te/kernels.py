@@ -182,8 +182,9 @@ def _kernels():
         # One program: BLOCK_T token rows of the packed buffer X [R = B N, 3, H, D], a row being q and
         # k (H2 = 2H heads of D channels) then v (V = H D elements). Channels pair up as (a, b): (2j,
         # 2j + 1) interleaved, (j, j + D/2) rotate-half, j < HALF = D/2; timm's rot(x) is -x_b at a
-        # and x_a at b in both. Every load and store is of contiguous channels (vectorized). TABLE [N - NPT, 2D] fp32 is timm's sin | cos per patch token; the NPT
-        # prefix tokens of each image get cos 1, sin 0 (an exact copy).
+        # and x_a at b in both. Every load and store is of contiguous channels (vectorized). TABLE
+        # [N - NPT, 2D] fp32 is timm's sin | cos per patch token; the NPT prefix tokens of each image
+        # get cos 1, sin 0 (an exact copy).
         #   forward   out_a = x_a cos_a - x_b sin_a,  out_b = x_b cos_b + x_a sin_b   (+ v copied)
         #   backward  dx_a = g_a cos_a + g_b sin_b,   dx_b = g_b cos_b - g_a sin_a   (its transpose,
         #             in place in X: each pair is loaded and stored by the same thread)
@@ -194,7 +195,6 @@ def _kernels():
         patch = live & (n >= NPT)
         base = rows.to(tl.int64) * (H2 * D + V)
         h = tl.arange(0, BLOCK_H)
-        j = tl.arange(0, BLOCK_J)  # BLOCK_J = HALF where D/2 is a power of two (D = 64, 128)
         t = TABLE + (n - NPT).to(tl.int64)[:, None] * (2 * D)  # [T, 1]; read for patch tokens only
         heads = X + base[:, None, None] + (h * D)[None, :, None]
         out = OUT + base[:, None, None] + (h * D)[None, :, None]
@@ -207,6 +207,7 @@ def _kernels():
             sin_a, sin_b = tl.split(tl.reshape(tl.load(t + d[None, :], mask=tm, other=0.0), (BLOCK_T, BLOCK_J, 2)))
             cos_a, cos_b = tl.split(tl.reshape(tl.load(t + D + d[None, :], mask=tm, other=1.0), (BLOCK_T, BLOCK_J, 2)))
         else:  # rotate-half: the two halves of each head, each contiguous
+            j = tl.arange(0, BLOCK_J)  # BLOCK_J = HALF where D/2 is a power of two (D = 64, 128)
             m = live[:, None, None] & (h < H2)[None, :, None] & (j < HALF)[None, None, :]
             xa = tl.load(heads + j[None, None, :], mask=m, other=0.0).to(tl.float32)
             xb = tl.load(heads + HALF + j[None, None, :], mask=m, other=0.0).to(tl.float32)

@@ -62,7 +62,6 @@ from ..convert import convert_to_te
 from ..training.switches import set_block_fp8, set_mlp_recompute
 from ..training.graphs import GraphedBlocks, branch_blocks, graphed_handles, install_graphs, make_graphed_blocks
 from ..blocks.base import FP8Block
-from ..blocks.eva import TE_EvaBlock
 from ..blocks.linear import is_block
 from .._te.recipes import RECIPE_NAMES, make_recipe
 
@@ -270,14 +269,12 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if v.blocks == "fp8vit":
         convert_to_te(net, backend=backend, fallback="linear" if v.linear else "compile" if v.block_compile else "keep",
                       patch_gemm=v.patch_gemm)
-        if v.bias_attention:
-            for m in net.modules():
-                if isinstance(m, FP8Block):
-                    m.bias_attention = v.bias_attention
-        if v.rope_kernel:
-            for m in net.modules():
-                if isinstance(m, TE_EvaBlock):
-                    m.rope_kernel = v.rope_kernel
+        # block switches (FP8Block's; a block without such attention or RoPE ignores its value)
+        switches = {k: val for k, val in (("bias_attention", v.bias_attention), ("rope_kernel", v.rope_kernel)) if val}
+        for m in net.modules():
+            if isinstance(m, FP8Block):
+                for k, val in switches.items():
+                    setattr(m, k, val)
         if v.bf16_narrow:
             narrow = [n for n, m in net.named_modules() if isinstance(m, FP8Block) and m.cfg.dim < NARROW]
             if narrow:

@@ -34,8 +34,8 @@ from .detect import gpu_info
 _is, _NONES = operator.is_, itertools.repeat(None)
 _REQUIRES_GRAD, _GRAD = operator.attrgetter("requires_grad"), operator.attrgetter("grad")
 # every block switch its forward reads (FP8Block's): one changed after capture drops the graphs
-_SWITCHES = operator.attrgetter("fp8_enabled", "grad_checkpointing", "recompute_mlp", "gelu_in_gemm",
-                                "bias_attention", "rope_kernel")
+_SWITCH_NAMES = ("fp8_enabled", "grad_checkpointing", "recompute_mlp", "gelu_in_gemm", "bias_attention", "rope_kernel")
+_SWITCHES = operator.attrgetter(*_SWITCH_NAMES)
 
 __all__ = ["GraphedBlocks", "GraphShape", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES", "TE_TUNED_LAYERNORM_WIDTHS",
            "cudnn_norm_pays"]
@@ -662,8 +662,7 @@ class GraphedBlocks:
         if now[3] != then[3]:
             return "model.blocks holds other blocks"
         if now[4] != then[4]:
-            return ("a block's fp8_enabled, grad_checkpointing, recompute_mlp, gelu_in_gemm, bias_attention or "
-                    "rope_kernel switch changed")
+            return f"a block's {', '.join(_SWITCH_NAMES[:-1])} or {_SWITCH_NAMES[-1]} switch changed"
         # per parameter, in Python: this runs once per change (at capture no parameter was None)
         dicts, names, _ = self._watch[i]
         moved = grad = 0
