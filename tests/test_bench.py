@@ -792,16 +792,16 @@ def test_bias_variants_set_every_fused_block_to_that_bias_attention():
             assert kinds == {want}, (model, variant, kinds)
 
 
-def test_tritonrope_variant_sets_every_rope_block_to_the_triton_kernel():
-    # -tritonrope: TE_EvaBlock.rope_kernel = "triton" in every RoPE block; the plain variant keeps "te"
+def test_terope_variant_sets_every_rope_block_to_tes_kernel():
+    # -terope: TE_EvaBlock.rope_kernel = "te" in every RoPE block; the plain variant keeps the default
     from fp8vit.blocks.eva import TE_EvaBlock
     from fp8vit.tools.workload import build_workload
-    assert Variant.parse("fp8vit-fp8-delayed-tritonrope-graphed").rope_kernel == "triton"
+    assert Variant.parse("fp8vit-fp8-delayed-terope-graphed").rope_kernel == "te"
     assert Variant.parse("fp8vit-fp8-delayed-graphed").rope_kernel is None
     kw = dict(batch_size=2, img_size=64, num_classes=10, device="cpu", backend="reference")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for variant, want in (("fp8vit-fp8-delayed-tritonrope", {"triton"}), ("fp8vit-fp8-delayed", {"te"})):
+        for variant, want in (("fp8vit-fp8-delayed-terope", {"te"}), ("fp8vit-fp8-delayed", {"auto"})):
             net = build_workload("vit_base_patch16_rope_224", variant, **kw).model
             kinds = {m.rope_kernel for m in net.modules() if isinstance(m, TE_EvaBlock)}
             assert kinds == want, (variant, kinds)

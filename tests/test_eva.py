@@ -4,6 +4,7 @@ RoPE layout, grouped-query and gated attention."""
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import timm
@@ -432,6 +433,9 @@ def test_packed_rope_trains_as_te_rope(key, monkeypatch):
     (out_te, dx_te, g_te), (out_tr, dx_tr, g_tr) = results
     depth = len(model.blocks)
     assert calls == ["forward"] * depth + ["backward"] * depth
+    # the default ("auto") takes the packed pass wherever it can run
+    model = _convert(_model(key)).train()
+    assert torch.equal(model(x), out_tr) and len(calls) == 3 * depth
     torch.testing.assert_close(out_tr, out_te, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx_tr, dx_te, rtol=1e-4, atol=1e-5)
     for n in g_te:
@@ -443,16 +447,22 @@ def test_packed_rope_says_why_it_cannot_run_and_runs_te_rope(monkeypatch):
 
     model = _convert(_model("vit_base_patch16_rope_224"))
     x = torch.randn(2, 3, *model.patch_embed.img_size)
-    want = model(x)
+    monkeypatch.setattr(_warn, "_seen", set())
+    assert {blk.rope_kernel for blk in model.blocks} == {"auto"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default falls back to TE's RoPE without a word
+        want = model(x)
+    for blk in model.blocks:
+        blk.rope_kernel = "te"
+    assert torch.equal(model(x), want)
     for blk in model.blocks:
         blk.rope_kernel = "triton"
-    monkeypatch.setattr(_warn, "_seen", set())
     with pytest.warns(RuntimeWarning, match=r"rope_kernel='triton' cannot run here \(Triton kernels run on CUDA tensors\)"):
         got = model(x)
     assert torch.equal(got, want)  # TE's path (the reference backend's RoPE), said once
     blk = model.blocks[0]
     blk.rope_kernel = "Triton"
-    with pytest.raises(ValueError, match=r"rope_kernel='Triton': expected one of \('te', 'triton'\)"):
+    with pytest.raises(ValueError, match=r"rope_kernel='Triton': expected one of \('auto', 'te', 'triton'\)"):
         model(x)
     # the other refusals, each named
     D, npt = blk.cfg.head_dim, blk.cfg.num_prefix_tokens

@@ -128,16 +128,17 @@ class FP8Block(nn.Module):
             has a mask runs TE's. Default: each family's measured faster kernel ("te" for BEiT,
             "torch" for Swin V1/V2).
         rope_kernel: how RoPE rotates q and k (``TE_EvaBlock``; blocks without RoPE ignore it):
-            ``"te"``, TE's fused RoPE kernel on q and k apart (the default), or ``"triton"``, one
-            Triton pass over the packed QKV buffer (``fp8vit.blocks.eva.RopeQKV``; measured on the
-            GPU before it becomes a default). Settable per block.
+            ``"triton"``, one Triton pass over the packed QKV buffer
+            (``fp8vit.blocks.eva.RopeQKV``), ``"te"``, TE's fused RoPE kernel on q and k apart, or
+            ``"auto"`` (default), the Triton pass wherever it can run, else TE's: measured faster
+            on every RoPE model benched (docs/performance.md, lever 43). Settable per block.
 
     Graphed blocks watch these switches: one changed after capture drops the graphs, which are
     captured again.
     """
 
     bias_attention: str = "te"
-    rope_kernel: str = "te"
+    rope_kernel: str = "auto"
 
     def _init_switches(self, backend: Optional[str], fp32_residual: bool) -> None:
         self.backend = resolve_backend(backend, fn=type(self).__name__)

@@ -53,9 +53,10 @@ from .weights import Part, Tie, block_from_timm, load_timm_state, rename, timm_b
 __all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "eva_like_config", "rope_angles",
            "forward_rope_angles", "RopeQKV", "ROPE_KERNELS"]
 
-# TE_EvaBlock.rope_kernel's values: TE's fused RoPE on q and k, or fp8vit's Triton pass over the
-# packed QKV buffer (RopeQKV; lever 43 of docs/performance.md, opt-in until measured)
-ROPE_KERNELS = ("te", "triton")
+# TE_EvaBlock.rope_kernel's values: fp8vit's Triton pass over the packed QKV buffer where it can run,
+# else TE's (the default: lever 43 of docs/performance.md, measured faster on every RoPE model
+# benched), TE's fused RoPE on q and k apart, or the Triton pass asked for (said when it cannot run)
+ROPE_KERNELS = ("auto", "te", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,10 +360,10 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
             anything is built.
         ValueError: an unknown ``backend``, a device string naming no device, a non-float ``dtype``.
 
-    ``rope_kernel = "triton"`` (``FP8Block``'s switch) rotates q and k in one pass over the packed
-    QKV buffer (:class:`RopeQKV`) where the RoPE table has one row per patch token; where that pass
-    cannot run (q/k norm, a gate, grouped-query attention, another table form, no Triton), TE's
-    kernel runs, said once.
+    ``rope_kernel`` (``FP8Block``'s switch; default ``"auto"``) rotates q and k in one pass over
+    the packed QKV buffer (:class:`RopeQKV`) where the RoPE table has one row per patch token;
+    where that pass cannot run (q/k norm, a gate, grouped-query attention, another table form, no
+    Triton, CPU tensors), TE's kernel runs: silently for ``"auto"``, said once for ``"triton"``.
     """
 
     def __init__(self, cfg: EvaBlockConfig, *, timm_skeleton: nn.Module, device=None,
@@ -499,7 +500,7 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
         return q, k, v, gate
 
     def _qkv_heads(self, qkv: torch.Tensor, rope: Optional[torch.Tensor]):
-        """q, k, v for attention (see ``FP8Block._qkv_heads``); with ``rope_kernel="triton"``, RoPE
+        """q, k, v for attention (see ``FP8Block._qkv_heads``); unless ``rope_kernel="te"``, RoPE
         in one pass over the packed QKV buffer (:class:`RopeQKV`) where it runs."""
         if rope is not None and self.rope_kernel != "te":
             if self.rope_kernel not in ROPE_KERNELS:
@@ -511,8 +512,9 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
                 q, k, v = RopeQKV.apply(qkv.view(B, N, 3, c.num_heads, c.head_dim), rope, c.num_prefix_tokens,
                                         not c.rotate_half)
                 return q, k, v, None
-            warn_once(f"fp8vit: {type(self).__name__}.rope_kernel='triton' cannot run here ({why}); "
-                      "TE's RoPE kernel runs instead", RuntimeWarning, stacklevel=2)
+            if self.rope_kernel == "triton":  # asked for by name: say why it is not used
+                warn_once(f"fp8vit: {type(self).__name__}.rope_kernel='triton' cannot run here ({why}); "
+                          "TE's RoPE kernel runs instead", RuntimeWarning, stacklevel=2)
         return super()._qkv_heads(qkv, rope)
 
     def _packed_rope_refusal(self, qkv: torch.Tensor, rope: torch.Tensor) -> Optional[str]:

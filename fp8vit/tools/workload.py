@@ -35,8 +35,9 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-delayed-convpatch-graphed[-compile]``  the patch embedding left a convolution
                                    (``convert_to_te(patch_gemm=False)``; every other fp8vit
                                    variant runs it as one GEMM, :func:`fp8vit.set_patch_gemm`)
-``fp8vit-fp8-delayed-tritonrope[-graphed]``  RoPE blocks rotate q and k in one Triton pass over the
-                                   packed QKV buffer (``TE_EvaBlock.rope_kernel = "triton"``)
+``fp8vit-fp8-delayed-terope[-graphed]``  RoPE blocks rotate q and k with TE's kernel
+                                   (``TE_EvaBlock.rope_kernel = "te"``; the default is the Triton
+                                   pass over the packed QKV buffer where it runs)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -87,7 +88,7 @@ VARIANTS = (
     *(f"fp8vit-fp8-delayed-{k}bias-graphed{c}" for k in ("torch", "te") for c in ("", "-compile")),
     "fp8vit-fp8-delayed-bf16narrow-graphed", "fp8vit-fp8-delayed-bf16narrow-graphed-compile",
     "fp8vit-fp8-delayed-convpatch-graphed", "fp8vit-fp8-delayed-convpatch-graphed-compile",
-    "fp8vit-fp8-delayed-tritonrope", "fp8vit-fp8-delayed-tritonrope-graphed",
+    "fp8vit-fp8-delayed-terope", "fp8vit-fp8-delayed-terope-graphed",
 )
 
 # -bf16narrow: fused blocks whose width (``cfg.dim``) is below this run with FP8 off
@@ -114,7 +115,7 @@ class Variant:
         bf16_narrow: FP8 off in the fused blocks narrower than :data:`NARROW`.
         patch_gemm: the patch embedding's convolution as one GEMM (``convert_to_te``'s
             ``patch_gemm``, its default; False: ``-convpatch``).
-        rope_kernel: the RoPE blocks' ``rope_kernel`` (``"triton"``), or None for the default.
+        rope_kernel: the RoPE blocks' ``rope_kernel`` (``"te"``), or None for the default.
     """
 
     name: str
@@ -148,7 +149,7 @@ class Variant:
                    block_compile="blockcompile" in parts, fp8_attention="fp8attn" in parts,
                    bias_attention=next((p[:-4] for p in parts if p in ("torchbias", "tebias")), None),
                    bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts,
-                   rope_kernel="triton" if "tritonrope" in parts else None)
+                   rope_kernel="te" if "terope" in parts else None)
 
     @property
     def te_fp8(self) -> bool:

@@ -294,6 +294,7 @@ def test_packed_rope_kernel_matches_timm(interleaved):
 @pytest.mark.parametrize("name", ["vit_base_patch16_rope_224", "vit_small_patch16_dinov3", "eva02_base_patch14_224"])
 def test_packed_rope_block_trains_as_te_rope(name, monkeypatch):
     # Whole models in bf16 autocast (FP8 off: the comparison is RoPE's alone) with rope_kernel="triton"
+    # (and the default, "auto")
     # against TE's fused RoPE: the kernel ran in every block, forward and backward, and logits and
     # every gradient agree to bf16's noise (TE's kernel recomputes sin and cos from angles; this one
     # reads timm's table). A wrong pairing or prefix would give ~0 dB.
@@ -308,13 +309,14 @@ def test_packed_rope_block_trains_as_te_rope(name, monkeypatch):
     monkeypatch.setattr(eva, "rope_packed_qkv", counted)
     x = torch.randn(8, 3, 224, 224, device="cuda")
     results = {}
-    for rope_kernel in ("te", "triton"):
+    for rope_kernel in ("te", "triton", "auto"):
         model = _convert(_model(name)).train()
         for blk in model.blocks:
             blk.rope_kernel = rope_kernel
         results[rope_kernel] = fp8_step(model, x, None, enabled=False)
     depth = len(model.blocks)
-    assert calls == [False] * depth + [True] * depth
+    # "triton" and the default ("auto") each ran the kernel in every block, forward and backward
+    assert calls == ([False] * depth + [True] * depth) * 2
     (ref, ref_g), (got, got_g) = results["te"], results["triton"]
     snrs = {"logits": snr_db(ref, got), **{n: snr_db(ref_g[n], got_g[n]) for n in ref_g}}
     worst = min(snrs, key=snrs.get)
