@@ -1,5 +1,5 @@
 """Levers 25 (rejected) and 43 (docs/performance.md): RoPE on the packed QKV buffer in one Triton pass against
-TE's RoPE kernel on q and k, fp8vit's default path. Lever 25's kernel lives here only: it was in the
+TE's RoPE kernel on q and k (``rope_kernel="te"``; the default until lever 43 was measured). Lever 25's kernel lives here only: it was in the
 library when it was measured (commit 4ccd229, `docs/results/levers/rope_packed_qkv_triton_microbench_h200.log`)
 and was taken out after it, as slower; its autograd function was the library's RopeQKV of today.
 
@@ -30,7 +30,10 @@ token row a program with a gathered partner load, moved its bytes at about a qua
 bandwidth (PE-core-L: 0.55 ms over ``none`` for ~380 MB). At 60-70% of bandwidth the packed pass
 costs ~0.1 ms per PE-core-L block against TE's 0.46: predicted **PE-core-L 336 px -0.15 to -0.3 ms
 per block (-3.5 to -7 ms per step), RoPE ViT-B and EVA02-B 0 to -0.08 per block (0 to -1 ms)**,
-whose TE path already moves its bytes near bandwidth.
+whose TE path already moves its bytes near bandwidth. Measured (H100,
+``results/levers/rope_packed_qkv_lever43_microbench_h100.log``): packed - te per step PE-core-L -1.6 ms,
+EVA02-B -2.6, RoPE ViT-B +0.4; in the graphed training step (``results/bench/*tritonrope_h100.log``)
+-5.5, -3.4 and -2.6 ms: this microbenchmark (FP8 off, one block alone) under-predicts the step.
 """
 
 import timm
