@@ -144,8 +144,8 @@ def test_a_gpu_column_where_runs_mix_gpus(tmp_path):
     text = st.table(rows)
     head = [c.strip() for c in text.splitlines()[0].strip("|").split("|")]
     assert head[:3] == ["model", "GPU", "batch"]
-    assert dict(zip(head, line_of(text, "pit_b_224")))["GPU"] == "NVIDIA H100 80GB HBM3"
-    assert dict(zip(head, line_of(text, "vit_base_patch16_224")))["GPU"] == ENV["device"]
+    assert dict(zip(head, line_of(text, "pit_b_224")))["GPU"] == "H100"  # NVIDIA H100 80GB HBM3
+    assert dict(zip(head, line_of(text, "vit_base_patch16_224")))["GPU"] == "H200"  # NVIDIA H200
 
 
 def test_more_than_two_percent_slower_is_flagged(tmp_path):
@@ -184,7 +184,31 @@ def test_variants_timed_in_turn_say_so(tmp_path):
     text = st.table(st.load(write(tmp_path, {**run("hiera_base_224", *rows), "interleaved": True}))[0])
     cells = line_of(text, "hiera_base_224")
     assert cells[3] == "51.0 (1.78x, 80 s, in turn)" and cells[4] == "51.2 (1.78x, 1 s, in turn)"
-    assert "in turn: the variants' steps timed in rounds" in text
+    assert "in turn: steps timed in rounds" in text
+
+
+def test_columns_show_peers_and_pick_the_best_among_them(tmp_path, capsys):
+    # --columns: torchao's variant beside fp8vit's, in the order given; an fp8vit variant not shown
+    # (the faster -terope- here) is not the best; peak memory of timm eager and of that best
+    rows = (ok("timm-bf16", 100.0), ok("timm-bf16-compile", 80.0), ok("torchao-fp8-compile", 90.0),
+            {**ok("fp8vit-fp8-delayed-graphed", 50.0), "peak_mem_gib": 12.5},
+            ok("fp8vit-fp8-delayed-terope-graphed", 45.0))
+    path = write(tmp_path, run("eva02_large_patch14_224", *rows))
+    cols = ["torchao-fp8-compile", "fp8vit-fp8-delayed-graphed"]
+    text = st.table(st.load(path)[0], cols)
+    head = [c.strip() for c in text.splitlines()[0].strip("|").split("|")]
+    assert head[4:7] == ["torchao-fp8-compile", "fp8-delayed-graphed", "peak GiB timm / best"]
+    cells = dict(zip(head, line_of(text, "eva02_large_patch14_224")))
+    assert cells["torchao-fp8-compile"].startswith("90.0 (1.11x")
+    assert cells["best fp8vit"] == "fp8-delayed-graphed" and cells["best vs compile"] == "-37.5%"
+    assert cells["peak GiB timm / best"] == "20.0 / 12.5"
+    assert st.main(["--columns", ",".join(cols), *path]) == 0
+    assert "| torchao-fp8-compile | fp8-delayed-graphed |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        st.main(["--columns", "torchao-fp8-compile,fp8vit-fp8-delayed-grapehd", *path])
+    err = capsys.readouterr().err
+    assert "--columns fp8vit-fp8-delayed-grapehd: no run given has this variant" in err
+    assert "fp8vit-fp8-delayed-graphed, fp8vit-fp8-delayed-terope-graphed" in err
 
 
 def test_failed_variant_shows_its_first_line(tmp_path):
@@ -356,3 +380,17 @@ def test_device_run_packs_what_a_command_wrote_before_its_time_ran_out(tmp_path)
     assert [p.name for p in out.iterdir()] == ["device_out.tgz"]
     done = subprocess.run(["bash", str(DEVICE_RUN), "exit 3"], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 3  # the command's own status
+
+
+def test_docs_peers_table_is_the_tools_output(capsys, monkeypatch):
+    # docs/performance.md's table of every model against its peers is sweep_table.py's output for
+    # docs/perf/peers_table.args (paths from the repository root): a new run named there, or a change
+    # to the table's format, must be regenerated in the page
+    monkeypatch.chdir(ROOT)
+    assert st.main(["@docs/perf/peers_table.args"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""  # every run it names was read
+    table = "\n".join(line for line in captured.out.splitlines() if line.startswith("|"))
+    page = (ROOT / "docs" / "performance.md").read_text()
+    assert table.count("\n") >= 14 and table in page
+    assert "python3 docs/perf/sweep_table.py @docs/perf/peers_table.args" in page

@@ -4,6 +4,7 @@ library when it was measured (commit 4ccd229, `docs/results/levers/rope_packed_q
 and was taken out after it, as slower; its autograd function was the library's RopeQKV of today.
 
     python3 docs/perf/rope_packed_bench.py          # on the GPU machine, TE installed
+    python3 docs/perf/rope_packed_bench.py --sweep  # the library kernel alone per launch shape (lever 44)
 
 Per block, bf16, forward + backward of what lies between the QKV GEMM and the projection:
   te      SplitQKV views -> TE's fused RoPE on q, on k (new q, k; v a strided view) -> TE attention,
@@ -34,6 +35,14 @@ whose TE path already moves its bytes near bandwidth. Measured (H100,
 ``results/levers/rope_packed_qkv_lever43_microbench_h100.log``): packed - te per step PE-core-L -1.6 ms,
 EVA02-B -2.6, RoPE ViT-B +0.4; in the graphed training step (``results/bench/*tritonrope_h100.log``)
 -5.5, -3.4 and -2.6 ms: this microbenchmark (FP8 off, one block alone) under-predicts the step.
+
+Lever 44 (``--sweep``, written before its run): the kernel alone, forward (reads q, k, v, writes
+them) and in-place backward (reads and writes q, k) for token rows per program (``_ROPE_ROWS``)
+1-16 and 4-16 warps (``_ROPE_WARPS``), with the bytes each moves per second. Lever 43's packed
+pass costs 0.29 ms over ``none`` per PE-core-L block where its ~380 MB need ~0.13 ms at 3 TB/s,
+so the kernel moves its bytes at about half the H100's bandwidth. Prediction: the default (4 rows,
+8 warps) within 10% of the best; if a shape is >= 15% faster, PE-core-L 336 px -0.5 to -1.5 ms a
+step with it (where the gain holds in the graphed step).
 """
 
 import timm
@@ -151,5 +160,36 @@ def main():
               f"{diff[0]:.1e}, {diff[1]:.1e}")
 
 
+def sweep():
+    """The library kernel alone at each launch shape: ms per call, forward and backward, and GB/s."""
+    import fp8vit._te.kernels as kernels
+
+    default = (kernels._ROPE_ROWS, kernels._ROPE_WARPS)
+    print(f"{'shape':16s} {'rows':>4s} {'warps':>5s} {'fwd ms':>7s} {'fwd GB/s':>8s} {'bwd ms':>7s} {'bwd GB/s':>8s}")
+    for name, (model, B, img, depth) in SHAPES.items():
+        m = timm.create_model(model, pretrained=False, depth=1, img_size=img)
+        blk = TE_EvaBlock.from_timm(m.blocks[0], backend="te")
+        table = m.rope.get_embed().cuda()
+        npt, H, D = blk.cfg.num_prefix_tokens, blk.cfg.num_heads, blk.cfg.head_dim
+        qkv = torch.randn(B, table.shape[0] + npt, 3, H, D, device="cuda", dtype=torch.bfloat16)
+        interleaved = not blk.cfg.rotate_half
+        # bytes: forward reads and writes q, k, v; backward reads and writes q and k (v untouched)
+        fwd_gb, bwd_gb = 2 * qkv.nbytes / 1e9, 2 * qkv.nbytes * 2 / 3 / 1e9
+        for rows in (1, 2, 4, 8, 16):
+            for warps in (4, 8, 16):
+                kernels._ROPE_ROWS, kernels._ROPE_WARPS = rows, warps
+                try:
+                    f = per_call_ms(kernels.rope_packed_qkv, qkv, table, npt, interleaved)
+                    b = per_call_ms(lambda: kernels.rope_packed_qkv(qkv, table, npt, interleaved, backward=True))
+                except Exception as e:  # a shape Triton cannot compile (registers)
+                    print(f"{name:16s} {rows:4d} {warps:5d} failed: {type(e).__name__}: {str(e)[:80]}")
+                    continue
+                mark = "  (default)" if (rows, warps) == default else ""
+                print(f"{name:16s} {rows:4d} {warps:5d} {f:7.3f} {fwd_gb / f * 1e3:8.0f} {b:7.3f} "
+                      f"{bwd_gb / b * 1e3:8.0f}{mark}")
+        kernels._ROPE_ROWS, kernels._ROPE_WARPS = default
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    sweep() if "--sweep" in sys.argv[1:] else main()

@@ -3,14 +3,18 @@
     python3 docs/perf/sweep_table.py                   # docs/results/bench/*_sweep_h[0-9]*.json (H200, H100)
     python3 docs/perf/sweep_table.py A.json B.json     # those runs
     python3 docs/perf/sweep_table.py --check           # exit 1 if a model misses the criterion
+    python3 docs/perf/sweep_table.py --columns torchao-fp8-compile,fp8vit-fp8-delayed-graphed A.json ...
+                                                       # those variants' columns only (peers too)
+    python3 docs/perf/sweep_table.py @docs/perf/peers_table.args   # arguments from a file, one a line:
+                                                       # docs/performance.md's table of every model
 
 What is measured: each variant's median synchronized step time (ms) of one bench process (timm bf16
 eager, timm + torch.compile and fp8vit's variants measured back to back on one GPU), its speedup
 over timm eager, and, for the variants that compile (``timm-bf16-compile``, fp8vit's
 ``-blockcompile``), the compile time: what the warm-up steps took beyond ``warmup`` steps at the
-median step time (torch.compile compiles at the first call, so there). The bench's JSON does not
-record the model's build or a CUDA-graph capture (both before the warm-up), nor the variant's wall
-time (its log's progress line has it).
+median step time (torch.compile compiles at the first call, so there), plus the model's build and
+CUDA-graph capture where the JSON records them (``build_s``). The variant's wall time is in its
+log's progress line.
 
 A variant run more than once in a process (the sweep's generic kind runs ``timm-bf16-compile``
 before and after fp8vit's variant) counts as the mean of its runs' medians: a drift over the process
@@ -52,6 +56,7 @@ class Row:
         results: the bench's result dicts by variant name (a variant's first run).
         device: the GPU it ran on (the JSON's ``environment.device``).
         again: a variant's later runs in the same process, by variant name.
+        shown: the variants the table shows (None: all); the best fp8vit variant is one of them.
     """
 
     model: str
@@ -60,6 +65,7 @@ class Row:
     results: dict[str, dict]
     device: str = "?"
     again: dict[str, list[dict]] = dataclasses.field(default_factory=dict)
+    shown: tuple[str, ...] | None = None
 
     def runs_ms(self, variant: str) -> list[float]:
         """The median step (ms) of each of the variant's runs that ran, in run order."""
@@ -74,8 +80,8 @@ class Row:
 
     @property
     def fp8vit(self) -> list[str]:
-        """fp8vit's variants in this run."""
-        return [v for v in self.results if v.startswith("fp8vit-")]
+        """fp8vit's variants in this run (those shown, where the table shows some)."""
+        return [v for v in self.results if v.startswith("fp8vit-") and (self.shown is None or v in self.shown)]
 
     @property
     def best(self) -> str | None:
@@ -139,6 +145,12 @@ def load(paths: list[str]) -> tuple[list[Row], list[str]]:
     return rows, envs
 
 
+def _gpu(device: str) -> str:
+    """A GPU's short name for its column: ``NVIDIA H100 80GB HBM3`` -> ``H100``."""
+    words = device.removeprefix("NVIDIA ").split()
+    return words[0] if words else device
+
+
 def _short(variant: str) -> str:
     """A column's name: the variant without ``fp8vit-``."""
     return variant.replace("fp8vit-", "", 1)
@@ -184,32 +196,47 @@ def verdict(row: Row) -> str:
     return ("ok" if row.ok else "**SLOWER**") + against
 
 
-def table(rows: list[Row]) -> str:
+def peak_gib(row: Row) -> str:
+    """``timm / best`` peak memory (GiB) of timm eager and the best fp8vit variant; ``-`` if unknown."""
+    peaks = [row.results.get(v or "", {}).get("peak_mem_gib") for v in (EAGER, row.best)]
+    return " / ".join(f"{p:.1f}" if p is not None else "-" for p in peaks)
+
+
+def table(rows: list[Row], columns: list[str] | None = None) -> str:
     """The markdown table and its summary lines; a GPU column where the runs were on more than one
-    kind of GPU (each row's ratios are within its own run)."""
-    cols = [v for v in FP8VIT_ORDER if any(v in r.results for r in rows)]
-    cols += sorted({v for r in rows for v in r.fp8vit} - set(cols))
+    kind of GPU (each row's ratios are within its own run).
+
+    Args:
+        rows: from :func:`load`.
+        columns: the variants shown after timm's compile, in this order (peers such as torchao's
+            too); the best fp8vit variant is chosen among them. None: every fp8vit variant.
+    """
+    if columns is None:
+        cols = [v for v in FP8VIT_ORDER if any(v in r.results for r in rows)]
+        cols += sorted({v for r in rows for v in r.fp8vit} - set(cols))
+    else:
+        cols = list(columns)
+        for r in rows:
+            r.shown = tuple(cols)
     gpus = len({r.device for r in rows}) > 1
     head = ["model", *(["GPU"] if gpus else []), "batch", "timm eager ms", "timm compile ms (x, compile s)",
-            *map(_short, cols),
+            *map(_short, cols), "peak GiB timm / best",
             "best fp8vit", "best vs compile", f"within {100 * TOLERANCE:.0f}%"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         change = f"{100 * r.change:+.1f}%" if r.change is not None else "n/a"
         best = _short(r.best) if r.best else "none"
         eager = f"{r.ms(EAGER):.1f}" if r.ms(EAGER) is not None else cell(r, EAGER)
-        lines.append("| " + " | ".join([r.model, *([r.device] if gpus else []), str(r.batch), eager, cell(r, COMPILE),
-                                        *(cell(r, v) for v in cols),
+        lines.append("| " + " | ".join([r.model, *([_gpu(r.device)] if gpus else []), str(r.batch), eager, cell(r, COMPILE),
+                                        *(cell(r, v) for v in cols), peak_gib(r),
                                         best, change, verdict(r)]) + " |")
     missed = [r.model + ("" if len({x.model for x in rows}) == len(rows) else f" b{r.batch}")
               for r in rows if not r.ok]
-    note = ("Median synchronized step, ms; (x): speedup over timm bf16 eager in the same run; compile s: "
-            "the warm-up beyond its steps (torch.compile's compile; the build and CUDA-graph capture are not "
-            "in the bench's JSON). best vs compile: fp8vit's fastest variant's step against "
-            "timm-bf16-compile's (+: slower). runs: a variant run more than once in the process (before and "
-            "after fp8vit's) counts as the mean of its runs. in turn: the variants' steps timed in rounds, one "
-            "of each per round (fp8vit-bench --interleave). A compile of a graph compiled earlier in the "
-            "process (fp8vit's variant where it fuses nothing) comes from inductor's cache: seconds, not minutes.")
+    note = ("Median synchronized step, ms; (x): speedup over timm bf16 eager in the same run; s: set-up, "
+            "the warm-up beyond its steps (torch.compile's compile) plus the build and graph capture where "
+            "recorded. best vs compile: fp8vit's fastest variant against timm-bf16-compile (+: slower). runs: "
+            "a variant run more than once in the process counts as their mean. in turn: steps timed in rounds "
+            "(--interleave); a graph compiled earlier in the process comes from inductor's cache.")
     lines += ["", note,
               f"{len(rows) - len(missed)} of {len(rows)} models within {100 * TOLERANCE:.0f}% of torch.compile "
               "(or faster)" + (f"; missing it: {', '.join(missed)}" if missed else "")]
@@ -217,10 +244,13 @@ def table(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], fromfile_prefix_chars="@")
     p.add_argument("json", nargs="*",
                    help=f"fp8vit-bench JSON files (default: {DEFAULT_GLOB}, from the repository root)")
     p.add_argument("--check", action="store_true", help="exit 1 if any model misses the criterion (or none ran)")
+    p.add_argument("--columns", type=lambda t: [v for v in t.split(",") if v],
+                   help="comma-separated variants to show after timm's compile, peers included; the best "
+                        "fp8vit variant is one of them (default: every fp8vit variant)")
     a = p.parse_args(argv)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths = a.json or sorted(glob.glob(os.path.join(root, DEFAULT_GLOB)))
@@ -228,8 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print(f"sweep_table: no sweep results ({' '.join(a.json) or DEFAULT_GLOB})")
         return 1 if a.check else 0
+    ran = {v for r in rows for v in r.results}
+    unknown = [v for v in a.columns or [] if v not in ran]
+    if unknown:
+        p.error(f"--columns {','.join(unknown)}: no run given has {'these variants' if len(unknown) > 1 else 'this variant'}; "
+                f"they have {', '.join(sorted(ran))}")
     print("; ".join(envs) + "\n")
-    print(table(rows))
+    print(table(rows, a.columns))
     return 1 if a.check and not all(r.ok for r in rows) else 0
 
 

@@ -53,9 +53,9 @@ from .weights import Part, Tie, block_from_timm, load_timm_state, rename, timm_b
 __all__ = ["TE_EvaBlock", "EvaBlockConfig", "eva_config_from_timm", "eva_like_config", "rope_angles",
            "forward_rope_angles", "RopeQKV", "ROPE_KERNELS"]
 
-# TE_EvaBlock.rope_kernel's values: fp8vit's Triton pass over the packed QKV buffer where it can run,
-# else TE's (the default: lever 43 of docs/performance.md, measured faster on every RoPE model
-# benched), TE's fused RoPE on q and k apart, or the Triton pass asked for (said when it cannot run)
+# TE_EvaBlock.rope_kernel's values: "auto" (default), fp8vit's Triton pass over the packed QKV
+# buffer where it can run, else TE's (lever 43 of docs/performance.md: faster on every RoPE model
+# benched); "te", TE's fused RoPE on q and k apart; "triton", the Triton pass, said where it cannot run
 ROPE_KERNELS = ("auto", "te", "triton")
 
 

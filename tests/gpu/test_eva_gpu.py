@@ -294,9 +294,8 @@ def test_packed_rope_kernel_matches_timm(interleaved):
 @pytest.mark.parametrize("name", ["vit_base_patch16_rope_224", "vit_small_patch16_dinov3", "eva02_base_patch14_224"])
 def test_packed_rope_block_trains_as_te_rope(name, monkeypatch):
     # Whole models in bf16 autocast (FP8 off: the comparison is RoPE's alone) with rope_kernel="triton"
-    # (and the default, "auto")
-    # against TE's fused RoPE: the kernel ran in every block, forward and backward, and logits and
-    # every gradient agree to bf16's noise (TE's kernel recomputes sin and cos from angles; this one
+    # (and the default, "auto") against TE's fused RoPE: the kernel ran in every block, forward and
+    # backward, and logits and every gradient agree to bf16's noise (TE's kernel recomputes sin and cos from angles; this one
     # reads timm's table). A wrong pairing or prefix would give ~0 dB.
     import fp8vit.blocks.eva as eva
 
