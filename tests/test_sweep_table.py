@@ -195,7 +195,7 @@ def test_columns_show_peers_and_pick_the_best_among_them(tmp_path, capsys):
             ok("fp8vit-fp8-delayed-terope-graphed", 45.0))
     path = write(tmp_path, run("eva02_large_patch14_224", *rows))
     cols = ["torchao-fp8-compile", "fp8vit-fp8-delayed-graphed"]
-    text = st.table(st.load(path)[0], cols)
+    text = st.table(st.load(path, cols)[0])
     head = [c.strip() for c in text.splitlines()[0].strip("|").split("|")]
     assert head[4:7] == ["torchao-fp8-compile", "fp8-delayed-graphed", "peak GiB timm / best"]
     cells = dict(zip(head, line_of(text, "eva02_large_patch14_224")))

@@ -116,10 +116,11 @@ class Row:
         return max(r["warmup_s"] - self.warmup * r["median_ms"] / 1e3, 0.0) + r.get("build_s", 0.0)
 
 
-def load(paths: list[str]) -> tuple[list[Row], list[str]]:
+def load(paths: list[str], columns: list[str] | None = None) -> tuple[list[Row], list[str]]:
     """The rows of these bench JSON files (one per model and batch, in the order given) and their
     environments (each distinct one once). A file that does not read as a one-process bench JSON
-    (unreadable, or no ``results``: a ``--nproc`` run) is left out, with a note on stderr."""
+    (unreadable, or no ``results``: a ``--nproc`` run) is left out, with a note on stderr.
+    ``columns``: the variants the table shows (``Row.shown``; None: every fp8vit variant)."""
     rows, envs = [], []
     for path in paths:
         try:
@@ -135,7 +136,8 @@ def load(paths: list[str]) -> tuple[list[Row], list[str]]:
             by_batch.setdefault(r["batch"], {}).setdefault(r["variant"], []).append(r)
         env = run.get("environment", {})
         rows += [Row(run["model"], b, run.get("warmup", 0), {v: rs[0] for v, rs in res.items()},
-                     env.get("device", "?"), {v: rs[1:] for v, rs in res.items() if len(rs) > 1})
+                     env.get("device", "?"), {v: rs[1:] for v, rs in res.items() if len(rs) > 1},
+                     None if columns is None else tuple(columns))
                  for b, res in by_batch.items()]
         text = (f"{env.get('device', '?')}, torch {env.get('torch', '?')}, TE {env.get('transformer_engine', '?')}, "
                 f"timm {env.get('timm', '?')}; {run.get('steps', '?')} timed steps after {run.get('warmup', '?')} "
@@ -202,22 +204,17 @@ def peak_gib(row: Row) -> str:
     return " / ".join(f"{p:.1f}" if p is not None else "-" for p in peaks)
 
 
-def table(rows: list[Row], columns: list[str] | None = None) -> str:
+def table(rows: list[Row]) -> str:
     """The markdown table and its summary lines; a GPU column where the runs were on more than one
-    kind of GPU (each row's ratios are within its own run).
-
-    Args:
-        rows: from :func:`load`.
-        columns: the variants shown after timm's compile, in this order (peers such as torchao's
-            too); the best fp8vit variant is chosen among them. None: every fp8vit variant.
-    """
-    if columns is None:
+    kind of GPU (each row's ratios are within its own run). After timm's compile come the rows'
+    ``shown`` variants in their order (peers such as torchao's too; :func:`load`'s ``columns``),
+    else every fp8vit variant."""
+    shown = next((r.shown for r in rows if r.shown is not None), None)
+    if shown is None:
         cols = [v for v in FP8VIT_ORDER if any(v in r.results for r in rows)]
         cols += sorted({v for r in rows for v in r.fp8vit} - set(cols))
     else:
-        cols = list(columns)
-        for r in rows:
-            r.shown = tuple(cols)
+        cols = list(shown)
     gpus = len({r.device for r in rows}) > 1
     head = ["model", *(["GPU"] if gpus else []), "batch", "timm eager ms", "timm compile ms (x, compile s)",
             *map(_short, cols), "peak GiB timm / best",
@@ -254,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths = a.json or sorted(glob.glob(os.path.join(root, DEFAULT_GLOB)))
-    rows, envs = load(paths)
+    rows, envs = load(paths, a.columns)
     if not rows:
         print(f"sweep_table: no sweep results ({' '.join(a.json) or DEFAULT_GLOB})")
         return 1 if a.check else 0
@@ -264,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--columns {','.join(unknown)}: no run given has {'these variants' if len(unknown) > 1 else 'this variant'}; "
                 f"they have {', '.join(sorted(ran))}")
     print("; ".join(envs) + "\n")
-    print(table(rows, a.columns))
+    print(table(rows))
     return 1 if a.check and not all(r.ok for r in rows) else 0
 
 
