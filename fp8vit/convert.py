@@ -21,6 +21,7 @@ from .blocks.compiled import (allow_recompiles, compile_block, compile_units, is
                               uncompile_block)
 from .blocks.base import FP8Block
 from .blocks.families import FAMILIES, fp8vit_block_for
+from .blocks.model_norm import set_model_norms
 from .blocks.linear import (holds_linear, is_block, is_swapped, restore_owner, swap_refusal, switch_owner, to_fp8_linear,
                             to_torch_linear)
 from .blocks.weights import is_sharded
@@ -69,7 +70,10 @@ def convert_to_te(
     parameters (``requires_grad``). A block fp8vit cannot fuse, because it has no family for its
     class (Swin, CaiT, XCiT, ``ResPostBlock``, ``DiffAttention`` blocks, ...) or the block uses an
     option its family cannot honour, goes to ``fallback``. Also makes
-    ``model.set_grad_checkpointing()`` use TE's FP8-aware checkpointing. Everything is built
+    ``model.set_grad_checkpointing()`` use TE's FP8-aware checkpointing and, where blocks were
+    fused, runs the model's own LayerNorms (``norm``, ``fc_norm``, ``norm_pre``) under autocast as
+    one Triton pass each way (``fp8vit.blocks.model_norm``: their class only changes; the same
+    parameters, state dict and fp32 output; ``FP8VIT_TRITON=0``: torch's). Everything is built
     before anything is swapped: a failure leaves the model unchanged. Calling it again, or on a
     model built with ``block_fn=TE_Block``, converts what is left.
 
@@ -187,6 +191,8 @@ def convert_to_te(
         install_checkpointing(model)
     if patch_gemm and summary.num_fused and patch_embed_convs(model):
         set_patch_gemm(model)
+    if summary.num_fused:  # the bf16 stream out of fused blocks: the model's norms in one pass (lever 45)
+        set_model_norms(model)
     record_summary(model, summary)
     holds_fp8 = bool(summary.num_fused or summary.num_swapped)
     if autocast and holds_fp8:
@@ -379,7 +385,7 @@ def convert_from_te(model: nn.Module) -> nn.Module:
     The result's ``state_dict()`` loads into ``timm.create_model(name)``. FP8 scaling state has no
     timm counterpart and is dropped. Frozen parameters stay frozen; activation checkpointing, if
     on, goes back to timm's own. Swapped Linears give back their very parameters, the patch
-    embedding its ``nn.Conv2d`` (``patch_gemm``).
+    embedding its ``nn.Conv2d`` (``patch_gemm``), the model's own norms their LayerNorm class.
 
     Returns:
         ``model`` (or the timm block replacing it, if ``model`` is an fp8vit block).
@@ -406,6 +412,7 @@ def convert_from_te(model: nn.Module) -> nn.Module:
     remove_fp8_autocast(model)
     remove_graphs(model)
     set_patch_gemm(model, False)
+    set_model_norms(model, False)
     checkpointing = checkpointing_on(model)
     set_grad_checkpointing(model, False)
     new = {fqn: mod.to_timm() for fqn, mod in model.named_modules() if isinstance(mod, FP8Block)}

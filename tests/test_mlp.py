@@ -404,7 +404,8 @@ def test_padded_norm_kernels_in_tritons_interpreter():
     # The Triton kernels of a padded MLP's inner norm (mlp.PaddedNorm), run by Triton's CPU
     # interpreter (TRITON_INTERPRET=1, a fresh process) in fp32 against torch's slice -> norm ->
     # pad and its autograd: output (padding exactly 0), input gradient (padding 0), weight and
-    # bias gradients, LayerNorm and RMSNorm, EVA02-L's 2730 of 2736 and rows across program strips.
+    # bias gradients, LayerNorm and RMSNorm, EVA02-L's 2730 of 2736 and rows across program strips;
+    # and a model's norm under autocast: half in, fp32 out (fp8vit.blocks.model_norm).
     pytest.importorskip("triton", reason="Triton is not installed with this torch")
     code = """
 import torch, torch.nn.functional as F
@@ -436,6 +437,25 @@ for rms in (False, True):
         torch.testing.assert_close(pw.sum(0), wr.grad, rtol=1e-5, atol=1e-4)
         if b is not None:
             torch.testing.assert_close(pb.sum(0), br.grad, rtol=1e-5, atol=1e-4)
+# a model's own norm under autocast (fp8vit.blocks.model_norm): half in, fp32 out as autocast's norm;
+# an fp32 gradient in, a half input gradient out; against the fp32 norm of the same half inputs
+torch.manual_seed(0)
+rows, c = 9, 40
+h = (torch.randn(rows, c) * 2 + 0.5).half()
+w, b = torch.rand(c) + 0.5, torch.randn(c)
+x, wr, br = h.float().requires_grad_(True), w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+ref = F.layer_norm(x, (c,), wr, br, 1e-6)
+g = torch.randn(rows, c)
+ref.backward(g)
+y, mean, rstd = torch.empty(rows, c), torch.empty(rows), torch.empty(rows)
+k.padded_norm_fwd[(rows,)](h, w, b, y, mean, rstd, c, c, 1e-6, True, False, 64)
+dh, pw, pb = torch.empty_like(h), torch.zeros(3, c), torch.zeros(3, c)
+k.padded_norm_bwd[(3,)](g, h, w, mean, rstd, dh, pw, pb, rows, c, c, 3, True, False, 64)
+assert y.dtype == torch.float32 and dh.dtype == torch.float16
+torch.testing.assert_close(y, ref.detach(), rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(dh, x.grad.half(), rtol=2e-3, atol=2e-3)
+torch.testing.assert_close(pw.sum(0), wr.grad, rtol=1e-5, atol=1e-4)
+torch.testing.assert_close(pb.sum(0), br.grad, rtol=1e-5, atol=1e-4)
 print("ok")
 """
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -332,7 +332,8 @@ def _norm_launch(hp: int) -> Tuple[int, int]:
 
 
 def padded_norm_forward(h: torch.Tensor, real: int, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                        eps: float, rms: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        eps: float, rms: bool,
+                        out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LayerNorm (or RMSNorm, ``rms``) over the first ``real`` of the ``Hp`` columns of ``h``, the
     rest of the output exactly 0: a padded MLP's inner norm (:mod:`fp8vit.blocks.mlp`) in one pass,
     where torch slices, copies the slice to normalize it and pads the result again.
@@ -343,15 +344,16 @@ def padded_norm_forward(h: torch.Tensor, real: int, weight: torch.Tensor, bias: 
         weight, bias: ``[H]`` (bias None: none, as RMSNorm), any float dtype; used in fp32.
         eps: the norm's epsilon.
         rms: RMSNorm (no mean) instead of LayerNorm.
+        out_dtype: the output's dtype (None: ``h``'s); fp32 gives autocast's norm output unrounded.
 
     Returns:
-        the output (``h``'s shape and dtype), and each row's mean (LayerNorm) and 1 / std, fp32 ``[R]``.
+        the output (``h``'s shape, ``out_dtype``), and each row's mean (LayerNorm) and 1 / std, fp32 ``[R]``.
     """
     k = _kernels()
     hp = h.shape[-1]
     h2 = h.reshape(-1, hp)
     rows = h2.shape[0]
-    y = torch.empty_like(h2)
+    y = torch.empty(h2.shape, device=h.device, dtype=out_dtype or h.dtype)
     mean = torch.empty(rows, device=h.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
     block, warps = _norm_launch(hp)
@@ -367,7 +369,7 @@ def padded_norm_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.Tens
                          rms: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The gradients of :func:`padded_norm_forward`: ``dh`` (``h``'s shape and dtype, 0 in the
     padding), and fp32 ``dweight`` ``[H]`` and ``dbias`` (None without a bias), summed over rows in
-    fp32. ``grad`` and ``h``: ``[..., Hp]``, contiguous."""
+    fp32. ``grad`` (the output's dtype) and ``h``: ``[..., Hp]``, contiguous."""
     k = _kernels()
     hp = h.shape[-1]
     g2, h2 = grad.reshape(-1, hp), h.reshape(-1, hp)

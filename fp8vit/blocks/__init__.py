@@ -14,6 +14,8 @@
 ``timm_layers``    timm's norms and activations -> TE's kernels
 ``weights``        parameter layouts timm <-> TE, bit for bit
 ``linear``         the FP8 ``Linear`` swapped into blocks fp8vit does not fuse
+``patch_embed``    the patch embedding's convolution as one GEMM (``set_patch_gemm``)
+``model_norm``     the model's own LayerNorms (final ``norm``, ...) in one pass under autocast
 ``backend``        TE's modules on the GPU, or ``reference``'s pure-torch stand-ins (CPU, tests)
 =================  ===================================================================================
 

@@ -475,12 +475,13 @@ class PaddedNorm(torch.autograd.Function):
     to normalize it, pads the output into a new tensor, and in backward slices, copies and pads
     the gradient again: 24 blocks of ``[B * 257, 2736]`` copies per EVA02-L step. Statistics in
     fp32, the output rounded once to ``h``'s dtype; the weight gradients are fp32 sums, returned in
-    the weights' dtype. With ``H == Hp`` it is :func:`norm_in_dtype`'s norm on the GPU.
+    the weights' dtype. With ``H == Hp`` it is :func:`norm_in_dtype`'s norm on the GPU; with
+    ``out_dtype`` fp32, a model-level norm under autocast (:mod:`fp8vit.blocks.model_norm`).
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, real, eps, rms):
-        y, mean, rstd = padded_norm_forward(h, real, weight, bias, eps, rms)
+    def forward(ctx, h, weight, bias, real, eps, rms, out_dtype=None):
+        y, mean, rstd = padded_norm_forward(h, real, weight, bias, eps, rms, out_dtype)
         ctx.save_for_backward(h, weight, mean, rstd)
         ctx.real, ctx.rms, ctx.bias_dtype = real, rms, None if bias is None else bias.dtype
         return y
@@ -491,7 +492,7 @@ class PaddedNorm(torch.autograd.Function):
         h, weight, mean, rstd = ctx.saved_tensors
         dh, dw, db = padded_norm_backward(grad.contiguous(), h, weight, mean, rstd, ctx.real,
                                           ctx.bias_dtype is not None, ctx.rms)
-        return dh, dw.to(weight.dtype), (None if db is None else db.to(ctx.bias_dtype)), None, None, None
+        return dh, dw.to(weight.dtype), (None if db is None else db.to(ctx.bias_dtype)), None, None, None, None
 
     @staticmethod
     def of(norm: nn.Module, h: torch.Tensor, real: int) -> torch.Tensor:

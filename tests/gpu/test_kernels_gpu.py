@@ -13,7 +13,8 @@ one ulp at most, and rarely.
 A padded MLP's inner norm (:class:`fp8vit.blocks.mlp.PaddedNorm`): against torch's slice, norm and
 pad in fp32 (the same statistics; the output, input and weight gradients within bf16 rounding: the
 weights are rounded to the activations' dtype, as ``norm_in_dtype`` does), the padding exactly 0
-both ways; with nothing padded, as ``norm_in_dtype`` runs it on the GPU.
+both ways; with nothing padded, as ``norm_in_dtype`` runs it on the GPU; and as a model's own
+LayerNorm under autocast (:mod:`fp8vit.blocks.model_norm`): bf16 in, fp32 out, against autocast's.
 """
 
 import pytest
@@ -183,3 +184,47 @@ def test_layerscale_forward_is_one_column_scale_pass(shape):
     out, kernels = _launched(lambda: LayerScaleAdd.apply(x, y, gamma))
     assert any("row_scale_add" in k for k in kernels) and not any("addcmul" in k for k in kernels), kernels
     assert _one_ulp_at_most(out, torch.addcmul(x, y, gamma.to(x.dtype)))
+
+
+@pytest.mark.parametrize("timm_class", [False, True], ids=["nn.LayerNorm", "timm.LayerNorm"])
+def test_model_norm_under_autocast_is_autocasts_layernorm_in_one_pass_each_way(timm_class):
+    # ViT-B/16's final norm on the bf16 stream [16, 197, 768] (fp8vit.blocks.model_norm, lever 45).
+    # Autocast runs torch's LayerNorm in fp32 on the exact bf16 inputs with fp32 weights and gives
+    # an fp32 output; the switched norm computes the same in one Triton pass each way: the output
+    # within fp32 rounding, the bf16 input gradient within one bf16 rounding, the fp32 weight and
+    # bias gradients within fp32 summation-order noise.
+    import copy
+
+    from timm.layers import LayerNorm as TimmLayerNorm
+    from torch import nn
+
+    from fp8vit.blocks.model_norm import set_model_norms
+
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.norm = (TimmLayerNorm(768) if timm_class else nn.LayerNorm(768, eps=1e-6)).cuda()
+    with torch.no_grad():
+        holder.norm.weight.uniform_(0.5, 1.5)
+        holder.norm.bias.uniform_(-0.5, 0.5)
+    ref = copy.deepcopy(holder.norm)
+    assert set_model_norms(holder) == ["norm"]
+    x = (torch.randn(16, 197, 768, device="cuda") * 2 + 0.3).to(torch.bfloat16)
+    g = torch.randn(16, 197, 768, device="cuda")
+
+    def run(norm):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = norm(xi)
+        y.backward(g)
+        return y.detach(), xi.grad, norm.weight.grad, norm.bias.grad
+
+    (y, dx, dw, db), kernels = _launched(lambda: run(holder.norm))
+    assert any("padded_norm_fwd" in k for k in kernels) and any("padded_norm_bwd" in k for k in kernels), kernels
+    ry, rdx, rdw, rdb = run(ref)
+    assert y.dtype == ry.dtype == torch.float32 and dx.dtype == rdx.dtype == torch.bfloat16
+    err = {"out": float((y - ry).abs().max() / ry.abs().max()),
+           "dx": float((dx.float() - rdx.float()).abs().max() / rdx.float().abs().max()),
+           "dw": float((dw - rdw).abs().max() / rdw.abs().max()),
+           "db": float((db - rdb).abs().max() / rdb.abs().max())}
+    print(err)
+    assert err["out"] <= 1e-6 and err["dx"] <= 2 ** -8 and err["dw"] <= 1e-5 and err["db"] <= 1e-5, err
