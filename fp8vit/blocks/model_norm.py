@@ -11,9 +11,10 @@ its backward writes the bf16 input gradient and fp32 weight-gradient partial sum
 same arithmetic as autocast's norm (fp32 statistics and affine on the exact bf16 inputs), up to the
 order of the sums, and the same output dtype, so the model's outputs stay timm's.
 
-Only there: a CUDA bf16 or fp16 input under 16-bit autocast where Triton runs, outside
-``torch.compile`` (which fuses the norm itself). Otherwise, and with ``FP8VIT_TRITON=0``, it is the
-LayerNorm it was.
+Only there: a contiguous CUDA input under 16-bit autocast where Triton runs (fp32 inputs too: a
+``norm_pre`` after timm's fp32 position embedding, or ``fp32_residual=True``; the backward then
+still saves the weight-gradient reduction), outside ``torch.compile`` (which fuses the norm itself).
+Otherwise, and with ``FP8VIT_TRITON=0``, it is the LayerNorm it was.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from timm.layers import LayerNorm as TimmLayerNorm
 from torch import nn
 
-from .._te.kernels import kernel_takes
+from .._te.kernels import triton_support
 from .mlp import PaddedNorm
 from .timm_layers import register_notrace_module
 
@@ -32,6 +33,7 @@ __all__ = ["AutocastLayerNorm", "AutocastTimmLayerNorm", "MODEL_NORMS", "model_n
 
 # The model-level norm slots of timm's ViT-family models (VisionTransformer, Eva, Beit, ...).
 MODEL_NORMS = ("norm_pre", "norm", "fc_norm")
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class _AutocastNorm:
@@ -40,9 +42,9 @@ class _AutocastNorm:
     def _kernel_runs(self, x: torch.Tensor) -> bool:
         return (x.is_cuda and torch.is_autocast_enabled("cuda")
                 and torch.get_autocast_dtype("cuda") in (torch.bfloat16, torch.float16)
-                and not torch.compiler.is_compiling()
+                and not torch.compiler.is_compiling() and x.dtype in _FLOATS and x.is_contiguous()
                 and x.dim() >= 2 and tuple(self.normalized_shape) == (x.shape[-1],)
-                and self.weight is not None and kernel_takes(x))
+                and self.weight is not None and triton_support().ok)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel_runs(x):
