@@ -191,8 +191,8 @@ def convert_to_te(
         install_checkpointing(model)
     if patch_gemm and summary.num_fused and patch_embed_convs(model):
         set_patch_gemm(model)
-    if summary.num_fused:  # the bf16 stream out of fused blocks: the model's norms in one pass (lever 45)
-        set_model_norms(model)
+    if summary.num_fused and not isinstance(model, FP8Block):  # the bf16 stream out of fused blocks:
+        set_model_norms(model)  # the model's own norms in one pass (lever 45)
     record_summary(model, summary)
     holds_fp8 = bool(summary.num_fused or summary.num_swapped)
     if autocast and holds_fp8:
