@@ -807,6 +807,22 @@ def test_terope_variant_sets_every_rope_block_to_tes_kernel():
             assert kinds == want, (variant, kinds)
 
 
+def test_torchnorm_variant_leaves_the_models_norms_torchs():
+    # -torchnorm: the model's own LayerNorms stay torch's (lever 45's A/B in one process); the plain
+    # variant gets convert_to_te's one-pass norms
+    from fp8vit.blocks.model_norm import AutocastLayerNorm, AutocastTimmLayerNorm
+    from fp8vit.tools.workload import build_workload
+    assert Variant.parse("fp8vit-fp8-delayed-torchnorm-graphed").model_norms is False
+    assert Variant.parse("fp8vit-fp8-delayed-graphed").model_norms is True
+    kw = dict(batch_size=2, img_size=64, num_classes=10, device="cpu", backend="reference")
+    switched = (AutocastLayerNorm, AutocastTimmLayerNorm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for variant, want in (("fp8vit-fp8-delayed-torchnorm", False), ("fp8vit-fp8-delayed", True)):
+            net = build_workload("vit_tiny_patch16_224", variant, **kw).model
+            assert isinstance(net.norm, switched) is want, (variant, type(net.norm))
+
+
 class _FakeRun:
     """bench._Run without a model: logs what the bench asks of it; each timed step takes one ms
     longer than the step before it, across variants (a drift over the process)."""

@@ -38,6 +38,9 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-delayed-terope[-graphed]``  RoPE blocks rotate q and k with TE's kernel
                                    (``TE_EvaBlock.rope_kernel = "te"``; the default is the Triton
                                    pass over the packed QKV buffer where it runs)
+``fp8vit-fp8-delayed-torchnorm[-graphed]``  the model's own LayerNorms (final ``norm``, ...) left
+                                   torch's under autocast (``convert_to_te`` runs them as one
+                                   Triton pass each way: ``fp8vit.blocks.model_norm``)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -64,6 +67,7 @@ from ..training.switches import set_block_fp8, set_mlp_recompute
 from ..training.graphs import GraphedBlocks, branch_blocks, graphed_handles, install_graphs, make_graphed_blocks
 from ..blocks.base import FP8Block
 from ..blocks.linear import is_block
+from ..blocks.model_norm import set_model_norms
 from .._te.recipes import RECIPE_NAMES, make_recipe
 
 __all__ = ["SIZES", "VARIANTS", "Variant", "Workload", "build_workload", "make_optimizer", "train_step_fn",
@@ -89,6 +93,7 @@ VARIANTS = (
     "fp8vit-fp8-delayed-bf16narrow-graphed", "fp8vit-fp8-delayed-bf16narrow-graphed-compile",
     "fp8vit-fp8-delayed-convpatch-graphed", "fp8vit-fp8-delayed-convpatch-graphed-compile",
     "fp8vit-fp8-delayed-terope", "fp8vit-fp8-delayed-terope-graphed",
+    "fp8vit-fp8-delayed-torchnorm", "fp8vit-fp8-delayed-torchnorm-graphed",
 )
 
 # -bf16narrow: fused blocks whose width (``cfg.dim``) is below this run with FP8 off
@@ -116,6 +121,8 @@ class Variant:
         patch_gemm: the patch embedding's convolution as one GEMM (``convert_to_te``'s
             ``patch_gemm``, its default; False: ``-convpatch``).
         rope_kernel: the RoPE blocks' ``rope_kernel`` (``"te"``), or None for the default.
+        model_norms: the model's own LayerNorms as convert_to_te leaves them (one Triton pass each
+            way under autocast); False: torch's (``-torchnorm``).
     """
 
     name: str
@@ -131,6 +138,7 @@ class Variant:
     bf16_narrow: bool = False
     patch_gemm: bool = True
     rope_kernel: Optional[str] = None
+    model_norms: bool = True
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -149,7 +157,7 @@ class Variant:
                    block_compile="blockcompile" in parts, fp8_attention="fp8attn" in parts,
                    bias_attention=next((p[:-4] for p in parts if p in ("torchbias", "tebias")), None),
                    bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts,
-                   rope_kernel="te" if "terope" in parts else None)
+                   rope_kernel="te" if "terope" in parts else None, model_norms="torchnorm" not in parts)
 
     @property
     def te_fp8(self) -> bool:
@@ -276,6 +284,8 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
             if isinstance(m, FP8Block):
                 for k, val in switches.items():
                     setattr(m, k, val)
+        if not v.model_norms:
+            set_model_norms(net, False)
         if v.bf16_narrow:
             narrow = [n for n, m in net.named_modules() if isinstance(m, FP8Block) and m.cfg.dim < NARROW]
             if narrow:
