@@ -14,6 +14,7 @@ from torch import nn
 
 from ._validate import check_type
 from .blocks.compiled import is_compiled_block
+from .blocks.model_norm import AutocastLayerNorm, AutocastTimmLayerNorm, model_norms
 from .blocks.patch_embed import PatchGemmConv2d
 from .training.autocast import describe_fp8_autocast
 from .training.graphs import graphed_handles
@@ -65,6 +66,9 @@ class ConversionSummary:
             :func:`conversion_summary` finds it (False again after a failed compile).
         patch_gemm: the patch-embedding convolutions that run as one GEMM under autocast
             (``patch_gemm``, :func:`fp8vit.set_patch_gemm`), as :func:`conversion_summary` finds them.
+        model_norms: the model's own LayerNorms (``norm``, ``fc_norm``, ``norm_pre``) that run as one
+            Triton pass each way under autocast (``fp8vit.blocks.model_norm``), as
+            :func:`conversion_summary` finds them.
     """
 
     fallback: str
@@ -77,6 +81,7 @@ class ConversionSummary:
     cuda_graphs: Optional[str] = None
     model_compiled: bool = False
     patch_gemm: Tuple[str, ...] = ()
+    model_norms: Tuple[str, ...] = ()
 
     @property
     def num_fused(self) -> int:
@@ -119,7 +124,8 @@ class ConversionSummary:
                 "swapped": {k: list(p) for k, p in self.swapped}, "kept": {k: list(p) for k, p in self.kept},
                 "compiled": {k: list(p) for k, p in self.compiled},
                 "outside": list(self.outside), "fp8_forward": self.fp8_forward, "cuda_graphs": self.cuda_graphs,
-                "model_compiled": self.model_compiled, "patch_gemm": list(self.patch_gemm)}
+                "model_compiled": self.model_compiled, "patch_gemm": list(self.patch_gemm),
+                "model_norms": list(self.model_norms)}
 
     def short(self) -> str:
         """One line: the counts, and every reason for keeping something, with examples."""
@@ -133,6 +139,8 @@ class ConversionSummary:
                 f"{reason}: {len(p)} ({_examples(p, 2)})" for reason, p in self.kept)
         if self.patch_gemm:
             line += "; the patch embedding as one GEMM"
+        if self.model_norms:
+            line += f"; {_examples(self.model_norms, 2)} in one pass each way"
         if self.fp8_forward:
             line += "; FP8 inside the model's forward"
         if self.cuda_graphs:
@@ -165,6 +173,8 @@ class ConversionSummary:
             lines.append("  torch.compile: the model, around the fused blocks (compile=True)")
         if self.patch_gemm:
             lines.append(f"  patch embedding as one GEMM under autocast: {_examples(self.patch_gemm)}")
+        if self.model_norms:
+            lines.append(f"  the model's norms in one Triton pass each way under autocast: {_examples(self.model_norms)}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -185,8 +195,8 @@ def forget_summary(model: nn.Module) -> None:
 def conversion_summary(model: nn.Module) -> ConversionSummary:
     """The :class:`ConversionSummary` of the last :func:`fp8vit.convert_to_te` call on ``model``, with
     where FP8 runs now (``fp8_forward``: inside the model, after :func:`fp8vit.set_fp8_autocast`) and
-    what its CUDA graphs did so far (``cuda_graphs``) and which patch convolutions run as one GEMM
-    (``patch_gemm``).
+    what its CUDA graphs did so far (``cuda_graphs``), which patch convolutions run as one GEMM
+    (``patch_gemm``) and which of its own norms run in one pass (``model_norms``).
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
@@ -202,4 +212,6 @@ def conversion_summary(model: nn.Module) -> ConversionSummary:
                                cuda_graphs="; ".join(g.describe() for g in graphs) or None,
                                model_compiled=is_compiled_block(model),
                                patch_gemm=tuple(n for n, conv in patch_embed_convs(model).items()
-                                                if isinstance(conv, PatchGemmConv2d)))
+                                                if isinstance(conv, PatchGemmConv2d)),
+                               model_norms=tuple(n for n, norm in model_norms(model).items()
+                                                 if isinstance(norm, (AutocastLayerNorm, AutocastTimmLayerNorm))))

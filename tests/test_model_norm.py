@@ -39,6 +39,10 @@ def test_convert_switches_the_models_norms_and_back(name, switched):
         want = AutocastTimmLayerNorm if kinds[n] is TimmLayerNorm else AutocastLayerNorm
         assert type(norm) is want and isinstance(norm, kinds[n])
     assert sorted(model_norms(model)) == sorted(switched)
+    summary = fp8vit.conversion_summary(model)  # says so
+    assert sorted(summary.model_norms) == sorted(switched) and "in one pass each way" in summary.short()
+    assert "the model's norms in one Triton pass each way under autocast" in summary.table()
+    assert summary.to_dict()["model_norms"] == list(summary.model_norms)
     for n, p in ref.named_parameters():  # nothing else of the norms changed
         if n.split(".")[0] in switched:
             assert torch.equal(model.get_parameter(n), p), n
@@ -53,7 +57,7 @@ def test_a_model_with_nothing_fused_keeps_its_norms():
     _, cait = _pair("cait_xxs24_224")
     kind = type(cait.norm)
     fp8vit.convert_to_te(cait, backend="reference")
-    assert type(cait.norm) is kind
+    assert type(cait.norm) is kind and fp8vit.conversion_summary(cait).model_norms == ()
 
 
 def test_the_cpu_forward_is_the_layernorms_own():
