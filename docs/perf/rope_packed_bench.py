@@ -121,9 +121,9 @@ def heads(blk, kind, qkv, rope):
     """q, k, v [B, N, H, D] for attention from the QKV GEMM's output [B, N, 3 H D]."""
     if kind in ("packed", "triton"):  # the library's RopeQKV with lever 43's kernel, or with lever 25's
         eva.rope_packed_qkv = LEVER43_KERNEL if kind == "packed" else rope_packed_qkv
-        blk.rope_kernel = "triton"
+        kept, blk.rope_kernel = blk.rope_kernel, "triton"
         q, k, v, _ = blk._qkv_heads(qkv, rope)
-        blk.rope_kernel = "te"
+        blk.rope_kernel = kept
         return q, k, v
     q, k, v, _ = blk._split_qkv(qkv)
     if kind == "te":

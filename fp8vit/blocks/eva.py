@@ -527,7 +527,7 @@ class TE_EvaBlock(FP8Block):  # noqa: N801 - named like TE_Block
             return "the QKV GEMM's output is not q, k, v of equal heads (a gate, or grouped-query attention)"
         if c.head_dim % 2:
             return f"head dim {c.head_dim} is odd"
-        if rope.dim() != 2 or tuple(rope.shape) != (n_patch, 2 * c.head_dim):
+        if tuple(rope.shape) != (n_patch, 2 * c.head_dim):
             return (f"a RoPE table of shape {tuple(rope.shape)}, not one row per patch token ({n_patch}, "
                     f"{2 * c.head_dim}): per head or per batch (mixed RoPE, patch dropout)")
         if rope.requires_grad:
