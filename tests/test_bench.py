@@ -823,6 +823,23 @@ def test_torchnorm_variant_leaves_the_models_norms_torchs():
             assert isinstance(net.norm, switched) is want, (variant, type(net.norm))
 
 
+def test_nchw_variants_compile_with_inductors_layout_optimization_off(monkeypatch):
+    # -nchw: torch.compile with Inductor's layout_optimization off (the convs keep the model's NCHW
+    # layout: lever 46's A/B in one process); every other compiled variant compiles with no options
+    from fp8vit.tools.workload import build_workload
+    assert Variant.parse("timm-bf16-nchw-compile").layout_opt is False
+    assert Variant.parse("timm-bf16-nchw-compile").compile and Variant.parse("timm-bf16-nchw-compile").fp8 is None
+    v = Variant.parse("fp8vit-fp8-delayed-nchw-graphed-compile")
+    assert (v.layout_opt, v.compile, v.graphed, v.fp8) == (False, True, True, "delayed")
+    assert Variant.parse("fp8vit-fp8-delayed-graphed-compile").layout_opt is True
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda net, **kw: calls.append(kw) or net)
+    kw = dict(img_size=32, num_classes=10, device="cpu")
+    for variant in ("timm-bf16-nchw-compile", "timm-bf16-compile"):
+        build_workload("micro", variant, **kw)
+    assert calls == [{"options": {"layout_optimization": False}}, {"options": None}]
+
+
 class _FakeRun:
     """bench._Run without a model: logs what the bench asks of it; each timed step takes one ms
     longer than the step before it, across variants (a drift over the process)."""

@@ -41,6 +41,10 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-delayed-torchnorm[-graphed]``  the model's own LayerNorms (final ``norm``, ...) left
                                    torch's under autocast (``convert_to_te`` runs them as one
                                    Triton pass each way: ``fp8vit.blocks.model_norm``)
+``timm-bf16-nchw-compile``,        compiled with Inductor's ``layout_optimization`` off: the
+``fp8vit-fp8-delayed-nchw-graphed-compile``  convolutions keep the model's own layout (NCHW, as
+                                   eager runs them) instead of Inductor's channels-last (the
+                                   depthwise convs of ViTamin's conv stages: lever 46)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -94,6 +98,7 @@ VARIANTS = (
     "fp8vit-fp8-delayed-convpatch-graphed", "fp8vit-fp8-delayed-convpatch-graphed-compile",
     "fp8vit-fp8-delayed-terope", "fp8vit-fp8-delayed-terope-graphed",
     "fp8vit-fp8-delayed-torchnorm", "fp8vit-fp8-delayed-torchnorm-graphed",
+    "timm-bf16-nchw-compile", "fp8vit-fp8-delayed-nchw-graphed-compile",
 )
 
 # -bf16narrow: fused blocks whose width (``cfg.dim``) is below this run with FP8 off
@@ -123,6 +128,8 @@ class Variant:
         rope_kernel: the RoPE blocks' ``rope_kernel`` (``"te"``), or None for the default.
         model_norms: the model's own LayerNorms as convert_to_te leaves them (one Triton pass each
             way under autocast); False: torch's (``-torchnorm``).
+        layout_opt: ``torch.compile`` with Inductor's ``layout_optimization`` (its default: the
+            convolutions of a compiled graph run channels-last); False: off (``-nchw``).
     """
 
     name: str
@@ -139,6 +146,7 @@ class Variant:
     patch_gemm: bool = True
     rope_kernel: Optional[str] = None
     model_norms: bool = True
+    layout_opt: bool = True
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -157,7 +165,8 @@ class Variant:
                    block_compile="blockcompile" in parts, fp8_attention="fp8attn" in parts,
                    bias_attention=next((p[:-4] for p in parts if p in ("torchbias", "tebias")), None),
                    bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts,
-                   rope_kernel="te" if "terope" in parts else None, model_norms="torchnorm" not in parts)
+                   rope_kernel="te" if "terope" in parts else None, model_norms="torchnorm" not in parts,
+                   layout_opt="nchw" not in parts)
 
     @property
     def te_fp8(self) -> bool:
@@ -313,8 +322,9 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if ddp:
         ids = [torch.cuda.current_device()] if device == "cuda" else None
         step_net = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids)
-    return Workload(net, v, torch.compile(step_net) if v.compile else step_net, img_size, num_classes, graphs,
-                    recipe)
+    if v.compile:  # Inductor's config for this compile only (its backward too)
+        step_net = torch.compile(step_net, options=None if v.layout_opt else {"layout_optimization": False})
+    return Workload(net, v, step_net, img_size, num_classes, graphs, recipe)
 
 
 def _timm_model(model: str, img_size: int, num_classes: int, **kw) -> nn.Module:
