@@ -827,10 +827,10 @@ def test_nchw_variants_compile_with_inductors_layout_optimization_off(monkeypatc
     # -nchw: torch.compile with Inductor's layout_optimization off (the convs keep the model's NCHW
     # layout: lever 46's A/B in one process); every other compiled variant compiles with no options
     from fp8vit.tools.workload import build_workload
-    assert Variant.parse("timm-bf16-nchw-compile").layout_opt is False
-    assert Variant.parse("timm-bf16-nchw-compile").compile and Variant.parse("timm-bf16-nchw-compile").fp8 is None
-    v = Variant.parse("fp8vit-fp8-delayed-nchw-graphed-compile")
-    assert (v.layout_opt, v.compile, v.graphed, v.fp8) == (False, True, True, "delayed")
+    for name, want in (("timm-bf16-nchw-compile", ("timm", None, False)),
+                       ("fp8vit-fp8-delayed-nchw-graphed-compile", ("fp8vit", "delayed", True))):
+        v = Variant.parse(name)
+        assert (v.blocks, v.fp8, v.graphed, v.compile, v.layout_opt) == (*want, True, False), name
     assert Variant.parse("fp8vit-fp8-delayed-graphed-compile").layout_opt is True
     calls = []
     monkeypatch.setattr(torch, "compile", lambda net, **kw: calls.append(kw) or net)
