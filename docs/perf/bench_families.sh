@@ -13,7 +13,7 @@ ALL5=timm-bf16,timm-bf16-compile,torchao-fp8-compile,fp8vit-fp8-delayed-graphed,
 bench() { timeout "$2" bash "$here/h200.sh" "bench:$1" | tail -9; }
 case $1 in
   1) bench vit_base_patch16_224:128 240; bench vit_large_patch16_224:128 300 ;;  # ~2.5 + ~3.5 min
-  2) bench vit_huge_patch16_224:128 540 ;;                                      # ~5-6 min
+  2) bench huge:128 540 ;;  # ViT-H/16 (timm has no vit_huge_patch16_224): ~5-6 min
   3) bench vitamin_large_224:64:$ALL5:all5 540 ;;                               # ~5.5 min
   4) bench beit_base_patch16_224:128:$ALL5:all5 300; bench deit3_base_patch16_224:128 240 ;;
   5) bench vit_base_patch16_rope_224:128 200; bench eva02_base_patch14_224:128 260 ;;

@@ -21,6 +21,9 @@ forward + backward per call (the host waits for each), median of 30 after 10 war
 Prediction (written before the first run): nhwc-cudnn about 1 ms per call on average (6.1 ms / 6),
 nchw-cudnn 1.5-2.5x faster, so that keeping these convs NCHW would save 2-3.5 ms of ViTamin-L's
 79.6 ms step (to 1.80-1.83x timm eager); the native kernels between the two.
+Measured (H100, ``results/levers/depthwise_conv_vitamin_l_h100.log``): per step nhwc-cudnn 7.08 ms,
+nchw-cudnn 29.42 (4.2x slower), nhwc-native 19.34, nchw-native 29.50: wrong way round; cuDNN's
+channels-last kernels are already the fastest here, so lever 46 is dropped (no A/B run).
 """
 
 import fp8vit  # noqa: F401  imports TE (where installed) before torch runs a cuDNN kernel

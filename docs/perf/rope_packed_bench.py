@@ -43,6 +43,9 @@ pass costs 0.29 ms over ``none`` per PE-core-L block where its ~380 MB need ~0.1
 so the kernel moves its bytes at about half the H100's bandwidth. Prediction: the default (4 rows,
 8 warps) within 10% of the best; if a shape is >= 15% faster, PE-core-L 336 px -0.5 to -1.5 ms a
 step with it (where the gain holds in the graphed step).
+Measured (H100, ``results/levers/rope_packed_qkv_lever44_sweep_h100.log``): every shape within 2% of
+the default except 1 row x 16 warps (~15% slower); the kernel moves ~2.7-2.8 TB/s forward and
+~2.6 backward, near the H100's bandwidth, so the premise (half the bandwidth) was wrong: no change.
 """
 
 import timm
