@@ -13,6 +13,8 @@ channels-last. Which layout and library runs them fastest?
   nhwc-cudnn     channels-last input and weight, cuDNN (what the compiled model runs)
   nchw-native    NCHW with cuDNN off: ATen's own depthwise kernels (conv_depthwise2d)
   nhwc-native    channels-last with cuDNN off
+  nhwc-shifted-compile  channels-last, fp8vit.blocks.depthwise.depthwise_shifted under torch.compile
+                 (lever 47: the 9 shifted products as Inductor's own fused kernels)
 Each path's output, input and weight gradients are checked against an fp32 NCHW reference (max
 error relative to the reference's largest value). Times: fp8vit.tools.timing.median_ms, one
 forward + backward per call (the host waits for each), median of 30 after 10 warm-up
@@ -24,11 +26,19 @@ nchw-cudnn 1.5-2.5x faster, so that keeping these convs NCHW would save 2-3.5 ms
 Measured (H100, ``results/levers/depthwise_conv_vitamin_l_h100.log``): per step nhwc-cudnn 7.08 ms,
 nchw-cudnn 29.42 (4.2x slower), nhwc-native 19.34, nchw-native 29.50: wrong way round; cuDNN's
 channels-last kernels are already the fastest here, so lever 46 is dropped (no A/B run).
+
+Lever 47 (nhwc-shifted-compile, written before its run): the convs' bytes (forward: input + output;
+input gradient: output gradient + input; weight gradient: both again) need ~3.3 ms a step at ~2.9
+TB/s; Inductor's kernels from the shifted products should reach 60-90% of that: 3.7-5.5 ms a step
+against nhwc-cudnn's 7.1 (1.3-1.9x faster). Risk: the weight gradient as 9 reductions that each
+re-read the output gradient (then slower than cuDNN). In the model Inductor also fuses the bias
+and the GELU after it; the step (ViTamin-L b64 graphed + compile, ``-dwshift-``) -1.5 to -3 ms.
 """
 
 import fp8vit  # noqa: F401  imports TE (where installed) before torch runs a cuDNN kernel
 import torch
 import torch.nn.functional as F
+from fp8vit.blocks.depthwise import depthwise_shifted
 
 from microbench import max_rel_err, timed_or_refused
 
@@ -53,8 +63,12 @@ def paths():
             with torch.backends.cudnn.flags(enabled=cudnn):
                 return F.conv2d(x, w, stride=stride, padding=1, groups=w.shape[0])
         return prepare, fn
-    return {f"{layout}-{'cudnn' if cudnn else 'native'}": run(layout, cudnn)
-            for cudnn in (True, False) for layout in ("nchw", "nhwc")}
+    found = {f"{layout}-{'cudnn' if cudnn else 'native'}": run(layout, cudnn)
+             for cudnn in (True, False) for layout in ("nchw", "nhwc")}
+    prepare, _ = run("nhwc", True)
+    shifted = torch.compile(lambda x, w, stride: depthwise_shifted(x, w, None, (stride, stride), (1, 1)), dynamic=False)
+    found["nhwc-shifted-compile"] = (prepare, shifted)
+    return found
 
 
 def main():
