@@ -840,7 +840,6 @@ def test_nchw_variants_compile_with_inductors_layout_optimization_off(monkeypatc
     assert calls == [{"options": {"layout_optimization": False}}, {"options": None}]
 
 
-
 def test_dwshift_variants_switch_the_depthwise_convolutions():
     # -dwshift: the small depthwise convs as shifted products under compile (lever 47's A/B in one
     # process); a model without any is refused by name, not run as the plain variant
