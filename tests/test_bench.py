@@ -840,24 +840,6 @@ def test_nchw_variants_compile_with_inductors_layout_optimization_off(monkeypatc
     assert calls == [{"options": {"layout_optimization": False}}, {"options": None}]
 
 
-def test_dwshift_variants_switch_the_depthwise_convolutions():
-    # -dwshift: the small depthwise convs as shifted products under compile (lever 47's A/B in one
-    # process); a model without any is refused by name, not run as the plain variant
-    from fp8vit.blocks.depthwise import ShiftedDepthwiseConv2d
-    from fp8vit.tools.workload import build_workload
-    for name, want in (("timm-bf16-dwshift-compile", ("timm", None, False)),
-                       ("fp8vit-fp8-delayed-dwshift-graphed-compile", ("fp8vit", "delayed", True))):
-        v = Variant.parse(name)
-        assert (v.blocks, v.fp8, v.graphed, v.compile, v.depthwise_shifts) == (*want, True, True), name
-    assert Variant.parse("timm-bf16-compile").depthwise_shifts is False
-    kw = dict(img_size=64, num_classes=10, device="cpu")
-    for variant, want in (("timm-bf16-dwshift-compile", 6), ("timm-bf16", 0)):
-        net = build_workload("vitamin_small_224", variant, **kw).model
-        assert sum(type(m) is ShiftedDepthwiseConv2d for m in net.modules()) == want, variant
-    with pytest.raises(ValueError, match="micro has no depthwise convolution of at most 9 taps"):
-        build_workload("micro", "timm-bf16-dwshift-compile", **kw)
-
-
 class _FakeRun:
     """bench._Run without a model: logs what the bench asks of it; each timed step takes one ms
     longer than the step before it, across variants (a drift over the process)."""

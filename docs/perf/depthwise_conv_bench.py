@@ -13,8 +13,8 @@ channels-last. Which layout and library runs them fastest?
   nhwc-cudnn     channels-last input and weight, cuDNN (what the compiled model runs)
   nchw-native    NCHW with cuDNN off: ATen's own depthwise kernels (conv_depthwise2d)
   nhwc-native    channels-last with cuDNN off
-  nhwc-shifted-compile  channels-last, fp8vit.blocks.depthwise.depthwise_shifted under torch.compile
-                 (lever 47: the 9 shifted products as Inductor's own fused kernels)
+  nhwc-shifted-compile  channels-last, the conv as 9 shifted products (``shifted`` below) under
+                 torch.compile (lever 47: Inductor's own fused kernels)
 Each path's output, input and weight gradients are checked against an fp32 NCHW reference (max
 error relative to the reference's largest value). Times: fp8vit.tools.timing.median_ms, one
 forward + backward per call (the host waits for each), median of 30 after 10 warm-up
@@ -33,12 +33,14 @@ TB/s; Inductor's kernels from the shifted products should reach 60-90% of that: 
 against nhwc-cudnn's 7.1 (1.3-1.9x faster). Risk: the weight gradient as 9 reductions that each
 re-read the output gradient (then slower than cuDNN). In the model Inductor also fuses the bias
 and the GELU after it; the step (ViTamin-L b64 graphed + compile, ``-dwshift-``) -1.5 to -3 ms.
+Measured (H100, ``results/levers/depthwise_conv_vitamin_l_lever47_h100.log``): 24.9 ms a step against
+nhwc-cudnn's 7.45 (3.3x slower); the step 86.6 -> 117.1 ms (``results/bench/vitamin_large_224_b64_
+lever47_h100.log``). Lever 47 is dropped; its module and ``-dwshift-`` variants left with commit 911413f.
 """
 
 import fp8vit  # noqa: F401  imports TE (where installed) before torch runs a cuDNN kernel
 import torch
 import torch.nn.functional as F
-from fp8vit.blocks.depthwise import depthwise_shifted
 
 from microbench import max_rel_err, timed_or_refused
 
@@ -50,6 +52,20 @@ SHAPES = {  # name: (channels, input height = width, stride), as timm's vitamin_
     "stage 1.1-1.3": (1280, 28, 1),  # three calls a step
 }
 CALLS = {"stage 1.1-1.3": 3}
+
+
+def shifted(x, w, stride):
+    """``F.conv2d(x, w, stride=stride, padding=1, groups=C)`` for 3x3 ``w`` ``[C, 1, 3, 3]``, as the
+    sum of 9 shifted slices of the zero-padded input, each times its channel's tap, in fp32."""
+    c, h, wd = x.shape[1:]
+    oh, ow = (h - 1) // stride + 1, (wd - 1) // stride + 1
+    xp, wf = F.pad(x, (1, 1, 1, 1)), w.float().view(c, 9)
+    out = 0
+    for i in range(3):
+        for j in range(3):  # the input pixels that tap (i, j) of every output pixel reads: [B, C, OH, OW]
+            tap = xp[:, :, i:i + stride * (oh - 1) + 1:stride, j:j + stride * (ow - 1) + 1:stride]
+            out = out + tap.float() * wf[:, 3 * i + j].view(1, c, 1, 1)
+    return out.to(x.dtype)
 
 
 def paths():
@@ -66,8 +82,7 @@ def paths():
     found = {f"{layout}-{'cudnn' if cudnn else 'native'}": run(layout, cudnn)
              for cudnn in (True, False) for layout in ("nchw", "nhwc")}
     prepare, _ = run("nhwc", True)
-    shifted = torch.compile(lambda x, w, stride: depthwise_shifted(x, w, None, (stride, stride), (1, 1)), dynamic=False)
-    found["nhwc-shifted-compile"] = (prepare, shifted)
+    found["nhwc-shifted-compile"] = (prepare, torch.compile(shifted, dynamic=False))
     return found
 
 

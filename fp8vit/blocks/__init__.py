@@ -16,7 +16,6 @@
 ``linear``         the FP8 ``Linear`` swapped into blocks fp8vit does not fuse
 ``patch_embed``    the patch embedding's convolution as one GEMM (``set_patch_gemm``)
 ``model_norm``     the model's own LayerNorms (final ``norm``, ...) in one pass under autocast
-``depthwise``      small depthwise convolutions as shifted products under ``torch.compile`` (lever 47)
 ``backend``        TE's modules on the GPU, or ``reference``'s pure-torch stand-ins (CPU, tests)
 =================  ===================================================================================
 

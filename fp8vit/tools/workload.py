@@ -45,9 +45,6 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-delayed-nchw-graphed-compile``  convolutions keep the model's own layout (NCHW, as
                                    eager runs them) instead of Inductor's channels-last (the
                                    depthwise convs of ViTamin's conv stages: lever 46)
-``timm-bf16-dwshift-compile``,     compiled with the small depthwise convolutions as shifted
-``fp8vit-fp8-delayed-dwshift-graphed-compile``  products that Inductor fuses
-                                   (``fp8vit.blocks.depthwise``: lever 47)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -74,7 +71,6 @@ from ..training.switches import set_block_fp8, set_mlp_recompute
 from ..training.graphs import GraphedBlocks, branch_blocks, graphed_handles, install_graphs, make_graphed_blocks
 from ..blocks.base import FP8Block
 from ..blocks.linear import is_block
-from ..blocks.depthwise import MAX_TAPS, set_depthwise_shifts
 from ..blocks.model_norm import set_model_norms
 from .._te.recipes import RECIPE_NAMES, make_recipe
 
@@ -103,7 +99,6 @@ VARIANTS = (
     "fp8vit-fp8-delayed-terope", "fp8vit-fp8-delayed-terope-graphed",
     "fp8vit-fp8-delayed-torchnorm", "fp8vit-fp8-delayed-torchnorm-graphed",
     "timm-bf16-nchw-compile", "fp8vit-fp8-delayed-nchw-graphed-compile",
-    "timm-bf16-dwshift-compile", "fp8vit-fp8-delayed-dwshift-graphed-compile",
 )
 
 # -bf16narrow: fused blocks whose width (``cfg.dim``) is below this run with FP8 off
@@ -135,8 +130,6 @@ class Variant:
             way under autocast); False: torch's (``-torchnorm``).
         layout_opt: ``torch.compile`` with Inductor's ``layout_optimization`` (its default: the
             convolutions of a compiled graph run channels-last); False: off (``-nchw``).
-        depthwise_shifts: the small depthwise convolutions as shifted products under compile
-            (``-dwshift``: :func:`fp8vit.blocks.depthwise.set_depthwise_shifts`).
     """
 
     name: str
@@ -154,7 +147,6 @@ class Variant:
     rope_kernel: Optional[str] = None
     model_norms: bool = True
     layout_opt: bool = True
-    depthwise_shifts: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -174,7 +166,7 @@ class Variant:
                    bias_attention=next((p[:-4] for p in parts if p in ("torchbias", "tebias")), None),
                    bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts,
                    rope_kernel="te" if "terope" in parts else None, model_norms="torchnorm" not in parts,
-                   layout_opt="nchw" not in parts, depthwise_shifts="dwshift" in parts)
+                   layout_opt="nchw" not in parts)
 
     @property
     def te_fp8(self) -> bool:
@@ -289,8 +281,6 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if v.blocks == "te-layer":
         kw["block_fn"] = te_layer_block_fn()
     net = _timm_model(model, img_size, num_classes, **kw).to(device)
-    if v.depthwise_shifts and not set_depthwise_shifts(net):
-        raise ValueError(f"variant {variant!r}: {model} has no depthwise convolution of at most {MAX_TAPS} taps")
     eager_cudnn_norm = v.cudnn_norm and not v.graphed  # graphed: only the captured graphs use it
     if eager_cudnn_norm or _te.cudnn_norm_enabled():  # a variant without the switch runs TE's kernels
         set_cudnn_layernorm(eager_cudnn_norm)
