@@ -10,6 +10,8 @@ across the tile every 64 rows) moved 0.6-1.5 TB/s where TE's kernel moves 2.1-2.
 reduction at width 768-1024; ``results/levers/bias_grad_lever48_h100.log``). Here the sums and the
 amax stay per element in registers until the program's last row, and the transpose is stored
 either from the tile as loaded (``direct``: Triton converts the layout) or as ``tl.trans`` of it.
+Beside them, the other split for the gradients without a GELU: TE's cast-transpose
+(``tex.quantize``, no bias gradient) and torch's column sum, which reads the gradient again.
 Each configuration's bytes are checked against TE's (the cast and its transpose equal; after the
 GELU's backward a byte may move one FP8 step, fp32 tanh) and its bias gradient against TE's.
 Times: 20 back-to-back calls captured in a CUDA graph (as the training step runs them: no host
@@ -160,6 +162,11 @@ def main():
             def te_fn(q=quantizer()):
                 return tex.dbias_dgelu(g, act, q) if gelu else tex.bgrad_quantize(g, q)
             ref, te_ms = te_fn(), per_call_ms(te_fn)
+            if not gelu:  # the other split: TE's cast-transpose kernel alone, the sum by torch (a second read)
+                q_split = quantizer()
+                split_ms = per_call_ms(lambda: (g.sum(0), tex.quantize(g, q_split)))
+                print(f"{model} {name}: TE's cast-transpose without the bias gradient + torch's column sum "
+                      f"{split_ms * 1e3:.1f} us")
             rows = []
             for cfg, per_sm in itertools.product(CONFIGS, PROGRAMS_PER_SM):
                 q = quantizer()
