@@ -7,7 +7,9 @@
 - the norm over the real units of a padded MLP's hidden layer (:func:`padded_norm_forward`,
   :func:`padded_norm_backward`), for :class:`fp8vit.blocks.mlp.PaddedNorm`;
 - RoPE on q and k of the packed QKV buffer (:func:`rope_packed_qkv`), for
-  :class:`fp8vit.blocks.eva.RopeQKV`.
+  :class:`fp8vit.blocks.eva.RopeQKV`;
+- an output gradient's FP8 cast, its transpose and its column sums (the bias gradient)
+  (:func:`cast_transpose_dbias`), for :mod:`fp8vit._te.bias_grad`.
 
 Each takes contiguous tensors in one half-precision dtype on one GPU (:func:`kernel_takes`).
 Triton comes with torch's CUDA wheels; it is imported on first use on a CUDA tensor only, so that
@@ -29,7 +31,7 @@ import torch
 from ..errors import Check
 
 __all__ = ["triton_support", "kernel_takes", "layerscale_backward", "row_scale_add", "column_scale_add",
-           "padded_norm_forward", "padded_norm_backward", "rope_support", "rope_packed_qkv"]
+           "padded_norm_forward", "padded_norm_backward", "rope_support", "rope_packed_qkv", "cast_transpose_dbias"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,6 +75,7 @@ def kernel_takes(*tensors: Optional[torch.Tensor]) -> bool:
 def _kernels():
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     @triton.jit
     def layerscale_bwd(G, Y, GAMMA, DY, PART, R, C, ROWS_PER_PROG, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -236,8 +239,55 @@ def _kernels():
             vo = base[:, None] + H2 * D + v[None, :]
             tl.store(OUT + vo, tl.load(X + vo, mask=vm), mask=vm)
 
+    @triton.jit
+    def cast_transpose_dbias_kernel(G, Q, QT, PART, SCALE, AMAX, SCALE_INV, R, C, ROWS_PER_PROG,
+                                    FP8_MAX: tl.constexpr, E5M2: tl.constexpr, BLOCK_R: tl.constexpr,
+                                    BLOCK_C: tl.constexpr):
+        # One program: ROWS_PER_PROG rows x BLOCK_C columns of G [R, C], x = G in fp32; Q [R, C] and
+        # QT [C, R] get x * scale in FP8 (saturated, rounded to nearest, as TE's casts), PART[program
+        # row] the strip's column sums of x, AMAX the largest |x| (atomic max into the delayed-scaling
+        # history), SCALE_INV 1 / scale. The sums and the amax stay per element in registers until
+        # the strip ends: reducing across the tile every BLOCK_R rows halved the bandwidth (lever 48).
+        pid_r = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        scale = tl.load(SCALE)
+        acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+        amax = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+        for r in range(0, ROWS_PER_PROG, BLOCK_R):
+            rows = pid_r * ROWS_PER_PROG + r + tl.arange(0, BLOCK_R)
+            m = (rows[:, None] < R) & cmask[None, :]
+            offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+            x = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
+            acc += x
+            amax = tl.maximum(amax, tl.abs(x))
+            y = x * scale
+            y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))  # NaN stays NaN
+            if E5M2:
+                q = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+            else:
+                q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            tl.store(Q + offs, q, mask=m)
+            tl.store(QT + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=m)  # Triton stages it
+        tl.store(PART + pid_r * C + cols, tl.sum(acc, axis=0), mask=cmask)
+        tl.atomic_max(AMAX, tl.max(tl.max(amax, axis=1), axis=0))
+        if (pid_r == 0) & (tl.program_id(1) == 0):
+            tl.store(SCALE_INV, libdevice.div_rn(scale * 0.0 + 1.0, scale))  # exact, as TE's
+
+    @triton.jit
+    def column_sum(PART, OUT, P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        # OUT[c] = sum over the P rows of PART [P, C] (fp32), rounded once to OUT's dtype
+        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
+        for p in range(0, P, BLOCK_P):
+            rows = p + tl.arange(0, BLOCK_P)
+            acc += tl.load(PART + rows[:, None] * C + cols[None, :], mask=(rows[:, None] < P) & cmask[None, :], other=0.0)
+        tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cmask)
+
     return SimpleNamespace(triton=triton, layerscale_bwd=layerscale_bwd, row_scale_add=row_scale_add_kernel,
-                           padded_norm_fwd=padded_norm_fwd, padded_norm_bwd=padded_norm_bwd, rope_qk=rope_qk)
+                           padded_norm_fwd=padded_norm_fwd, padded_norm_bwd=padded_norm_bwd, rope_qk=rope_qk,
+                           cast_transpose_dbias=cast_transpose_dbias_kernel, column_sum=column_sum)
 
 
 _BLOCK_R, _BLOCK_C = 32, 128
@@ -445,3 +495,45 @@ def rope_packed_qkv(qkv: torch.Tensor, table: torch.Tensor, num_prefix_tokens: i
                 interleaved, backward,
                 num_warps=_ROPE_WARPS)
     return out
+
+
+# cast_transpose_dbias: 64 x 64 tiles, 4 warps, 4 programs an SM: the fastest correct launch of the
+# 36 that docs/perf/ct_dbias_sweep.py times (results/levers/ct_dbias_sweep_lever49_h100.log)
+_CT_BLOCK, _SUM_ROWS, _SUM_COLS = 64, 16, 64
+
+
+def cast_transpose_dbias(grad: torch.Tensor, data: torch.Tensor, data_t: torch.Tensor, scale: torch.Tensor,
+                         amax: torch.Tensor, scale_inv: torch.Tensor, e5m2: bool) -> torch.Tensor:
+    """An output gradient's FP8 cast, the cast's transpose and the bias gradient, in one pass over
+    the gradient (TE's ``bgrad_quantize`` for per-tensor delayed scaling).
+
+    TE 2.20's fused kernel sums the bias gradient in two steps, the second a reduction over a few
+    hundred partial rows by one thread per four columns (about 21 us a call on an H100, whatever the
+    width); here the partial sums are reduced by a second kernel across the columns.
+
+    Args:
+        grad: ``[R, C]``, CUDA, contiguous, bf16 or fp16.
+        data: ``[R, C]`` uint8, the FP8 cast's bytes (written).
+        data_t: ``[C, R]`` uint8, its transpose (written).
+        scale: the one-element fp32 scale the cast multiplies by.
+        amax: the one-element fp32 amax to raise to ``max |grad|`` (atomically; not reset here).
+        scale_inv: the one-element fp32 ``1 / scale`` (written).
+        e5m2: cast to E5M2 (else E4M3).
+
+    Returns:
+        the bias gradient ``[C]`` in ``grad``'s dtype: column sums in fp32, rounded once.
+    """
+    k = _kernels()
+    R, C = grad.shape
+    dbias = torch.empty(C, device=grad.device, dtype=grad.dtype)
+    if not R:
+        return dbias.zero_()
+    col_blocks = k.triton.cdiv(C, _CT_BLOCK)
+    progs, per = _row_strips(R, grad.device, col_blocks, _CT_BLOCK)
+    part = torch.empty(progs, C, device=grad.device, dtype=torch.float32)
+    with torch.cuda.device(grad.device):  # Triton launches on the current device
+        k.cast_transpose_dbias[(progs, col_blocks)](
+            grad, data, data_t, part, scale, amax, scale_inv, R, C, per, 57344.0 if e5m2 else 448.0, e5m2,
+            _CT_BLOCK, _CT_BLOCK, num_warps=4)
+        k.column_sum[(k.triton.cdiv(C, _SUM_COLS),)](part, dbias, progs, C, _SUM_ROWS, _SUM_COLS)
+    return dbias
