@@ -68,9 +68,22 @@ def test_turning_off_needs_no_te():
     assert bias_grad.set_bias_grad_kernel(False) is False
 
 
-def test_tritondbias_variants():
-    for name in ("fp8vit-fp8-delayed-tritondbias", "fp8vit-fp8-delayed-tritondbias-graphed"):
-        assert name in VARIANTS
-        v = Variant.parse(name)
-        assert v.triton_dbias and v.fp8 == "delayed" and v.graphed == name.endswith("-graphed")
-    assert not Variant.parse("fp8vit-fp8-delayed-graphed").triton_dbias
+def test_tedbias_variant():
+    # graphed variants capture fp8vit's kernel unless -tedbias- says TE's
+    assert "fp8vit-fp8-delayed-tedbias-graphed" in VARIANTS
+    v = Variant.parse("fp8vit-fp8-delayed-tedbias-graphed")
+    assert not v.triton_dbias and v.fp8 == "delayed" and v.graphed
+    assert Variant.parse("fp8vit-fp8-delayed-graphed").triton_dbias
+
+
+def test_context_restores_the_previous_setting(fake_te):
+    tex, originals, _ = fake_te
+    with bias_grad.bias_grad_kernel(True) as on:
+        assert on and tex.bgrad_quantize is bias_grad._bgrad_quantize
+        with bias_grad.bias_grad_kernel(False) as on2:
+            assert on2 is False and tex.bgrad_quantize is originals[0]
+        assert tex.bgrad_quantize is bias_grad._bgrad_quantize
+    assert tex.bgrad_quantize is originals[0] and not bias_grad.bias_grad_kernel_enabled()
+    with pytest.raises(RuntimeError), bias_grad.bias_grad_kernel(True):
+        raise RuntimeError("a failed capture")
+    assert tex.bgrad_quantize is originals[0]

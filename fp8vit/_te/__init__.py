@@ -30,7 +30,7 @@ must be imported before torch runs its first cuDNN kernel.
 from .extra_state import EXTRA_STATE_FORMAT
 from .fp8 import (active_fp8_recipe, autocast, checkpoint, fused_adam, is_quantized, quantized_model_init,
                   repair_amax_histories, scaling_state)
-from .bias_grad import bias_grad_kernel_enabled, set_bias_grad_kernel
+from .bias_grad import bias_grad_kernel, bias_grad_kernel_enabled, set_bias_grad_kernel
 from .graph_forward import lean_graphed_forward
 from .graphs import make_graphed_callables, release_main_grad, restore_scaling, save_scaling, wgrad_into_main_grad
 from .loader import (INSTALL_HINT, MIN_TE_VERSION, clear_cache, installed, load_te, preload, release_import_warnings,
@@ -49,7 +49,7 @@ __all__ = [
     # modules and kernels
     "modules", "MODULE_NAMES", "SwappedLinear", "fp8_linear_class", "transformer_layer_class",
     "packed_attention", "attention_backend", "fused_rope", "gated_activation", "cudnn_norm", "cudnn_norm_available", "cudnn_norm_enabled", "set_cudnn_norm",
-    "cast_small_params", "set_bias_grad_kernel", "bias_grad_kernel_enabled",
+    "cast_small_params", "set_bias_grad_kernel", "bias_grad_kernel_enabled", "bias_grad_kernel",
     # CUDA graphs
     "make_graphed_callables", "lean_graphed_forward", "wgrad_into_main_grad", "release_main_grad", "save_scaling",
     "restore_scaling",

@@ -18,14 +18,15 @@ there at each call (``module/base.py``).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import contextlib
+from typing import Any, Dict, Iterator, List
 
 import torch
 
 from .kernels import cast_transpose_dbias, kernel_takes, triton_support
 from .loader import te_module
 
-__all__ = ["set_bias_grad_kernel", "bias_grad_kernel_enabled"]
+__all__ = ["set_bias_grad_kernel", "bias_grad_kernel_enabled", "bias_grad_kernel"]
 
 _TE_FUNCTIONS: Dict[str, Any] = {}  # TE's own function while fp8vit's is installed
 
@@ -57,6 +58,17 @@ def set_bias_grad_kernel(enable: bool = True) -> bool:
         _TE_FUNCTIONS["bgrad_quantize"] = tex.bgrad_quantize
         tex.bgrad_quantize = _bgrad_quantize
     return bias_grad_kernel_enabled()
+
+
+@contextlib.contextmanager
+def bias_grad_kernel(enabled: bool) -> Iterator[bool]:
+    """:func:`set_bias_grad_kernel` for the duration of the block (yields whether fp8vit's kernel is
+    installed), then the previous setting again."""
+    old = bias_grad_kernel_enabled()
+    try:
+        yield set_bias_grad_kernel(enabled)
+    finally:
+        set_bias_grad_kernel(old)
 
 
 def _takes(grad: torch.Tensor, quantizer: Any) -> bool:

@@ -45,10 +45,9 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-delayed-nchw-graphed-compile``  convolutions keep the model's own layout (NCHW, as
                                    eager runs them) instead of Inductor's channels-last (the
                                    depthwise convs of ViTamin's conv stages: lever 46)
-``fp8vit-fp8-delayed-tritondbias[-graphed]``  TE's FP8 cast, transpose and bias gradient of each
-                                   output gradient by fp8vit's kernel (lever 49:
-                                   ``fp8vit._te.set_bias_grad_kernel``), set while the variant
-                                   builds (the graphs' capture) and runs each step
+``fp8vit-fp8-delayed-tedbias-graphed``  the graphs capture TE's own FP8 cast, transpose and bias
+                                   gradient of each output gradient, not fp8vit's kernel
+                                   (``make_graphed_blocks(triton_dbias=False)``: lever 49)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -103,7 +102,7 @@ VARIANTS = (
     "fp8vit-fp8-delayed-terope", "fp8vit-fp8-delayed-terope-graphed",
     "fp8vit-fp8-delayed-torchnorm", "fp8vit-fp8-delayed-torchnorm-graphed",
     "timm-bf16-nchw-compile", "fp8vit-fp8-delayed-nchw-graphed-compile",
-    "fp8vit-fp8-delayed-tritondbias", "fp8vit-fp8-delayed-tritondbias-graphed",
+    "fp8vit-fp8-delayed-tedbias-graphed",
 )
 
 # -bf16narrow: fused blocks whose width (``cfg.dim``) is below this run with FP8 off
@@ -135,7 +134,7 @@ class Variant:
             way under autocast); False: torch's (``-torchnorm``).
         layout_opt: ``torch.compile`` with Inductor's ``layout_optimization`` (its default: the
             convolutions of a compiled graph run channels-last); False: off (``-nchw``).
-        triton_dbias: TE's bias gradients by fp8vit's kernel (``-tritondbias``); False: TE's.
+        triton_dbias: the graphs' FP8 bias gradients by fp8vit's kernel; False: TE's (``-tedbias``).
     """
 
     name: str
@@ -153,7 +152,7 @@ class Variant:
     rope_kernel: Optional[str] = None
     model_norms: bool = True
     layout_opt: bool = True
-    triton_dbias: bool = False
+    triton_dbias: bool = True
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -173,7 +172,7 @@ class Variant:
                    bias_attention=next((p[:-4] for p in parts if p in ("torchbias", "tebias")), None),
                    bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts,
                    rope_kernel="te" if "terope" in parts else None, model_norms="torchnorm" not in parts,
-                   layout_opt="nchw" not in parts, triton_dbias="tritondbias" in parts)
+                   layout_opt="nchw" not in parts, triton_dbias="tedbias" not in parts)
 
     @property
     def te_fp8(self) -> bool:
@@ -310,8 +309,6 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
             set_mlp_recompute(net, every=mlp_recompute)
     if v.fp8 == "torchao":
         _torchao_fp8(net)
-    if v.te_fp8:  # TE's bias gradients: the variant's kernel for the capture (and each step)
-        _set_dbias_kernel(v)
     graphs = ()
     cudnn_norm = True if v.cudnn_norm else None  # None: make_graphed_blocks' default, per width
     if v.graphed:
@@ -321,9 +318,9 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         # (CrossViT's MultiScaleBlocks, called with a list): each, by install_graphs
         if isinstance(getattr(net, "blocks", None), (nn.Sequential, nn.ModuleList)) and not branch_blocks(net):
             graphs = (make_graphed_blocks(net.train(), batch_size, recipe=recipe, fp8=v.te_fp8,
-                                          cudnn_layernorm=cudnn_norm),)
+                                          cudnn_layernorm=cudnn_norm, triton_dbias=v.triton_dbias),)
         else:  # blocks in stages (Swin) or branches (CrossViT): convert_to_te(cuda_graphs=True)'s shape cache
-            why = install_graphs(net, cudnn_norm)
+            why = install_graphs(net, cudnn_norm, v.triton_dbias)
             if why is not None:
                 raise ValueError(f"variant {variant!r}: {why}")
             graphs = tuple(graphed_handles(net))
@@ -334,13 +331,6 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if v.compile:  # Inductor's config for this compile only (its backward too)
         step_net = torch.compile(step_net, options=None if v.layout_opt else {"layout_optimization": False})
     return Workload(net, v, step_net, img_size, num_classes, graphs, recipe)
-
-
-def _set_dbias_kernel(v: Variant) -> None:
-    """TE's bias gradients by fp8vit's kernel for ``-tritondbias`` variants, by TE's for the others."""
-    if _te.set_bias_grad_kernel(v.triton_dbias) != v.triton_dbias:
-        raise ValueError(f"variant {v.name!r}: fp8vit's bias-gradient kernel cannot run here: "
-                         f"{_te.kernels.triton_support().reason}")
 
 
 def _timm_model(model: str, img_size: int, num_classes: int, **kw) -> nn.Module:
@@ -420,8 +410,6 @@ def train_step_fn(wl: Workload, optimizer: torch.optim.Optimizer) -> Callable:
     recipe = wl.recipe
 
     def step(x, y):
-        if wl.variant.te_fp8:  # variants built side by side in one process each keep their own
-            _set_dbias_kernel(wl.variant)
         with fp8_context(recipe, enabled=wl.variant.te_fp8):
             loss = F.cross_entropy(wl.net(x), y)
         loss.backward()

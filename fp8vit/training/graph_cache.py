@@ -261,7 +261,7 @@ class GraphedBlocks:
 
     def __init__(self, blocks: nn.Module, per_block: bool, *, max_shapes: int = MAX_SHAPES,
                  num_warmup_iters: int = 3, cudnn_layernorm: Optional[bool] = None, fused_wgrad: bool = True,
-                 fp8: bool = True, amax_reduction_group: Any = None):
+                 fp8: bool = True, amax_reduction_group: Any = None, triton_dbias: bool = True):
         self._blocks = blocks  # may be half-built here (unpickling, deepcopy): read on first use
         self._target_list: Optional[tuple] = None
         self.per_block = per_block
@@ -269,6 +269,7 @@ class GraphedBlocks:
         self.num_warmup_iters = num_warmup_iters
         self.cudnn_layernorm = cudnn_layernorm
         self._fused_wgrad = fused_wgrad
+        self._triton_dbias = triton_dbias
         self._fp8 = fp8
         self._group = amax_reduction_group
         self.replays = 0
@@ -402,7 +403,7 @@ class GraphedBlocks:
         # these read the original's parameters.
         return (_fresh_handle, (self._blocks, self.per_block, dict(
             max_shapes=self.max_shapes, num_warmup_iters=self.num_warmup_iters, cudnn_layernorm=self.cudnn_layernorm,
-            fused_wgrad=self._fused_wgrad, fp8=self._fp8)))
+            fused_wgrad=self._fused_wgrad, fp8=self._fp8, triton_dbias=self._triton_dbias)))
 
     def _install(self) -> None:
         for i, t in enumerate(self._targets):
@@ -810,6 +811,9 @@ class GraphedBlocks:
             with contextlib.ExitStack() as stack:
                 if self._cudnn_norm_for(recipe):
                     stack.enter_context(_te.cudnn_norm(True))
+                # TE's FP8 bias gradients by fp8vit's kernel in the captured backward (lever 49;
+                # without Triton, or under other recipes, TE's own run)
+                stack.enter_context(_te.bias_grad_kernel(self._triton_dbias and recipe is not None))
                 if self._fused_wgrad:
                     # fp8vit's blocks only: their TE modules' weights are known to reach the GEMMs as is.
                     weights = tuple(stack.enter_context(_te.wgrad_into_main_grad(self._fp8_blocks, reuse=True)))

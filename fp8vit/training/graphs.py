@@ -169,12 +169,12 @@ def graphed_handles(model: nn.Module) -> list:
     return list(found.values())
 
 
-def install_graphs(model: nn.Module, cudnn_layernorm: Optional[bool] = None) -> Optional[str]:
+def install_graphs(model: nn.Module, cudnn_layernorm: Optional[bool] = None, triton_dbias: bool = True) -> Optional[str]:
     """``convert_to_te(cuda_graphs=True)``: graphs for ``model.blocks``, each shape captured as it
     comes (:func:`make_graphed_blocks` with no batch size, its defaults). Nothing needs a GPU yet.
     A model whose ``blocks`` hold no fp8vit block but that holds ViTs (a LightningModule's
     ``self.model``, a Swin's stages): theirs; or branches of fp8vit blocks (CrossViT): each branch.
-    ``cudnn_layernorm``: as :func:`make_graphed_blocks`'s.
+    ``cudnn_layernorm``, ``triton_dbias``: as :func:`make_graphed_blocks`'s.
 
     Returns:
         None, or why nothing was installed (no ``blocks`` and no ViT of fp8vit blocks inside,
@@ -184,17 +184,18 @@ def install_graphs(model: nn.Module, cudnn_layernorm: Optional[bool] = None) -> 
     if not (isinstance(blocks, (nn.Sequential, nn.ModuleList)) and _holds_fp8_blocks(blocks)):
         inner, branches = _vits_inside(model), branch_blocks(model)
         if inner or branches:
-            why = [install_graphs(m, cudnn_layernorm) for m in inner]
-            why += [_install(b, False, (b,), cudnn_layernorm) for b in branches]
+            why = [install_graphs(m, cudnn_layernorm, triton_dbias) for m in inner]
+            why += [_install(b, False, (b,), cudnn_layernorm, triton_dbias) for b in branches]
             return "; ".join(dict.fromkeys(w for w in why if w is not None)) or None  # each reason once
     try:
         blocks, per_block, targets = _blocks_of(model, "cuda_graphs=True")
     except ValueError as err:
         return str(err)
-    return _install(blocks, per_block, targets, cudnn_layernorm)
+    return _install(blocks, per_block, targets, cudnn_layernorm, triton_dbias)
 
 
-def _install(blocks: nn.Module, per_block: bool, targets: tuple, cudnn_layernorm: Optional[bool]) -> Optional[str]:
+def _install(blocks: nn.Module, per_block: bool, targets: tuple, cudnn_layernorm: Optional[bool],
+             triton_dbias: bool) -> Optional[str]:
     """A :class:`GraphedBlocks` dispatch on ``targets``, or why not (as :func:`install_graphs`)."""
     if any(isinstance(vars(t).get("forward"), _Dispatch) for t in targets):
         return None
@@ -203,7 +204,7 @@ def _install(blocks: nn.Module, per_block: bool, targets: tuple, cudnn_layernorm
     param = next(iter(blocks.parameters()), None)
     if param is not None and is_sharded(param):
         return f"the blocks are sharded by FSDP2 (fully_shard), so they are not graphed: {WHY_NOT_WITH_FSDP2}"
-    GraphedBlocks(blocks, per_block, cudnn_layernorm=cudnn_layernorm)._install()
+    GraphedBlocks(blocks, per_block, cudnn_layernorm=cudnn_layernorm, triton_dbias=triton_dbias)._install()
     return None
 
 
@@ -226,6 +227,7 @@ def make_graphed_blocks(
     fused_wgrad: bool = True,
     amax_reduction_group: Any = None,
     max_shapes: int = MAX_SHAPES,
+    triton_dbias: bool = True,
 ) -> GraphedBlocks:
     """CUDA graphs for ``model.blocks`` (forward and backward, all blocks in one graph pair each, or
     one per block), one set per call signature, captured as the shapes come (module docstring).
@@ -268,6 +270,11 @@ def make_graphed_blocks(
         max_shapes: how many call signatures get graphs (the ``batch_size`` one included); each
             holds its static buffers, and all share the activation memory of the largest
             (:attr:`GraphedBlocks.memory_bytes`). Other shapes run eagerly.
+        triton_dbias: the backward graphs cast each FP8 Linear's output gradient, transpose it and
+            sum its columns (the bias gradient) with fp8vit's Triton kernel instead of TE's
+            ``bgrad_quantize`` (delayed scaling; the same FP8 bytes, the bias gradient summed in
+            another order; docs/performance.md, lever 49). ViT-B/16 b128 on an H100: -0.6 ms a
+            step, ViT-L/16 -1.5 ms. Where Triton cannot run, TE's kernel is captured. False: TE's.
 
     Returns:
         a :class:`GraphedBlocks` handle (shapes, memory, replay counts, ``release()``).
@@ -297,6 +304,7 @@ def make_graphed_blocks(
     if cudnn_layernorm is not None:
         check_bool(fn, "cudnn_layernorm", cudnn_layernorm)
     check_bool(fn, "fused_wgrad", fused_wgrad)
+    check_bool(fn, "triton_dbias", triton_dbias)
     check_process_group(fn, "amax_reduction_group", amax_reduction_group)
     check_int(fn, "max_shapes", max_shapes, min=1)
     blocks, per_block, targets = _blocks_of(model, fn)
@@ -348,7 +356,7 @@ def make_graphed_blocks(
             dtypes, call_kwargs = (in_dtype,), {}
     handle = GraphedBlocks(blocks, per_block, max_shapes=max_shapes, num_warmup_iters=num_warmup_iters,
                            cudnn_layernorm=cudnn_layernorm, fused_wgrad=fused_wgrad, fp8=fp8,
-                           amax_reduction_group=amax_reduction_group)
+                           amax_reduction_group=amax_reduction_group, triton_dbias=triton_dbias)
     if now:
         spec = handle._spec(call_kwargs)
         odd = [f"{k}={v!r}" for k, v in spec if not _is_tensor_spec(v)]

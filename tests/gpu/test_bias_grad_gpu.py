@@ -4,7 +4,8 @@ The FP8 bytes of the cast and of its transpose, the amax and ``1 / scale`` equal
 same fp32 product, saturated and rounded to nearest). The bias gradient is the same fp32 column sum
 in another order: within bf16 rounding of TE's. Then a TE ``Linear`` and ``LayerNormMLP`` train one
 FP8 step alike with it and without. Row counts are multiples of 8: TE's own cast-transpose (the
-reference) asserts rows % 4 and its modules under FP8 want multiples of 8.
+reference) asserts rows % 4, its modules under FP8 want multiples of 8 and their FP8 weight-gradient
+GEMMs multiples of 16.
 """
 
 import pytest
@@ -99,7 +100,7 @@ def test_te_modules_train_alike(kind):
         torch.manual_seed(0)
         mod = (te.Linear(256, 384, bias=True) if kind == "Linear"
                else te.LayerNormMLP(256, 1024, bias=True, activation="gelu")).cuda()
-        x = torch.randn(8, 197, 256, device="cuda", requires_grad=True)
+        x = torch.randn(16, 197, 256, device="cuda", requires_grad=True)
         assert fp8vit._te.set_bias_grad_kernel(on) == on
         with fp8vit.fp8_context("delayed"):
             y = mod(x)
@@ -111,3 +112,29 @@ def test_te_modules_train_alike(kind):
             torch.testing.assert_close(got[name].float(), ref[name].float(), rtol=2e-2, atol=1e-5)
         else:
             assert torch.equal(got[name], ref[name]), name
+
+
+@pytest.mark.parametrize("triton_dbias", [True, False])
+def test_graphs_capture_the_chosen_kernel_and_restore_the_setting(monkeypatch, triton_dbias):
+    # make_graphed_blocks' backward graphs run fp8vit's kernel by default (each fp8vit block's
+    # qkv, proj, fc1's... Linears: the calls TE routes through bgrad_quantize), TE's with
+    # triton_dbias=False; the process-wide setting is what it was before the capture
+    import timm
+    from fp8vit._te import bias_grad
+    calls = []
+    real = bias_grad.cast_transpose_dbias
+    monkeypatch.setattr(bias_grad, "cast_transpose_dbias", lambda *a: calls.append(a[0].shape) or real(*a))
+    fp8vit._te.set_bias_grad_kernel(False)
+    torch.manual_seed(0)
+    model = fp8vit.convert_to_te(timm.create_model("vit_base_patch16_224", depth=2, num_classes=10).cuda())
+    handle = fp8vit.make_graphed_blocks(model.train(), 16, triton_dbias=triton_dbias)
+    assert not fp8vit._te.bias_grad_kernel_enabled()
+    assert bool(calls) == triton_dbias, calls
+    if triton_dbias:  # every call is one of the blocks' output gradients: 16 x 197 token rows
+        assert {rows for rows, _ in calls} == {16 * 197} and {c for _, c in calls} >= {768, 3 * 768}
+    x = torch.randn(16, 3, 224, 224, device="cuda")
+    with fp8vit.fp8_context("delayed"):
+        loss = model(x).float().square().mean()
+    loss.backward()
+    assert handle.replays == 1 and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    handle.release()

@@ -123,15 +123,18 @@ def _assert_same_gradients(eager_seq, graphed_seq, trail=None):
     assert_gradients_alike(eager_seq, graphed_seq, where)
 
 
+@pytest.mark.parametrize("triton_dbias", [True, False], ids=["fp8vit-dbias", "te-dbias"])
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
-def test_graphed_training_matches_eager(recipe):
-    # fused_wgrad=False: the graphs run exactly the eager kernels, so training over optimizer steps
-    # must match, FP8 scales bit for bit.
+def test_graphed_training_matches_eager(recipe, triton_dbias):
+    # fused_wgrad=False: the graphs run exactly the eager kernels (the bias gradients on the kernel
+    # the graphs captured, fp8vit's or TE's), so training over optimizer steps must match, FP8
+    # scales bit for bit.
     data = _data()
     eager, graphed = _vit(), _vit()
-    handle = fp8vit.make_graphed_blocks(graphed, B, recipe=recipe, fused_wgrad=False)
-    assert not handle.fused_wgrad
-    le, lg = _train(eager, data, recipe), _train(graphed, data, recipe)
+    with fp8vit._te.bias_grad_kernel(triton_dbias):
+        handle = fp8vit.make_graphed_blocks(graphed, B, recipe=recipe, fused_wgrad=False, triton_dbias=triton_dbias)
+        assert not handle.fused_wgrad
+        le, lg = _train(eager, data, recipe), _train(graphed, data, recipe)
     print(f"{recipe}: eager losses {le}, graphed {lg}")
     assert handle.replays == len(data) and handle.eager_calls == 0
     _assert_same_parameters(eager, graphed)

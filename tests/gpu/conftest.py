@@ -1,0 +1,19 @@
+"""GPU tiers' shared setting: eager steps run TE's FP8 bias gradients on the kernel the graphs
+capture by default (``make_graphed_blocks(triton_dbias=True)``), so that a graphed model and its
+eager twin run the same kernels and the tests that hold them equal bit for bit can. A test that
+wants TE's own kernel sets it (``fp8vit._te.bias_grad_kernel(False)``); the setting is restored
+after each test."""
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _eager_bias_grads_as_the_graphs():
+    import torch
+
+    import fp8vit._te as _te
+    if not (torch.cuda.is_available() and _te.te_status()[0]):
+        yield  # the test skips (tests/conftest.py says why)
+        return
+    with _te.bias_grad_kernel(True):
+        yield
