@@ -87,3 +87,18 @@ def test_context_restores_the_previous_setting(fake_te):
     with pytest.raises(RuntimeError), bias_grad.bias_grad_kernel(True):
         raise RuntimeError("a failed capture")
     assert tex.bgrad_quantize is originals[0]
+
+
+def test_public_switch_returns_the_previous_setting_and_refuses_without_triton(fake_te, monkeypatch):
+    import fp8vit
+    tex, originals, _ = fake_te
+    assert fp8vit.set_bias_grad_kernel(True) is False and tex.bgrad_quantize is bias_grad._bgrad_quantize
+    assert fp8vit.set_bias_grad_kernel(True) is True
+    assert fp8vit.set_bias_grad_kernel(False) is True and tex.bgrad_quantize is originals[0]
+    assert fp8vit.set_bias_grad_kernel(False) is False
+    no = Check(False, "no CUDA device")
+    monkeypatch.setattr(bias_grad, "triton_support", lambda: no)
+    monkeypatch.setattr(fp8vit._te.kernels, "triton_support", lambda: no)
+    with pytest.raises(RuntimeError, match=r"set_bias_grad_kernel\(True\).*\(no CUDA device\); TE's kernel stays"):
+        fp8vit.set_bias_grad_kernel(True)
+    assert tex.bgrad_quantize is originals[0]

@@ -1,4 +1,4 @@
-"""Lever 49 (docs/performance.md), a microbenchmark only: can a Triton pass cast an output gradient
+"""Lever 49 (docs/performance.md), its microbenchmark: can a Triton pass cast an output gradient
 to FP8, write its transpose and sum its columns (TE's ``bgrad_quantize`` / ``dbias_dgelu`` under
 delayed scaling) as fast as TE's fused kernel, without TE's 21-23 us reduction? Tile shapes, warps
 and two ways of storing the transpose, per gradient of a ViT-B/16 and a ViT-L/16 step.
