@@ -1,7 +1,7 @@
 """Lever 49 (docs/performance.md), its microbenchmark: can a Triton pass cast an output gradient
 to FP8, write its transpose and sum its columns (TE's ``bgrad_quantize`` / ``dbias_dgelu`` under
 delayed scaling) as fast as TE's fused kernel, without TE's 21-23 us reduction? Tile shapes, warps
-and programs an SM, per gradient of a ViT-B/16 and a ViT-L/16 step.
+and programs an SM, per gradient of a ViT-B/16, ViT-L/16 and ViT-H/16 step.
 
     python3 docs/perf/ct_dbias_sweep.py        # on the GPU machine, TE installed
 
@@ -33,7 +33,7 @@ from fp8vit._te import te_module, te_version
 from fp8vit._te.kernels import _kernels
 
 ROWS = 128 * 197
-MODELS = {"ViT-B/16": (768, 12), "ViT-L/16": (1024, 24)}  # width, depth
+MODELS = {"ViT-B/16": (768, 12), "ViT-L/16": (1024, 24), "ViT-H/16": (1280, 32)}  # width, depth
 CONFIGS = ((32, 64, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8))  # rows, cols, warps
 PROGRAMS_PER_SM = (4, 8, 16)
 
