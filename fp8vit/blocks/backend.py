@@ -193,9 +193,7 @@ def set_bias_grad_kernel(enabled: bool = True) -> bool:
     """
     check_bool("set_bias_grad_kernel", "enabled", enabled)
     old = _te.bias_grad_kernel_enabled()
-    if enabled and not _te.set_bias_grad_kernel(True):
+    if _te.set_bias_grad_kernel(enabled) != enabled:  # only turning it on can fail
         raise RuntimeError(f"set_bias_grad_kernel(True): fp8vit's Triton kernels cannot run here "
                            f"({_te.kernels.triton_support().reason}); TE's kernel stays")
-    if not enabled:
-        _te.set_bias_grad_kernel(False)
     return old
