@@ -13,9 +13,11 @@
 #   bash docs/perf/h200.sh hostcosts:MODEL:BATCH                   # dev/host_costs.py: profile/MODEL_bBATCH_hostcosts_h200.log
 # IMG_SIZE=336 (bench, profile, timeline, hostcosts): that image side, `_336px` after the batch in the names.
 # BENCH_ARGS='--interleave' (bench): more fp8vit-bench arguments.
+# POWER=1 (bench): nvidia-smi's power and SM clock every 200 ms beside it, summed up per variant by
+# docs/perf/power_summary.py: levers/power_MODEL_bBATCH_..._$gpu.{log,marks.log}.
 set -o pipefail
 . "$(dirname "$0")/te_env.sh"
-mkdir -p "$out/tests" "$out/bench" "$out/profile"
+mkdir -p "$out/tests" "$out/bench" "$out/profile" "$out/levers"
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 rc=0
 px=${IMG_SIZE:+_${IMG_SIZE}px}
@@ -30,8 +32,17 @@ for stage in "$@"; do
     bench)
       variants=${c:+--variants ${c//,/ }}
       name="bench/${a}_b${b:-128}${px}_${d:-${c:+custom}}"; name=${name%_}; [ -z "$c" ] && name="${name}_default4"
+      power=$out/levers/power_${name#bench/}_$gpu
+      if [ -n "${POWER:-}" ]; then
+        nvidia-smi --query-gpu=timestamp,power.draw,clocks.sm,temperature.gpu --format=csv -lms 200 > "$power.log" &
+        smi=$!
+      fi
       python3 -m fp8vit.tools.bench --model "$a" --batch-size "${b:-128}" $img $variants ${BENCH_ARGS:-} \
-        --json "$out/${name}_$gpu.json" 2>&1 | tee "$out/${name}_$gpu.log" || rc=1 ;;
+        --json "$out/${name}_$gpu.json" 2>&1 | tee "$out/${name}_$gpu.log" |
+        if [ -n "${POWER:-}" ]; then while IFS= read -r l; do echo "$(date +%H:%M:%S.%2N) $l"; done > "$power.marks.log"; else cat; fi || rc=1
+      if [ -n "${POWER:-}" ]; then
+        kill $smi; tail -9 "$out/${name}_$gpu.log"; python3 "$(dirname "$0")/power_summary.py" "$power.log"
+      fi ;;
     profile)
       # d = sync: synchronized steps (fp8vit-bench's median), 20 of them, where their time goes
       name="profile/${a}_b${b:-128}${px}_${c:-fp8vit-fp8-delayed-graphed}${d:+_$d}_$gpu"
