@@ -31,6 +31,7 @@ import triton
 
 from fp8vit._te import te_module, te_version
 from fp8vit._te.kernels import _kernels
+from microbench import per_call_ms
 
 ROWS = 128 * 197
 MODELS = {"ViT-B/16": (768, 12), "ViT-L/16": (1024, 24), "ViT-H/16": (1280, 32)}  # width, depth
@@ -58,31 +59,6 @@ def triton_call(cfg, per_sm, g, quantizer):
                                                 block_r, block_c, num_warps=warps)
     k.column_sum[(triton.cdiv(C, 64),)](part, dbias, progs, C, 16, 64)
     return [dbias, out]
-
-
-def per_call_ms(fn, calls=20, reps=30):
-    """One call's GPU time: ``calls`` calls captured in a CUDA graph (no host launch costs, as in a
-    graphed training step), median of ``reps`` timed replays, divided by ``calls``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up off the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for i in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def same(got, ref):
