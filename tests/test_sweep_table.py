@@ -7,7 +7,9 @@ compile, failed variants shown by their error's first line, and ``--check``'s ex
 script: ``--list`` names >= 20 distinct timm models in groups that fit a device command, with valid
 variants; a run with a stub bench (no GPU: ``python3 -m fp8vit.tools.bench`` answered by a small
 script) names its files as docs/perf/h200.sh does, keeps going past a failed model and exits 1.
-dev/device_run.sh, which packs a device call's logs, is tested here too.
+dev/device_run.sh, which packs a device call's logs, is tested here too, and docs/perf/h200.sh's
+``POWER=1`` bench (nvidia-smi's samples beside the bench's marked output, summed up per variant by
+docs/perf/power_summary.py, whose windows and busy threshold are checked on a hand-written log).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -283,7 +286,7 @@ def test_sweep_lists_twenty_models_in_groups_that_fit():
 
 
 STUB_BENCH = r'''
-import argparse, json, os, sys
+import argparse, json, os, sys, time
 p = argparse.ArgumentParser()
 p.add_argument("--model"); p.add_argument("--batch-size", type=int); p.add_argument("--img-size", type=int)
 p.add_argument("--steps", type=int); p.add_argument("--warmup", type=int)
@@ -292,21 +295,33 @@ a = p.parse_args()
 print("stub bench:", " ".join(sys.argv[1:]))
 fail = os.environ.get("STUB_FAIL", "").split(",")
 rows = []
+took = float(os.environ.get("STUB_SLEEP_S", "0"))  # each variant's run, as the bench's "(T s; ...)"
 for i, v in enumerate(a.variants):
+    time.sleep(took)
     if f"{a.model}:{v}" in fail:
         rows.append({"variant": v, "batch": a.batch_size, "skipped": "failed: InductorError: stub\nmore"})
         print(f"[{i + 1}/{len(a.variants)}] {v}: FAILED InductorError: stub (1 s; 1 s left)")
     else:
         rows.append({"variant": v, "batch": a.batch_size, "median_ms": 50.0 - 5 * i, "warmup_s": 1.0})
-        print(f"[{i + 1}/{len(a.variants)}] {v}: {50.0 - 5 * i:.1f} ms (1 s; 1 s left)")
+        print(f"[{i + 1}/{len(a.variants)}] {v}: {50.0 - 5 * i:.1f} ms ({max(took, 1):g} s; 1 s left)", flush=True)
 with open(a.json, "w") as f:
     json.dump({"environment": {}, "model": a.model, "steps": a.steps, "warmup": a.warmup, "results": rows}, f)
 '''
 
 
-def stub_sweep(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    """``sweep.sh args`` with ``python3 -m fp8vit.tools.bench`` and ``nvidia-smi`` stubbed, TE taken
-    as installed, and $OUT in ``tmp_path``."""
+# nvidia-smi: the GPU's name, or with -lms a power sample every 200 ms (STUB_W watts) until killed
+STUB_SMI = r"""#!/usr/bin/env bash
+if [[ "$*" == *-lms* ]]; then
+  echo "timestamp, power.draw [W], clocks.current.sm [MHz], temperature.gpu"
+  while true; do echo "$(date '+%Y/%m/%d %H:%M:%S.%3N'), ${STUB_W:-650.00} W, 1800 MHz, 50"; sleep 0.2; done
+fi
+echo "${STUB_GPU:-NVIDIA H200}"
+"""
+
+
+def stub_sweep(tmp_path: Path, *args: str, script: Path = SWEEP, **env: str) -> subprocess.CompletedProcess:
+    """``bash script args`` (sweep.sh unless told) with ``python3 -m fp8vit.tools.bench`` and
+    ``nvidia-smi`` stubbed, TE taken as installed, and $OUT in ``tmp_path``."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (tmp_path / "stub_bench.py").write_text(STUB_BENCH)
@@ -316,11 +331,11 @@ def stub_sweep(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedPr
         "[ \"$1\" = -m ] && [ \"$2\" = fp8vit.tools.bench ] && "
         f"exec {sys.executable} {tmp_path}/stub_bench.py \"${{@:3}}\"\n"
         f"exec {sys.executable} \"$@\"\n")
-    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho \"${STUB_GPU:-NVIDIA H200}\"\n")
+    (bin_dir / "nvidia-smi").write_text(STUB_SMI)
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"), **env}
-    return subprocess.run(["bash", str(SWEEP), *args], check=False, capture_output=True, text=True, env=full,
+    return subprocess.run(["bash", str(script), *args], check=False, capture_output=True, text=True, env=full,
                           timeout=60)
 
 
@@ -394,3 +409,54 @@ def test_docs_peers_table_is_the_tools_output(capsys, monkeypatch):
     page = (ROOT / "docs" / "performance.md").read_text()
     assert table.count("\n") >= 14 and table in page
     assert "python3 docs/perf/sweep_table.py @docs/perf/peers_table.args" in page
+
+
+H200SH = ROOT / "docs" / "perf" / "h200.sh"
+POWER_SUMMARY = ROOT / "docs" / "perf" / "power_summary.py"
+
+
+def summary_rows(text: str) -> dict:
+    """power_summary.py's table: variant -> its cells after the name."""
+    return {line.split()[0]: line.split()[1:] for line in text.splitlines()
+            if line and not line.startswith("variant") and len(line.split()) > 2}
+
+
+def test_power_summary_takes_each_variant_window_and_busy_samples_only(tmp_path):
+    log, marks = tmp_path / "power_x_h100.log", tmp_path / "power_x_h100.marks.log"
+    samples = [("12:00:00.000", 100), ("12:00:00.500", 500), ("12:00:01.000", 600), ("12:00:01.500", 700),  # a: 500-700
+               ("12:00:02.000", 150),  # idle: below 200 W, never counted
+               ("12:00:03.000", 690), ("12:00:03.400", 690),  # b's 0.3 s window holds the second only
+               ("12:00:05.000", 400)]  # after the last variant
+    log.write_text("timestamp, power.draw [W], clocks.current.sm [MHz], temperature.gpu\n" + "".join(
+        f"2026/12/06 {t}, {w}.00 W, {1980 - w}, 50\n" for t, w in samples))
+    marks.write_text("12:00:00.00 fp8vit-bench: x\n"
+                     "12:00:01.60 [1/3] a: 100.0 ms (1.5 s; about 1 s left)\n"
+                     "12:00:03.50 [2/3] b: 50.0 ms (0.3 s; 1 s left)\n"
+                     "12:00:04.50 [3/3] c: 10.0 ms (0.2 s; 5 s in all)\n")
+    res = subprocess.run([sys.executable, str(POWER_SUMMARY), str(log)], capture_output=True, text=True, check=True)
+    rows = summary_rows(res.stdout)
+    assert rows["a"] == ["100.0", "600", "1380", "1280", "60", "3"], res.stdout  # W median, MHz median, min, J, samples
+    assert rows["b"] == ["50.0", "690", "1290", "1290", "34", "1"], res.stdout
+    assert rows["c"] == ["no", "sample", "above", "200.0", "W"], res.stdout
+
+
+def test_h200_bench_with_power_logs_beside_it(tmp_path):
+    stage = "bench:vit_base_patch16_224:128:timm-bf16,fp8vit-fp8-delayed-graphed:power"
+    res = stub_sweep(tmp_path, stage, script=H200SH, POWER="1", STUB_SLEEP_S="1.2", STUB_W="650.00")
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = tmp_path / "out"
+    log = out / "levers" / "power_vit_base_patch16_224_b128_power_h200.log"
+    size = log.stat().st_size
+    time.sleep(0.5)
+    assert log.stat().st_size == size, "nvidia-smi still logging after the bench"
+    marks = (out / "levers" / "power_vit_base_patch16_224_b128_power_h200.marks.log").read_text()
+    assert re.search(r"^\d\d:\d\d:\d\d\.\d\d \[2/2\] fp8vit-fp8-delayed-graphed: 45\.0 ms", marks, re.M), marks
+    assert "[1/2] timm-bf16" in (out / "bench" / "vit_base_patch16_224_b128_power_h200.log").read_text()
+    rows = summary_rows(res.stdout)
+    for variant in ("timm-bf16", "fp8vit-fp8-delayed-graphed"):
+        assert rows[variant][1:3] == ["650", "1800"], res.stdout
+        assert int(rows[variant][-1]) >= 3, res.stdout  # samples in its 1.2 s
+    (tmp_path / "plain").mkdir()
+    plain = stub_sweep(tmp_path / "plain", stage, script=H200SH)  # no POWER: the bench's output, no power files
+    assert plain.returncode == 0 and "[2/2] fp8vit-fp8-delayed-graphed: 45.0 ms" in plain.stdout, plain.stdout
+    assert not (tmp_path / "plain" / "out" / "levers").exists() or not any((tmp_path / "plain" / "out" / "levers").iterdir())
