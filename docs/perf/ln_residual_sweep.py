@@ -17,12 +17,13 @@ Per call, T = one [rows, C] bf16 tensor:
   te-fwd     torch add (reads 2T, writes T) + TE's layernorm_fwd to FP8 (reads T, writes T/2)
   fused-fwd  one Triton pass: reads 2T, writes the sum (T) and the FP8 output (T/2), the amax
   te-ln-fwd  TE's layernorm_fwd alone (no add): the kernel the fused pass must match
+  te-ln-fwd-t  the same with the transposed copy (as LayerNormLinear asks): the transpose's share
   ln-fwd     the Triton pass without the add: the same check on this side
   te-bwd     TE's layernorm_bwd (reads dy and x, writes dx: 3T) + torch add of the residual
              gradient (3T)
   fused-bwd  one Triton pass (reads dy, x, the residual gradient, writes the sum: 4T), the
              weight and bias gradients' partial sums reduced by a second kernel
-(The FP8 output's transpose for the weight gradient is TE's separate kernel either way: not timed.)
+(The FP8 output's transpose for the weight gradient is TE's separate kernel either way.)
 Each variant: 20 calls in a CUDA graph (microbench.per_call_ms); outputs checked against TE's.
 
 Prediction (written before the run): at ~2.8 TB/s, fused-fwd saves ~1T and fused-bwd ~2T a call:
@@ -158,9 +159,9 @@ def main():
         gres = torch.randn(ROWS, C, device="cuda", dtype=torch.bfloat16)
         scale = torch.tensor([64.0], device="cuda")
 
-        def quantizer():
+        def quantizer(columnwise=False):
             q = f8(scale=scale, amax=torch.zeros(1, device="cuda"), fp8_dtype=tex.DType.kFloat8E4M3)
-            q.set_usage(rowwise=True, columnwise=False)
+            q.set_usage(rowwise=True, columnwise=columnwise)
             return q
 
         def te_fwd(add=True, q=quantizer()):
@@ -168,7 +169,9 @@ def main():
             return s, *tex.layernorm_fwd(s, w, bias, EPS, None, q, tex.DType.kBFloat16, 0, False)
 
         s_ref, out_ref, mu_ref, rs_ref = te_fwd()
-        times = {"te-fwd": per_call_ms(te_fwd), "te-ln-fwd": per_call_ms(lambda: te_fwd(False))}
+        times = {"te-fwd": per_call_ms(te_fwd), "te-ln-fwd": per_call_ms(lambda: te_fwd(False)),
+                 # with the transpose too, as LayerNormLinear asks for it: its share of TE's forward
+                 "te-ln-fwd-t": per_call_ms(lambda: te_fwd(False, quantizer(True)))}
 
         def te_bwd(add=True):
             dx, dw, db = tex.layernorm_bwd(dy, s_ref, mu_ref, rs_ref, w, 0, False)
