@@ -13,7 +13,8 @@ set -u
 dest=${OUT:?"OUT: the device call's output folder"}
 limit=${DEVICE_RUN_S:-570}
 scratch=${DEVICE_RUN_DIR:-/tmp/device_out}
-mkdir -p "$scratch"
+# emptied first: a warm machine keeps /tmp between calls, and the last call's logs went back with it
+rm -rf "$scratch" && mkdir -p "$scratch"
 OUT=$scratch timeout --kill-after=5 "$limit" bash -c "$1"
 rc=$?
 [ $rc = 124 ] && echo "device_run: stopped at ${limit} s (DEVICE_RUN_S); packing what was written"

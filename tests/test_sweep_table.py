@@ -393,8 +393,11 @@ def test_device_run_packs_what_a_command_wrote_before_its_time_ran_out(tmp_path)
         names = sorted(n for n in t.getnames() if n.endswith(".log"))
     assert names == [f"./bench/r{i}.log" for i in range(1, 10)]  # 9 logs, one file back
     assert [p.name for p in out.iterdir()] == ["device_out.tgz"]
-    done = subprocess.run(["bash", str(DEVICE_RUN), "exit 3"], capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run(["bash", str(DEVICE_RUN), 'echo x > "$OUT/next.log"; exit 3'], capture_output=True,
+                          text=True, env=env, timeout=60)
     assert done.returncode == 3  # the command's own status
+    with tarfile.open(out / "device_out.tgz") as t:  # this call's files only (a warm machine keeps /tmp)
+        assert sorted(n for n in t.getnames() if n.endswith(".log")) == ["./next.log"]
 
 
 def test_docs_peers_table_is_the_tools_output(capsys, monkeypatch):
