@@ -1,5 +1,6 @@
-"""What the microbenchmarks in docs/perf share: time one forward + backward call, or say why a
-kernel path refused the inputs; the error against a reference."""
+"""What the microbenchmarks in docs/perf share: time one forward + backward call (the host waiting
+for each), or say why a kernel path refused the inputs; time one call in a CUDA graph (no host
+costs, as in a graphed step); the error against a reference."""
 
 from typing import Callable, Optional
 
@@ -34,7 +35,7 @@ def per_call_ms(fn, calls=20, reps=30):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):  # the warm-up's stream: TE's cuDNN handles are per stream
+    with torch.cuda.graph(graph, stream=side):  # the stream whose per-stream state the warm-up set up
         for _ in range(calls):
             fn()
     times = []
