@@ -18,12 +18,14 @@ Per call, T = one [rows, C] bf16 tensor:
   fused-fwd  one Triton pass: reads 2T, writes the sum (T) and the FP8 output (T/2), the amax
   te-ln-fwd  TE's layernorm_fwd alone (no add): the kernel the fused pass must match
   te-ln-fwd-t  the same with the transposed copy (as LayerNormLinear asks): the transpose's share
+  te-fwd-t   te-fwd with the transposed copy
+  fused-fwd-t  fused-fwd writing the transposed copy too (tiles of rows, three passes over each
+             strip: the sum, the variance, the output; the strip read back from L2)
   ln-fwd     the Triton pass without the add: the same check on this side
   te-bwd     TE's layernorm_bwd (reads dy and x, writes dx: 3T) + torch add of the residual
              gradient (3T)
   fused-bwd  one Triton pass (reads dy, x, the residual gradient, writes the sum: 4T), the
              weight and bias gradients' partial sums reduced by a second kernel
-(The FP8 output's transpose for the weight gradient is TE's separate kernel either way.)
 Each variant: 20 calls in a CUDA graph (microbench.per_call_ms); outputs checked against TE's.
 
 Prediction (written before the run): at ~2.8 TB/s, fused-fwd saves ~1T and fused-bwd ~2T a call:
@@ -31,7 +33,8 @@ ViT-B -14 and -28 us, ViT-L -18 and -37 us; per step, both fused at every LayerN
 LayerNorms): ViT-B -1.0 ms, ViT-L -2.7 ms (power-bound: less); the qkv side alone (backward only:
 the block's input comes from the previous block's add) ViT-B -0.34, ViT-L -0.9 ms. The Triton
 passes within 10% (forward) and 15% (backward) of TE's LayerNorm kernels. Build it only if the
-sweep shows >= 0.6 ms a ViT-B step for both sides.
+sweep shows >= 0.6 ms a ViT-B step for both sides. fused-fwd-t: another ~T/2 a call less than
+te-fwd-t (the transpose's read) if its strips stay in L2.
 """
 
 import fp8vit  # noqa: F401  imports TE before torch runs a cuDNN kernel
@@ -85,6 +88,51 @@ def add_ln_fp8_fwd(A, B, S, Q, W, BIAS, MEAN, RSTD, SCALE, AMAX, SCALE_INV, R, C
 
 
 @triton.jit
+def add_ln_fp8_fwd_t(A, B, S, Q, QT, W, BIAS, MEAN, RSTD, SCALE, AMAX, SCALE_INV, R, C, eps,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # add_ln_fp8_fwd with the FP8 output's transpose QT [C, R] written too (TE's separate
+    # transpose kernel otherwise): one program per BLOCK_R rows, over the columns in BLOCK_C chunks,
+    # three times: the sum S and its row sums, the variance (S read back, from L2), the output.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = rows < R
+    r64 = rows.to(tl.int64)[:, None]
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = rm[:, None] & (cols < C)[None, :]
+        x = tl.load(A + r64 * C + cols[None, :], mask=m, other=0.0)
+        x = (x.to(tl.float32) + tl.load(B + r64 * C + cols[None, :], mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(S + r64 * C + cols[None, :], x, mask=m)
+        acc += tl.sum(x.to(tl.float32), axis=1)
+    mean = acc / C
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = rm[:, None] & (cols < C)[None, :]
+        xc = tl.where(m, tl.load(S + r64 * C + cols[None, :], mask=m, other=0.0).to(tl.float32) - mean[:, None], 0.0)
+        acc += tl.sum(xc * xc, axis=1)
+    rstd = 1.0 / tl.sqrt(acc / C + eps)
+    scale = tl.load(SCALE)
+    amax = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        cm = cols < C
+        m = rm[:, None] & cm[None, :]
+        x = tl.load(S + r64 * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        y = (x - mean[:, None]) * rstd[:, None] * tl.load(W + cols, mask=cm, other=0.0)[None, :] \
+            + tl.load(BIAS + cols, mask=cm, other=0.0)[None, :]
+        amax = tl.maximum(amax, tl.where(m, tl.abs(y), 0.0))
+        q = tl.clamp(y * scale, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        tl.store(Q + r64 * C + cols[None, :], q, mask=m)
+        tl.store(QT + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=m)
+    tl.store(MEAN + rows, mean, mask=rm)
+    tl.store(RSTD + rows, rstd, mask=rm)
+    tl.atomic_max(AMAX, tl.max(tl.max(amax, axis=1), axis=0))
+    if tl.program_id(0) == 0:
+        tl.store(SCALE_INV, 1.0 / scale)
+
+
+@triton.jit
 def ln_bwd_add(DY, X, GRES, W, MEAN, RSTD, DX, PART_W, PART_B, R, C, ROWS_PER_PROG,
                HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
     # One program: a strip of rows. DX = LayerNorm's input gradient (fp32) + GRES, rounded once;
@@ -125,6 +173,18 @@ def fused_fwd(a, b, w, bias, scale, amax, progs, warps):
                                            scale_inv, R, C, per, EPS, b is not None,
                                            triton.next_power_of_2(C), num_warps=warps)
     return s, q, mean, rstd
+
+
+def fused_fwd_t(a, b, w, bias, scale, amax, block_r, block_c, warps):
+    R, C = a.shape
+    s = torch.empty_like(a)
+    q = torch.empty(R, C, device=a.device, dtype=torch.uint8)
+    qt = torch.empty(C, R, device=a.device, dtype=torch.uint8)
+    mean = torch.empty(R, device=a.device, dtype=torch.float32)
+    rstd, scale_inv = torch.empty_like(mean), torch.empty(1, device=a.device, dtype=torch.float32)
+    add_ln_fp8_fwd_t[(triton.cdiv(R, block_r),)](a, b, s, q, qt, w, bias, mean, rstd, scale, amax, scale_inv, R, C,
+                                                 EPS, block_r, block_c, num_warps=warps)
+    return s, q, qt, mean, rstd
 
 
 def fused_bwd(dy, x, gres, w, mean, rstd, progs, warps):
@@ -171,7 +231,9 @@ def main():
         s_ref, out_ref, mu_ref, rs_ref = te_fwd()
         times = {"te-fwd": per_call_ms(te_fwd), "te-ln-fwd": per_call_ms(lambda: te_fwd(False)),
                  # with the transpose too, as LayerNormLinear asks for it: its share of TE's forward
-                 "te-ln-fwd-t": per_call_ms(lambda: te_fwd(False, quantizer(True)))}
+                 "te-ln-fwd-t": per_call_ms(lambda: te_fwd(False, quantizer(True))),
+                 "te-fwd-t": per_call_ms(lambda: te_fwd(True, quantizer(True)))}
+        ref_t = te_fwd(True, quantizer(True))[1]  # the FP8 output with its transpose, TE's
 
         def te_bwd(add=True):
             dx, dw, db = tex.layernorm_bwd(dy, s_ref, mu_ref, rs_ref, w, 0, False)
@@ -204,7 +266,19 @@ def main():
                     best["fwd"] = min(best.get("fwd", 1e9), t)
                 if ok_b:
                     best["bwd"] = min(best.get("bwd", 1e9), tb)
-        if len(best) == 2:
+        for block_r, block_c, warps in ((16, 256, 4), (32, 128, 4), (32, 128, 8), (32, 256, 8), (64, 64, 4)):
+            amax = torch.zeros(1, device="cuda")
+            s, q, qt, mean, rstd = fused_fwd_t(a, b, w, bias, scale, amax, block_r, block_c, warps)
+            differ = max((q != ref_t._data).float().mean().item(), (qt != ref_t._transpose).float().mean().item())
+            ok = torch.equal(s, s_ref) and differ < 1e-3 and torch.allclose(rstd, rs_ref, rtol=1e-4)
+            t = per_call_ms(lambda: fused_fwd_t(a, b, w, bias, scale, amax, block_r, block_c, warps))
+            print(f"  {block_r}x{block_c} tiles, warps {warps}: fused-fwd-t {t * 1e3:6.1f} us, FP8 bytes unlike TE's "
+                  f"{differ:.1e}, {'ok' if ok else 'WRONG'}")
+            if ok:
+                best["fwd-t"] = min(best.get("fwd-t", 1e9), t)
+        if "fwd-t" in best:
+            print(f"{model} per call: fused-fwd-t {(best['fwd-t'] - times['te-fwd-t']) * 1e3:+.1f} us against te-fwd-t")
+        if "fwd" in best and "bwd" in best:
             d_fwd, d_bwd = best["fwd"] - times["te-fwd"], best["bwd"] - times["te-bwd"]
             print(f"{model} per call: fused-fwd {d_fwd * 1e3:+.1f} us, fused-bwd {d_bwd * 1e3:+.1f} us; per step "
                   f"(both, {2 * depth} LayerNorms) {2 * depth * (d_fwd + d_bwd):+.2f} ms, "
