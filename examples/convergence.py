@@ -40,13 +40,13 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import statistics
 
 import torch
 import torch.nn.functional as F
 
 import fp8vit  # first: imports Transformer Engine before any cuDNN kernel runs
+from fp8vit.tools.cli import at_least
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,9 +326,9 @@ def plot(runs, s: Setup, path, title):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--setup", default="digits", choices=sorted(SETUPS))
-    p.add_argument("--seeds", type=int, default=None, help="seeds (default: the setup's)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: the setup's)")
-    p.add_argument("--evals", type=int, default=None,
+    p.add_argument("--seeds", type=at_least(1, "seeds"), default=None, help="seeds (default: the setup's)")
+    p.add_argument("--steps", type=at_least(1, "training steps"), default=None, help="training steps (default: the setup's)")
+    p.add_argument("--evals", type=at_least(1, "evaluations"), default=None,
                    help="test-set evaluations over the run, the last after the final step (default: the setup's)")
     p.add_argument("--variants", nargs="*", default=None,
                    help="default: timm-bf16, fp8vit-bf16 and fp8-<recipe> for each recipe this GPU runs")
@@ -336,14 +336,11 @@ def main():
                    help="construct activation outliers in these blocks and add fp8-<default>-diagnosed")
     p.add_argument("--outlier-factor", type=float, default=1e5,
                    help="how much larger the outlier channels are (1e5: the rest reach E4M3's subnormals)")
-    p.add_argument("--workers", type=int, default=None, help="parallel processes (default: 8 on a GPU, 1 on CPU)")
+    p.add_argument("--workers", type=at_least(1, "processes"), default=None, help="parallel processes (default: 8 on a GPU, 1 on CPU)")
     p.add_argument("--plot", default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args()
     s = SETUPS[a.setup]
-    for flag in ("seeds", "steps", "evals"):
-        if getattr(a, flag) is not None and getattr(a, flag) < 1:
-            p.error(f"--{flag} {getattr(a, flag)}: must be at least 1")
     s = dataclasses.replace(s, seeds=a.seeds or s.seeds, steps=a.steps or s.steps, evals=a.evals or s.evals)
     info = fp8vit.gpu_info()
     print(info.summary())

@@ -14,13 +14,14 @@ import copy
 import torch
 
 import fp8vit
+from fp8vit.tools.cli import at_least
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="vit_base_patch16_224")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=at_least(1, "images"), default=8)
     a = p.parse_args()
     import timm
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 import fp8vit  # fp8vit: import first, so Transformer Engine loads before any cuDNN kernel runs
 import timm
+from fp8vit.tools.cli import at_least
 from fp8vit.tools.timing import Stopwatch
 
 
@@ -49,7 +50,7 @@ def parse_args(argv=None):
                         "(e.g. to compare, or for a batch whose shape changes)")
     p.add_argument("--cudnn-layernorm", action="store_true", help="run TE's LayerNorm on cuDNN's kernels "
                    "(when the blocks are CUDA-graphed: in the graphs only): -4%% step time at ViT-H, none at ViT-B/L")
-    p.add_argument("--mlp-recompute", type=int, nargs="?", const=1, default=0, metavar="K",
+    p.add_argument("--mlp-recompute", type=at_least(0, "the block interval"), nargs="?", const=1, default=0, metavar="K",
                    help="recompute the MLP activations in backward in every K-th block (fp8vit."
                    "set_mlp_recompute; K defaults to 1, all blocks). ViT-H on an H200, CUDA-graphed: "
                    "K=1 fits 2.4x timm bf16's batch for +10%% step time, K=2 1.63x for +5%%")
@@ -62,24 +63,24 @@ def parse_args(argv=None):
                    "recipes only: delayed (Hopper's default) or current")
     p.add_argument("--price-per-hour", type=float, default=None, metavar="USD",
                    help="the price of one GPU per hour: the summary adds the cost of 1M images")
-    p.add_argument("--batch-size", type=int, default=None, help="per GPU (default 128; 8 on CPU)")
-    p.add_argument("--img-size", type=int, default=None, help="default: the model's (32 on CPU)")
-    p.add_argument("--num-classes", type=int, default=1000)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: 100 "
+    p.add_argument("--batch-size", type=at_least(1, "images per GPU and step"), default=None, help="per GPU (default 128; 8 on CPU)")
+    p.add_argument("--img-size", type=at_least(1, "image side in pixels"), default=None, help="default: the model's (32 on CPU)")
+    p.add_argument("--num-classes", type=at_least(1, "classes"), default=1000)
+    p.add_argument("--epochs", type=at_least(1, "epochs"), default=1)
+    p.add_argument("--steps", type=at_least(1, "training steps"), default=None, help="stop after this many steps (default: 100 "
                    "with synthetic data, 5 on CPU; all epochs with --data)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--data", default=None, help="an image folder (class subfolders); default synthetic")
-    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--workers", type=at_least(0, "data-loading processes"), default=8)
     p.add_argument("--checkpoint", default=None, help="save model, optimizer and step here after each epoch: "
                    "a file, or with --fsdp a folder; a save killed halfway leaves the previous one")
     p.add_argument("--resume", action="store_true", help="load --checkpoint first (with --fsdp: the newest "
                    "complete save in the folder)")
-    p.add_argument("--log-every", type=int, default=None, help="print a step line every this many steps, "
+    p.add_argument("--log-every", type=at_least(1, "steps between lines"), default=None, help="print a step line every this many steps, "
                    "and after the last (default 10, or fewer so that a short run prints about five)")
     args = p.parse_args(argv)
-    if args.log_every is not None and args.log_every < 1:
-        p.error(f"--log-every {args.log_every}: give a number of steps, 1 or more")
+    if args.price_per_hour is not None and not args.price_per_hour > 0:
+        p.error(f"--price-per-hour {args.price_per_hour}: a GPU's price per hour, more than 0")
     if args.fp8_weights and args.no_fp8:
         p.error("--fp8-weights with --no-fp8: FP8 weights are fp8vit's blocks' weights; drop one of the two")
     if args.fsdp and args.cuda_graphs:

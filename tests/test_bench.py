@@ -112,6 +112,28 @@ def test_default_variants_are_the_alternatives_and_fp8vits_best():
     assert all(v in VARIANTS for v in bench.default_variants(hopper, "cuda"))
 
 
+@pytest.mark.parametrize("tool, argv, message", [
+    ("bench", ["--batch-size", "8", "0"], "argument --batch-size: 0: images per step, 1 or more"),
+    ("bench", ["--steps", "-1"], "argument --steps: -1: timed steps, 1 or more"),
+    ("bench", ["--warmup", "x"], "argument --warmup: 'x' is not a whole number (untimed steps)"),
+    ("bench", ["--img-size", "0"], "argument --img-size: 0: image side in pixels, 1 or more"),
+    ("bench", ["--price-per-hour", "0"], "--price-per-hour 0.0: a GPU's price per hour, more than 0"),
+    ("profiling", ["--gaps", "-2"], "argument --gaps: -2: gaps listed, 0 or more"),
+    ("profiling", ["--steps", "0"], "argument --steps: 0: profiled steps, 1 or more"),
+    ("diagnose", ["--batch-size", "0"], "argument --batch-size: 0: images, 1 or more"),
+    ("scaleplan", ["--gpus", "8", "0"], "fp8vit-scaleplan: error: argument --gpus: 0: GPUs, 1 or more"),
+    ("scaleplan", ["--inter-gbs", "0"], "--inter-gbs 0.0: a bandwidth in GB/s, more than 0"),
+])
+def test_tools_refuse_a_count_below_its_minimum_at_the_command_line(tool, argv, message, capsys):
+    # A batch of 0 images used to run and report 0 img/s with a p10 below 0; a negative step count
+    # failed far from its flag. Each refusal names the flag, the value and what it counts.
+    import importlib
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(f"fp8vit.tools.{tool}").main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_bench_all_is_given_alone(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--variants", "all", "timm-bf16"])
@@ -667,7 +689,8 @@ def test_convergence_example_rejects_bad_input():
     for args, msg in ((["--variants", "fp8vit-bf16"], "must include timm-bf16"),
                       (["--variants", "timm-bf16", "fp9-x"], "unknown variant 'fp9-x'"),
                       (["--outlier-block", "6"], "--outlier-block 6: the model has blocks 0..5"),
-                      (["--evals", "0"], "--evals 0: must be at least 1")):
+                      (["--evals", "0"], "argument --evals: 0: evaluations, 1 or more"),
+                      (["--workers", "0"], "argument --workers: 0: processes, 1 or more")):
         res = subprocess.run([sys.executable, "examples/convergence.py", "--steps", "1", *args],
                              capture_output=True, text=True, timeout=300)
         assert res.returncode != 0 and msg in res.stderr, res.stderr[-1500:]

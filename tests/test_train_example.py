@@ -57,10 +57,19 @@ def test_steady_state_leaves_out_the_first_line():
     assert ex.steady_state(readouts[:1], 128) == ""
 
 
-def test_log_every_must_be_positive(capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--log-every", "0"], "argument --log-every: 0: steps between lines, 1 or more"),
+    (["--batch-size", "0"], "argument --batch-size: 0: images per GPU and step, 1 or more"),
+    (["--steps", "-5"], "argument --steps: -5: training steps, 1 or more"),
+    (["--workers", "-1"], "argument --workers: -1: data-loading processes, 0 or more"),
+    (["--mlp-recompute", "-2"], "argument --mlp-recompute: -2: the block interval, 0 or more"),
+    (["--num-classes", "two"], "argument --num-classes: 'two' is not a whole number (classes)"),
+    (["--price-per-hour", "0"], "--price-per-hour 0.0: a GPU's price per hour, more than 0"),
+])
+def test_a_count_below_its_minimum_is_refused_naming_flag_and_value(argv, message, capsys):
     with pytest.raises(SystemExit):
-        ex.parse_args(["--log-every", "0"])
-    assert "--log-every 0: give a number of steps, 1 or more" in capsys.readouterr().err
+        ex.parse_args(argv)
+    assert message in capsys.readouterr().err
 
 
 def test_fsdp_run_saves_and_resumes_as_one_uninterrupted_run(tmp_path, monkeypatch, capsys):

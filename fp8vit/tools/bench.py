@@ -50,6 +50,7 @@ import torch
 
 from .. import _te
 from ..training.detect import gpu_info
+from .cli import at_least
 from .console import WarningLog
 from .timing import Stopwatch, format_duration
 from .workload import (SIZES, VARIANTS, ModelShape, Variant, build_workload, make_optimizer, model_shape,
@@ -694,11 +695,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "(default: ViT-B, about 2-3 minutes); --model and --batch-size still override")
     p.add_argument("--model", default=None, help=f"{sorted(SIZES)} or a timm model name "
                    "(default: base on a GPU, huge with --full; micro on CPU, base with --full)")
-    p.add_argument("--batch-size", type=int, nargs="+", default=None,
+    p.add_argument("--batch-size", type=at_least(1, "images per step"), nargs="+", default=None,
                    help="one or more batch sizes (default: 128 on a GPU, 4 on CPU)")
-    p.add_argument("--img-size", type=int, default=224)
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default 30 GPU, 3 CPU)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10 GPU, 1 CPU)")
+    p.add_argument("--img-size", type=at_least(1, "image side in pixels"), default=224)
+    p.add_argument("--steps", type=at_least(1, "timed steps"), default=None, help="timed steps (default 30 GPU, 3 CPU)")
+    p.add_argument("--warmup", type=at_least(0, "untimed steps"), default=None,
+                   help="untimed steps first (default 10 GPU, 1 CPU)")
     p.add_argument("--variants", nargs="+", default=None, choices=(*VARIANTS, "all"), metavar="VARIANT",
                    help="'all', or variant names (%(choices)s); default: timm-bf16, timm-bf16-compile, "
                    "torchao-fp8-compile and fp8vit's fastest here (fp8vit-fp8-<the GPU's default "
@@ -729,6 +731,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     if a.mlp_recompute < 0:
         p.error(f"--mlp-recompute {a.mlp_recompute}: K is the block interval, 0 (off), 1 (all blocks) or more")
+    if a.price_per_hour is not None and not a.price_per_hour > 0:
+        p.error(f"--price-per-hour {a.price_per_hour}: a GPU's price per hour, more than 0")
     if a.drop_path is not None and not 0.0 <= a.drop_path < 1.0:
         p.error(f"--drop-path {a.drop_path}: a rate in [0, 1), as timm's drop_path_rate")
     if a.interleave and a.variants is not None and len(set(a.variants)) != len(a.variants):

@@ -26,6 +26,7 @@ from typing import Dict, Iterable, List, Tuple
 
 import torch
 
+from .cli import at_least
 from .timing import Stopwatch, median_ms
 from .workload import SIZES, VARIANTS, build_workload, make_optimizer, synthetic_batch, train_step_fn
 
@@ -207,14 +208,14 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="fp8vit-profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="huge", help=f"{sorted(SIZES)} or a timm model name")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--img-size", type=int, default=224, help="image side in pixels (as fp8vit-bench's)")
+    p.add_argument("--batch-size", type=at_least(1, "images per step"), default=128)
+    p.add_argument("--img-size", type=at_least(1, "image side in pixels"), default=224, help="image side in pixels (as fp8vit-bench's)")
     p.add_argument("--variant", default="fp8vit-fp8-delayed", choices=VARIANTS)
-    p.add_argument("--steps", type=int, default=5, help="profiled steps (after --warmup)")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=at_least(1, "profiled steps"), default=5, help="profiled steps (after --warmup)")
+    p.add_argument("--warmup", type=at_least(0, "untimed steps"), default=5)
     p.add_argument("--kernels", default=None, help="write the per-kernel table (with op paths) here")
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
-    p.add_argument("--gaps", type=int, default=10, help="list this many of the longest GPU-idle gaps")
+    p.add_argument("--gaps", type=at_least(0, "gaps listed"), default=10, help="list this many of the longest GPU-idle gaps")
     p.add_argument("--sync", action="store_true",
                    help="synchronize after each step, as fp8vit-bench's synchronized median does, and say where "
                    "such a step's time goes: GPU busy, idle before its first kernel, between kernels, after the last "
