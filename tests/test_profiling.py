@@ -138,3 +138,21 @@ def test_profile_builds_the_model_at_the_image_size_asked(capsys, monkeypatch):
                            "--variant", "timm-bf16", "--steps", "1", "--warmup", "1"]) == 0
     assert built == [(64, 64)]
     assert "vit_tiny_patch16_224 batch 1 at 64 px timm-bf16: wall" in capsys.readouterr().out
+
+
+def test_profile_says_in_one_line_why_a_variant_cannot_run_here(capsys, monkeypatch):
+    # The default variant (FP8) on a machine without FP8 raised FP8UnavailableError from inside the
+    # first step; now the tool says why before building anything, and which variants do run here.
+    import torch
+
+    from fp8vit.tools import profiling
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(profiling, "build_workload", lambda *a, **k: pytest.fail("built a model it cannot run"))
+    assert profiling.main(["--model", "vit_tiny_patch16_224", "--variant", "fp8vit-fp8-delayed"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fp8vit-profile: --variant fp8vit-fp8-delayed cannot run here: needs a CUDA GPU. "
+                          "Variants that can: ")
+    assert "timm-bf16" in err and "fp8vit-fp8-delayed-graphed" not in err
+    with pytest.raises(SystemExit) as exc:
+        profiling.main(["--variant", "timm-bf16", "--ncu-step"])
+    assert exc.value.code == 2 and "--ncu-step marks a step for Nsight Compute: it needs a CUDA GPU" in capsys.readouterr().err

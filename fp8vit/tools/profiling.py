@@ -21,11 +21,13 @@ import collections
 import json
 import os
 import re
+import sys
 import tempfile
 from typing import Dict, Iterable, List, Tuple
 
 import torch
 
+from .bench import unavailable
 from .cli import at_least
 from .timing import Stopwatch, median_ms
 from .workload import SIZES, VARIANTS, build_workload, make_optimizer, synthetic_batch, train_step_fn
@@ -224,6 +226,13 @@ def main(argv=None) -> int:
                    help="after warm-up, run one step between cudaProfilerStart/Stop (for ncu) and exit")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.ncu_step and device != "cuda":
+        p.error("--ncu-step marks a step for Nsight Compute: it needs a CUDA GPU")
+    why = unavailable(a.variant, device)
+    if why:  # said in one line, with the variants that do run here, instead of a traceback from the step
+        print(f"fp8vit-profile: --variant {a.variant} cannot run here: {why}. Variants that can: "
+              f"{', '.join(v for v in VARIANTS if not unavailable(v, device))}", file=sys.stderr)
+        return 1
     torch.manual_seed(0)
     wl = build_workload(a.model, a.variant, batch_size=a.batch_size, img_size=a.img_size, device=device)
     opt = make_optimizer(wl.model.parameters(), "sgd", lr=1e-3, device=device)
