@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import fp8vit  # fp8vit: import first, so Transformer Engine loads before any cuDNN kernel runs
 import timm
-from fp8vit.tools.cli import at_least
+from fp8vit.tools.cli import RECOMPUTE_EVERY, at_least, more_than
 from fp8vit.tools.timing import Stopwatch
 
 
@@ -50,7 +50,7 @@ def parse_args(argv=None):
                         "(e.g. to compare, or for a batch whose shape changes)")
     p.add_argument("--cudnn-layernorm", action="store_true", help="run TE's LayerNorm on cuDNN's kernels "
                    "(when the blocks are CUDA-graphed: in the graphs only): -4%% step time at ViT-H, none at ViT-B/L")
-    p.add_argument("--mlp-recompute", type=at_least(0, "the block interval"), nargs="?", const=1, default=0, metavar="K",
+    p.add_argument("--mlp-recompute", type=RECOMPUTE_EVERY, nargs="?", const=1, default=0, metavar="K",
                    help="recompute the MLP activations in backward in every K-th block (fp8vit."
                    "set_mlp_recompute; K defaults to 1, all blocks). ViT-H on an H200, CUDA-graphed: "
                    "K=1 fits 2.4x timm bf16's batch for +10%% step time, K=2 1.63x for +5%%")
@@ -61,7 +61,7 @@ def parse_args(argv=None):
                    "(fp8vit.fp8_weight_init) and train them with TE's FusedAdam on fp32 master weights "
                    "(fp8vit.fp8_weight_optimizer); with --fsdp, FSDP2 all-gathers them in FP8. Per-tensor "
                    "recipes only: delayed (Hopper's default) or current")
-    p.add_argument("--price-per-hour", type=float, default=None, metavar="USD",
+    p.add_argument("--price-per-hour", type=more_than(0, "a GPU's price per hour"), default=None, metavar="USD",
                    help="the price of one GPU per hour: the summary adds the cost of 1M images")
     p.add_argument("--batch-size", type=at_least(1, "images per GPU and step"), default=None, help="per GPU (default 128; 8 on CPU)")
     p.add_argument("--img-size", type=at_least(1, "image side in pixels"), default=None, help="default: the model's (32 on CPU)")
@@ -79,8 +79,6 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=at_least(1, "steps between lines"), default=None, help="print a step line every this many steps, "
                    "and after the last (default 10, or fewer so that a short run prints about five)")
     args = p.parse_args(argv)
-    if args.price_per_hour is not None and not args.price_per_hour > 0:
-        p.error(f"--price-per-hour {args.price_per_hour}: a GPU's price per hour, more than 0")
     if args.fp8_weights and args.no_fp8:
         p.error("--fp8-weights with --no-fp8: FP8 weights are fp8vit's blocks' weights; drop one of the two")
     if args.fsdp and args.cuda_graphs:
@@ -283,8 +281,6 @@ def main(argv=None):
         if not use_fp8:
             raise SystemExit("--mlp-recompute needs fp8vit's blocks: drop --no-fp8")
         k = args.mlp_recompute
-        if k < 0:
-            raise SystemExit(f"--mlp-recompute {k}: K is the block interval, 1 (all blocks) or more")
         fp8vit.set_mlp_recompute(model, every=k)
         n = sum(b.recompute_mlp for b in model.blocks)
         if rank == 0:  # once, not once per process

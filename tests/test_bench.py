@@ -117,12 +117,14 @@ def test_default_variants_are_the_alternatives_and_fp8vits_best():
     ("bench", ["--steps", "-1"], "argument --steps: -1: timed steps, 1 or more"),
     ("bench", ["--warmup", "x"], "argument --warmup: 'x' is not a whole number (untimed steps)"),
     ("bench", ["--img-size", "0"], "argument --img-size: 0: image side in pixels, 1 or more"),
-    ("bench", ["--price-per-hour", "0"], "--price-per-hour 0.0: a GPU's price per hour, more than 0"),
+    ("bench", ["--price-per-hour", "0"], "argument --price-per-hour: 0: a GPU's price per hour, more than 0"),
+    ("bench", ["--price-per-hour", "nan"], "argument --price-per-hour: nan: a GPU's price per hour, more than 0"),
     ("profiling", ["--gaps", "-2"], "argument --gaps: -2: gaps listed, 0 or more"),
     ("profiling", ["--steps", "0"], "argument --steps: 0: profiled steps, 1 or more"),
     ("diagnose", ["--batch-size", "0"], "argument --batch-size: 0: images, 1 or more"),
     ("scaleplan", ["--gpus", "8", "0"], "fp8vit-scaleplan: error: argument --gpus: 0: GPUs, 1 or more"),
-    ("scaleplan", ["--inter-gbs", "0"], "--inter-gbs 0.0: a bandwidth in GB/s, more than 0"),
+    ("scaleplan", ["--inter-gbs", "0"], "argument --inter-gbs: 0: a bandwidth in GB/s, more than 0"),
+    ("scaleplan", ["--intra-gbs", "x"], "argument --intra-gbs: 'x' is not a number (a bandwidth in GB/s)"),
 ])
 def test_tools_refuse_a_count_below_its_minimum_at_the_command_line(tool, argv, message, capsys):
     # A batch of 0 images used to run and report 0 img/s with a p10 below 0; a negative step count
@@ -451,7 +453,7 @@ def test_bench_mlp_recompute_reaches_fp8vit_variants_only(tmp_path, capsys):
     assert "MLP recompute in every 2 block(s) of fp8vit's variants" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.main(["--mlp-recompute", "-1"])
-    assert "--mlp-recompute -1: K is the block interval" in capsys.readouterr().err
+    assert "argument --mlp-recompute: -1: K, the block interval (0: off, 1: every block), 0 or more" in capsys.readouterr().err
 
 
 def test_bench_drop_path_reaches_every_variants_model(tmp_path, capsys):
@@ -519,7 +521,7 @@ def test_train_example_mlp_recompute():
     assert res.returncode == 0, res.stderr
     assert "MLP recompute: 6 of 12 blocks (every 2)" in res.stdout
     res = subprocess.run(base + ["-1"], capture_output=True, text=True, timeout=300)
-    assert res.returncode != 0 and "--mlp-recompute -1: K is the block interval" in res.stderr
+    assert res.returncode != 0 and "argument --mlp-recompute: -1: K, the block interval" in res.stderr
     res = subprocess.run(base + ["--no-fp8"], capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and "--mlp-recompute needs fp8vit's blocks: drop --no-fp8" in res.stderr
 

@@ -428,19 +428,22 @@ def test_power_summary_takes_each_variant_window_and_busy_samples_only(tmp_path)
     log, marks = tmp_path / "power_x_h100.log", tmp_path / "power_x_h100.marks.log"
     samples = [("12:00:00.000", 100), ("12:00:00.500", 500), ("12:00:01.000", 600), ("12:00:01.500", 700),  # a: 500-700
                ("12:00:02.000", 150),  # idle: below 200 W, never counted
-               ("12:00:03.000", 690), ("12:00:03.400", 690),  # b's 0.3 s window holds the second only
+               ("12:00:03.000", 690), ("12:00:03.400", 690),  # b's: its 3 s reach back into a's, cut at a's line
                ("12:00:05.000", 400)]  # after the last variant
     log.write_text("timestamp, power.draw [W], clocks.current.sm [MHz], temperature.gpu\n" + "".join(
         f"2026/12/06 {t}, {w}.00 W, {1980 - w}, 50\n" for t, w in samples))
     marks.write_text("12:00:00.00 fp8vit-bench: x\n"
                      "12:00:01.60 [1/3] a: 100.0 ms (1.5 s; about 1 s left)\n"
-                     "12:00:03.50 [2/3] b: 50.0 ms (0.3 s; 1 s left)\n"
+                     "12:00:03.50 [2/3] batch 8 b: 50.0 ms (3 s; 1 s left)\n"
                      "12:00:04.50 [3/3] c: 10.0 ms (0.2 s; 5 s in all)\n")
     res = subprocess.run([sys.executable, str(POWER_SUMMARY), str(log)], capture_output=True, text=True, check=True)
     rows = summary_rows(res.stdout)
     assert rows["a"] == ["100.0", "600", "1380", "1280", "60", "3"], res.stdout  # W median, MHz median, min, J, samples
-    assert rows["b"] == ["50.0", "690", "1290", "1290", "34", "1"], res.stdout
+    assert rows["batch"] == ["8", "b", "50.0", "690", "1290", "1290", "34", "2"], res.stdout
     assert rows["c"] == ["no", "sample", "above", "200.0", "W"], res.stdout
+    marks.write_text("12:00:00.00 batch 128: building and warming up a, b, then 30 rounds of one step each\n")
+    res = subprocess.run([sys.executable, str(POWER_SUMMARY), str(log)], capture_output=True, text=True)
+    assert res.returncode == 1 and "an --interleave run prints none" in res.stderr, res.stderr
 
 
 def test_h200_bench_with_power_logs_beside_it(tmp_path):

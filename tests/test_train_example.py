@@ -62,9 +62,9 @@ def test_steady_state_leaves_out_the_first_line():
     (["--batch-size", "0"], "argument --batch-size: 0: images per GPU and step, 1 or more"),
     (["--steps", "-5"], "argument --steps: -5: training steps, 1 or more"),
     (["--workers", "-1"], "argument --workers: -1: data-loading processes, 0 or more"),
-    (["--mlp-recompute", "-2"], "argument --mlp-recompute: -2: the block interval, 0 or more"),
+    (["--mlp-recompute", "-2"], "argument --mlp-recompute: -2: K, the block interval (0: off, 1: every block), 0 or more"),
     (["--num-classes", "two"], "argument --num-classes: 'two' is not a whole number (classes)"),
-    (["--price-per-hour", "0"], "--price-per-hour 0.0: a GPU's price per hour, more than 0"),
+    (["--price-per-hour", "0"], "argument --price-per-hour: 0: a GPU's price per hour, more than 0"),
 ])
 def test_a_count_below_its_minimum_is_refused_naming_flag_and_value(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -50,7 +50,7 @@ import torch
 
 from .. import _te
 from ..training.detect import gpu_info
-from .cli import at_least
+from .cli import RECOMPUTE_EVERY, at_least, more_than
 from .console import WarningLog
 from .timing import Stopwatch, format_duration
 from .workload import (SIZES, VARIANTS, ModelShape, Variant, build_workload, make_optimizer, model_shape,
@@ -706,8 +706,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "torchao-fp8-compile and fp8vit's fastest here (fp8vit-fp8-<the GPU's default "
                    "recipe>-graphed)")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
-    p.add_argument("--price-per-hour", type=float, default=None, help="the price of one GPU per hour, for $ per 1M images")
-    p.add_argument("--mlp-recompute", type=int, default=0, metavar="K",
+    p.add_argument("--price-per-hour", type=more_than(0, "a GPU's price per hour"), default=None,
+                   help="the price of one GPU per hour, for $ per 1M images")
+    p.add_argument("--mlp-recompute", type=RECOMPUTE_EVERY, default=0, metavar="K",
                    help="fp8vit variants recompute the MLP activations of every K-th block in backward "
                    "(fp8vit.set_mlp_recompute(every=K); default 0: none)")
     p.add_argument("--drop-path", type=float, default=None, metavar="RATE",
@@ -729,10 +730,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a bar chart (PNG) here")
     a = p.parse_args(argv)
-    if a.mlp_recompute < 0:
-        p.error(f"--mlp-recompute {a.mlp_recompute}: K is the block interval, 0 (off), 1 (all blocks) or more")
-    if a.price_per_hour is not None and not a.price_per_hour > 0:
-        p.error(f"--price-per-hour {a.price_per_hour}: a GPU's price per hour, more than 0")
     if a.drop_path is not None and not 0.0 <= a.drop_path < 1.0:
         p.error(f"--drop-path {a.drop_path}: a rate in [0, 1), as timm's drop_path_rate")
     if a.interleave and a.variants is not None and len(set(a.variants)) != len(a.variants):

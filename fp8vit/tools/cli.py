@@ -1,4 +1,4 @@
-"""Argument types the tools' command lines share: counts that must be at least some number.
+"""Argument types the tools' command lines share: numbers that must be at least, or more than, some bound.
 
 ``argparse``'s ``type=int`` takes ``--batch-size 0`` or ``--steps -3``, and the run then fails far
 from the flag or, worse, reports nonsense (a batch of 0 images timed at 0 img/s). These types
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-__all__ = ["at_least"]
+__all__ = ["at_least", "more_than", "RECOMPUTE_EVERY"]
 
 
 def at_least(minimum: int, what: str) -> Callable[[str], int]:
@@ -32,3 +32,25 @@ def at_least(minimum: int, what: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{value}: {what}, {minimum} or more")
         return value
     return parse
+
+
+def more_than(bound: float, what: str) -> Callable[[str], float]:
+    """An ``argparse`` ``type``: a number ``> bound`` (a price, a bandwidth).
+
+    Args:
+        bound: the value must exceed it.
+        what: what the value is (``"a GPU's price per hour"``), for the error message.
+    """
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number ({what})") from None
+        if not value > bound:  # NaN too
+            raise argparse.ArgumentTypeError(f"{text}: {what}, more than {bound:g}")
+        return value
+    return parse
+
+
+# --mlp-recompute K of fp8vit-bench and examples/train_vit.py (fp8vit.set_mlp_recompute(every=K))
+RECOMPUTE_EVERY = at_least(0, "K, the block interval (0: off, 1: every block)")

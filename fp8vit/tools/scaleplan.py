@@ -21,7 +21,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from .cli import at_least
+from .cli import at_least, more_than
 from .workload import _gemm_weights, train_flops
 
 __all__ = ["MODELS", "MODES", "Shape", "shape_of", "activation_bytes", "memory", "comm_bytes", "step_estimate",
@@ -250,14 +250,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--gpus", nargs="+", type=at_least(1, "GPUs"), default=[8, 16, 32, 64])
     p.add_argument("--batch", type=at_least(1, "images per GPU and step"), default=64, help="images per GPU and step")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
-    p.add_argument("--intra-gbs", type=float, default=360.0,
+    p.add_argument("--intra-gbs", type=more_than(0, "a bandwidth in GB/s"), default=360.0,
                    help="assumed collective bus bandwidth within a node, GB/s (NVLink)")
-    p.add_argument("--inter-gbs", type=float, default=40.0,
+    p.add_argument("--inter-gbs", type=more_than(0, "a bandwidth in GB/s"), default=40.0,
                    help="assumed collective bus bandwidth across nodes, GB/s per GPU (400 Gb/s InfiniBand)")
     a = p.parse_args(argv)
-    for flag, gbs in (("--intra-gbs", a.intra_gbs), ("--inter-gbs", a.inter_gbs)):
-        if not gbs > 0:  # a bandwidth divides the bytes: 0 or less has no time
-            p.error(f"{flag} {gbs}: a bandwidth in GB/s, more than 0")
     chk = anchor_check()
     print(f"anchor: ViT-H/16 batch 128 SGD one H200, peak computed {chk['computed_gib']:.1f} GiB, measured "
           f"{chk['measured_gib']:.1f} GiB; activations {chk['activations_mb_per_image']:.0f} MB per image "
