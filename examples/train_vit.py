@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import fp8vit  # fp8vit: import first, so Transformer Engine loads before any cuDNN kernel runs
 import timm
-from fp8vit.tools.cli import RECOMPUTE_EVERY, at_least, more_than
+from fp8vit.tools.cli import IMAGE_SIDE, RECOMPUTE_EVERY, at_least, more_than
 from fp8vit.tools.timing import Stopwatch
 
 
@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--price-per-hour", type=more_than(0, "a GPU's price per hour"), default=None, metavar="USD",
                    help="the price of one GPU per hour: the summary adds the cost of 1M images")
     p.add_argument("--batch-size", type=at_least(1, "images per GPU and step"), default=None, help="per GPU (default 128; 8 on CPU)")
-    p.add_argument("--img-size", type=at_least(1, "image side in pixels"), default=None, help="default: the model's (32 on CPU)")
+    p.add_argument("--img-size", type=IMAGE_SIDE, default=None, help="default: the model's (32 on CPU)")
     p.add_argument("--num-classes", type=at_least(1, "classes"), default=1000)
     p.add_argument("--epochs", type=at_least(1, "epochs"), default=1)
     p.add_argument("--steps", type=at_least(1, "training steps"), default=None, help="stop after this many steps (default: 100 "

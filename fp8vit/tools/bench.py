@@ -50,7 +50,7 @@ import torch
 
 from .. import _te
 from ..training.detect import gpu_info
-from .cli import RECOMPUTE_EVERY, at_least, more_than
+from .cli import IMAGE_SIDE, RECOMPUTE_EVERY, at_least, more_than
 from .console import WarningLog
 from .timing import Stopwatch, format_duration
 from .workload import (SIZES, VARIANTS, ModelShape, Variant, build_workload, make_optimizer, model_shape,
@@ -697,7 +697,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "(default: base on a GPU, huge with --full; micro on CPU, base with --full)")
     p.add_argument("--batch-size", type=at_least(1, "images per step"), nargs="+", default=None,
                    help="one or more batch sizes (default: 128 on a GPU, 4 on CPU)")
-    p.add_argument("--img-size", type=at_least(1, "image side in pixels"), default=224)
+    p.add_argument("--img-size", type=IMAGE_SIDE, default=224)
     p.add_argument("--steps", type=at_least(1, "timed steps"), default=None, help="timed steps (default 30 GPU, 3 CPU)")
     p.add_argument("--warmup", type=at_least(0, "untimed steps"), default=None,
                    help="untimed steps first (default 10 GPU, 1 CPU)")

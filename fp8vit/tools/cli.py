@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-__all__ = ["at_least", "more_than", "RECOMPUTE_EVERY"]
+__all__ = ["at_least", "more_than", "IMAGE_SIDE", "RECOMPUTE_EVERY"]
 
 
 def at_least(minimum: int, what: str) -> Callable[[str], int]:
@@ -52,5 +52,7 @@ def more_than(bound: float, what: str) -> Callable[[str], float]:
     return parse
 
 
+# --img-size of every tool and examples/train_vit.py
+IMAGE_SIDE = at_least(1, "image side in pixels")
 # --mlp-recompute K of fp8vit-bench and examples/train_vit.py (fp8vit.set_mlp_recompute(every=K))
 RECOMPUTE_EVERY = at_least(0, "K, the block interval (0: off, 1: every block)")

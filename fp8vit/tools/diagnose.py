@@ -15,7 +15,7 @@ import torch
 
 from ..training.diagnostics import diagnose
 from ..errors import FP8UnavailableError
-from .cli import at_least
+from .cli import IMAGE_SIDE, at_least
 from .workload import SIZES, build_workload, synthetic_batch
 
 __all__ = ["main"]
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="fp8vit-diagnose", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="base", help=f"{sorted(SIZES)} or a timm model name")
     p.add_argument("--batch-size", type=at_least(1, "images"), default=32)
-    p.add_argument("--img-size", type=at_least(1, "image side in pixels"), default=224)
+    p.add_argument("--img-size", type=IMAGE_SIDE, default=224)
     p.add_argument("--recipe", default=None, help="FP8 recipe name (default: the GPU's best)")
     p.add_argument("--threshold", type=float, default=20.0, help="local activation SNR floor, dB")
     p.add_argument("--grad-threshold", type=float, default=12.0, help="weight-gradient SNR floor, dB")

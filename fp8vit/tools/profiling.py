@@ -28,7 +28,7 @@ from typing import Dict, Iterable, List, Tuple
 import torch
 
 from .bench import unavailable
-from .cli import at_least
+from .cli import IMAGE_SIDE, at_least
 from .timing import Stopwatch, median_ms
 from .workload import SIZES, VARIANTS, build_workload, make_optimizer, synthetic_batch, train_step_fn
 
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="fp8vit-profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="huge", help=f"{sorted(SIZES)} or a timm model name")
     p.add_argument("--batch-size", type=at_least(1, "images per step"), default=128)
-    p.add_argument("--img-size", type=at_least(1, "image side in pixels"), default=224, help="image side in pixels (as fp8vit-bench's)")
+    p.add_argument("--img-size", type=IMAGE_SIDE, default=224, help="image side in pixels (as fp8vit-bench's)")
     p.add_argument("--variant", default="fp8vit-fp8-delayed", choices=VARIANTS)
     p.add_argument("--steps", type=at_least(1, "profiled steps"), default=5, help="profiled steps (after --warmup)")
     p.add_argument("--warmup", type=at_least(0, "untimed steps"), default=5)
