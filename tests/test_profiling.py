@@ -14,6 +14,9 @@ from fp8vit.tools.profiling import categorize, kernel_breakdown, kernel_table
     ("void transformer_engine::unary_kernel<16, true, float, Empty, &gelu<float, float>, __nv_fp8_e4m3>",
      "activation (+fp8 cast)"),
     ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*)", "attention"),
+    ("cudnn_generated_layer_norm_bwd_1_4_1_16_0", "layernorm (+fp8 cast)"),  # cuDNN LayerNorm (ViT-H)
+    ("cudnn_generated_layer_norm_bwd_finalize_1_4_1_16_0", "layernorm (+fp8 cast)"),
+    ("ln_tma_fwd_kernel", "layernorm (+fp8 cast)"),
     ("void at::native::(anonymous namespace)::fused_sgd_kernel", "optimizer"),
     ("void at::native::vectorized_elementwise_kernel<4, ...>", "elementwise/copy"),
     ("aten::addmm", "gemm"),

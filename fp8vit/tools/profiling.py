@@ -36,11 +36,13 @@ __all__ = ["CATEGORIES", "categorize", "idle_gaps", "host_during", "kernel_break
            "trace_kernels", "trace_host_ops", "step_windows", "step_exposure", "STEP_RANGE", "main"]
 
 CATEGORIES: List[Tuple[str, str]] = [
+    # first: cuDNN names its LayerNorm kernels "cudnn_generated_layer_norm_*", which the attention
+    # pattern's "cudnn_generated" would take (ViT-H's LayerNorm backward was counted as attention)
+    ("layernorm (+fp8 cast)", r"layer_?norm|rms_?norm|\bln_|_ln_"),
     ("attention", r"flash|fmha|attn|attention|sdpa|cudnn_generated|cudnn::fusion"),
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm90_|matmul|aten::(add|b)?mm$"),
     # TE fuses the FP8 cast of a GEMM input into the norm or activation before it.
     ("activation (+fp8 cast)", r"gelu|relu|silu|unary_kernel"),
-    ("layernorm (+fp8 cast)", r"layer_?norm|rms_?norm|\bln_|_ln_"),
     # (?<!no): torch's strided copy kernels are called "gpu_kernel_impl_nocast<direct_copy...>".
     ("fp8 cast/transpose/amax", r"(?<!no)cast|transpose|amax|quantiz|fp8|scale|dbias"),
     ("optimizer", r"sgd|adam|multi_tensor|foreach|fused_.*optim"),
