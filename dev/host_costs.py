@@ -12,8 +12,10 @@ What: (1) each context and call on its own, ``timeit`` medians in microseconds: 
 CUDA), TE's autocast with a fixed recipe, ``make_recipe``, ``fp8_context`` with no recipe, a name and a
 recipe object, the graph dispatch's ``_fingerprint`` and ``_choose``; (2) cProfile of ``--steps``
 pipelined training steps of the bench's workload (the bench's step: forward under ``fp8_context``, loss,
-backward, optimizer): the functions with the most own time, which names the host work to cut.
-cProfile slows Python several-fold; the ranking, not the times, is the result of part (2).
+backward, optimizer): the functions with the most own time; (3) cProfile of the host work a
+synchronized step does before its first graph replay (from the step's start to the forward graph's
+``replay`` call: the part the GPU waits for), by own and by cumulative time, which names what to cut.
+cProfile slows Python several-fold; the ranking, not the times, is the result of parts (2) and (3).
 """
 
 import cProfile
@@ -67,12 +69,12 @@ def contexts() -> None:
         _print_stats(pr, "fp8_context() enter and exit, 2000 times", 15)
 
 
-def _print_stats(pr: cProfile.Profile, title: str, n: int) -> None:
+def _print_stats(pr: cProfile.Profile, title: str, n: int, key: str = "tottime") -> None:
     buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(n)
+    pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(n)
     lines = buf.getvalue().splitlines()
     start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
-    print(f"\n{title}: own time, top {n}")
+    print(f"\n{title}: {'own' if key == 'tottime' else 'cumulative'} time, top {n}")
     print("\n".join(lines[start:start + n + 1]))
 
 
@@ -102,6 +104,34 @@ def main() -> None:
     torch.cuda.synchronize()
     pr.disable()
     _print_stats(pr, f"{a.model} b{a.batch_size} {a.variant}, {a.steps} pipelined steps under cProfile", 30)
+    if handle is not None:
+        before_replay(step, a)
+
+
+def before_replay(step, a) -> None:
+    """Part (3): cProfile from a synchronized step's start to its first ``CUDAGraph.replay`` call."""
+    pr = cProfile.Profile()
+    replay = torch.cuda.CUDAGraph.replay
+    seen = [0]
+
+    def first_replay_stops(graph):
+        seen[0] += 1
+        if seen[0] == 1:
+            pr.disable()
+        return replay(graph)
+    torch.cuda.CUDAGraph.replay = first_replay_stops
+    try:
+        for _ in range(a.steps):
+            seen[0] = 0
+            pr.enable()
+            step()
+            pr.disable()  # a no-op where the replay stopped it
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+    title = f"{a.model} b{a.batch_size} {a.variant}, {a.steps} synchronized steps up to the first replay"
+    _print_stats(pr, title, 30)
+    _print_stats(pr, title, 30, "cumtime")
 
 
 if __name__ == "__main__":
