@@ -578,6 +578,38 @@ def test_fp8_attention_variants_parse_and_give_the_capture_and_steps_one_recipe_
     assert Variant.parse("fp8vit-bf16").recipe() is None
 
 
+def test_fast_accumulation_variants_copy_the_recipe_with_the_backward_gemms_fast(monkeypatch):
+    # lever 53: -fastacc- sets both backward GEMMs' MMParams on a copy of the recipe, -fastdgrad-
+    # the input gradient's only; the forward's and the original object are left alone
+    import types
+
+    from fp8vit._te import recipes
+    from fp8vit.tools import workload
+
+    class MMParams:
+        def __init__(self, use_split_accumulator=True):
+            self.use_split_accumulator = use_split_accumulator
+
+    class Delayed:  # TE's DelayedScaling has no fp8_gemm_* fields: TE's module constants apply
+        fp8_format = "HYBRID"
+
+    monkeypatch.setattr(recipes, "te_module", {"transformer_engine.common.recipe": types.SimpleNamespace(MMParams=MMParams)}.__getitem__)
+    made = []
+    monkeypatch.setattr(workload, "make_recipe", lambda name, **kw: made.append((name, kw)) or Delayed())
+    both = Variant.parse("fp8vit-fp8-delayed-fastacc-graphed")
+    assert (both.fp8, both.graphed, both.fast_accum) == ("delayed", True, ("dgrad", "wgrad"))
+    r = both.recipe()
+    assert isinstance(r, Delayed) and made == [("delayed", {})]
+    assert r.fp8_gemm_dgrad.use_split_accumulator is False and r.fp8_gemm_wgrad.use_split_accumulator is False
+    assert not hasattr(r, "fp8_gemm_fprop")
+    dgrad = Variant.parse("fp8vit-fp8-delayed-fastdgrad-graphed").recipe()
+    assert dgrad.fp8_gemm_dgrad.use_split_accumulator is False and not hasattr(dgrad, "fp8_gemm_wgrad")
+    base = Delayed()
+    copy = recipes.fast_backward_accumulation(base, wgrad=False)
+    assert copy is not base and not hasattr(base, "fp8_gemm_dgrad") and copy.fp8_format == "HYBRID"
+    assert Variant.parse("fp8vit-fp8-delayed-graphed").fast_accum == () and len(made) == 2
+
+
 def test_unknown_variant_lists_the_known_ones():
     with pytest.raises(ValueError, match="'fp8vit-fp9'.*timm-bf16"):
         Variant.parse("fp8vit-fp9")

@@ -23,7 +23,7 @@ from .._validate import check_bool, check_choice, show
 from .loader import te_module, te_version
 
 __all__ = ["RecipeName", "RECIPE_NAMES", "check_recipe_name", "check_recipe", "make_recipe", "recipe_name",
-           "row_multiple"]
+           "row_multiple", "fast_backward_accumulation"]
 
 
 class RecipeName(str, enum.Enum):
@@ -116,6 +116,27 @@ def make_recipe(name: str, *, fp8_attention: bool = False) -> Any:
     if name == "block":
         return rec.Float8BlockScaling()
     return rec.MXFP8BlockScaling(**dpa)
+
+
+def fast_backward_accumulation(recipe: Any, *, dgrad: bool = True, wgrad: bool = True) -> Any:
+    """A copy of the TE recipe object ``recipe`` whose backward FP8 GEMMs (``dgrad``: the input
+    gradient's, ``wgrad``: the weights') accumulate in the tensor cores alone (cuBLASLt's fast
+    accumulation, as TE's forward GEMMs do), not with TE's default split accumulator (partial sums
+    promoted to fp32 as K runs). Lever 53's bench variants (``-fastacc-``, ``-fastdgrad-``).
+
+    TE 2.20's Linear, LayerNormLinear and LayerNormMLP take the choice from the recipe's
+    ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` ``MMParams`` where it has them (current and block
+    scaling do) and from their module constants otherwise (delayed scaling): the copy gets them.
+    The forward's setting is left as it is.
+    """
+    import copy
+
+    mm = te_module("transformer_engine.common.recipe").MMParams
+    out = copy.copy(recipe)
+    for gemm, fast in (("fp8_gemm_dgrad", dgrad), ("fp8_gemm_wgrad", wgrad)):
+        if fast:
+            object.__setattr__(out, gemm, mm(use_split_accumulator=False))
+    return out
 
 
 # The last TE release whose FP8 attention was measured unusable on Hopper (see make_recipe)

@@ -48,6 +48,10 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-delayed-tedbias-graphed``  the graphs capture TE's own FP8 cast, transpose and bias
                                    gradient of each output gradient, not fp8vit's kernel
                                    (``make_graphed_blocks(triton_dbias=False)``: lever 49)
+``fp8vit-fp8-delayed-fastacc-graphed``  the backward's FP8 GEMMs (input and weight gradients)
+                                   with fast accumulation, not TE's split accumulator
+                                   (``fast_backward_accumulation``: lever 53); ``-fastdgrad-``:
+                                   the input gradients' only
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -75,7 +79,7 @@ from ..training.graphs import GraphedBlocks, branch_blocks, graphed_handles, ins
 from ..blocks.base import FP8Block
 from ..blocks.linear import is_block
 from ..blocks.model_norm import set_model_norms
-from .._te.recipes import RECIPE_NAMES, make_recipe
+from .._te.recipes import RECIPE_NAMES, fast_backward_accumulation, make_recipe
 
 __all__ = ["SIZES", "VARIANTS", "Variant", "Workload", "build_workload", "make_optimizer", "train_step_fn",
            "synthetic_batch", "train_flops", "te_layer_block_fn", "ModelShape", "model_shape"]
@@ -102,7 +106,7 @@ VARIANTS = (
     "fp8vit-fp8-delayed-terope", "fp8vit-fp8-delayed-terope-graphed",
     "fp8vit-fp8-delayed-torchnorm", "fp8vit-fp8-delayed-torchnorm-graphed",
     "timm-bf16-nchw-compile", "fp8vit-fp8-delayed-nchw-graphed-compile",
-    "fp8vit-fp8-delayed-tedbias-graphed",
+    "fp8vit-fp8-delayed-tedbias-graphed", "fp8vit-fp8-delayed-fastacc-graphed", "fp8vit-fp8-delayed-fastdgrad-graphed",
 )
 
 # -bf16narrow: fused blocks whose width (``cfg.dim``) is below this run with FP8 off
@@ -135,6 +139,8 @@ class Variant:
         layout_opt: ``torch.compile`` with Inductor's ``layout_optimization`` (its default: the
             convolutions of a compiled graph run channels-last); False: off (``-nchw``).
         triton_dbias: the graphs' FP8 bias gradients by fp8vit's kernel; False: TE's (``-tedbias``).
+        fast_accum: the backward GEMMs whose accumulation is fast, not split: ``()`` (TE's
+            default), ``("dgrad", "wgrad")`` (``-fastacc``) or ``("dgrad",)`` (``-fastdgrad``).
     """
 
     name: str
@@ -153,6 +159,7 @@ class Variant:
     model_norms: bool = True
     layout_opt: bool = True
     triton_dbias: bool = True
+    fast_accum: Tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -172,7 +179,8 @@ class Variant:
                    bias_attention=next((p[:-4] for p in parts if p in ("torchbias", "tebias")), None),
                    bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts,
                    rope_kernel="te" if "terope" in parts else None, model_norms="torchnorm" not in parts,
-                   layout_opt="nchw" not in parts, triton_dbias="tedbias" not in parts)
+                   layout_opt="nchw" not in parts, triton_dbias="tedbias" not in parts,
+                   fast_accum=("dgrad", "wgrad") if "fastacc" in parts else ("dgrad",) if "fastdgrad" in parts else ())
 
     @property
     def te_fp8(self) -> bool:
@@ -181,9 +189,12 @@ class Variant:
 
     def recipe(self):
         """What ``fp8_context`` and the capture get: the recipe name, a TE recipe object where the
-        name alone does not say it (``-fp8attn``), None without TE's FP8."""
+        name alone does not say it (``-fp8attn``, ``-fastacc``, ``-fastdgrad``), None without TE's FP8."""
         if not self.te_fp8:
             return None
+        if self.fast_accum:
+            return fast_backward_accumulation(make_recipe(self.fp8), dgrad="dgrad" in self.fast_accum,
+                                              wgrad="wgrad" in self.fast_accum)
         return make_recipe(self.fp8, fp8_attention=True) if self.fp8_attention else self.fp8
 
 
