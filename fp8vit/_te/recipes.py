@@ -134,7 +134,7 @@ def fast_backward_accumulation(recipe: Any, *, dgrad: bool = True, wgrad: bool =
     mm = te_module("transformer_engine.common.recipe").MMParams
     out = copy.copy(recipe)
     for gemm, fast in (("fp8_gemm_dgrad", dgrad), ("fp8_gemm_wgrad", wgrad)):
-        if fast:
+        if fast:  # a field DelayedScaling (a pydantic dataclass) does not declare: set past its __setattr__
             object.__setattr__(out, gemm, mm(use_split_accumulator=False))
     return out
 
