@@ -20,6 +20,12 @@ gradients in the FP8 run against the bf16 run) and of the block's own weight-gra
 Prediction (written before the run): the input-gradient GEMMs alone lose < 0.5 dB anywhere; with
 the weight-gradient GEMMs fast too, the weight-gradient SNRs drop 1-3 dB. Lever 53 is a default
 only if they stay within 0.5 dB of TE's default.
+
+Measured (H100, results/levers/fast_accum_snr_lever53_h100.log): fast dgrad within 0.05 dB of the
+default everywhere; with wgrad too, the weight gradients' median 0.1-0.25 dB lower and each block's
+own weight-gradient error 0.2 dB (ViT-B) and 1.0 dB (ViT-L, median 23.2 -> 22.2) lower; the logits
+within 0.03 dB. Time (results/bench/vit_base_patch16_224_b128_lever53_h100.log, steps in turn):
+ViT-B 29.3 ms, fast dgrad 29.0, both 28.9.
 """
 
 import statistics
