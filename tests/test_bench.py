@@ -609,6 +609,12 @@ def test_fast_accumulation_variants_copy_the_recipe_with_the_backward_gemms_fast
     assert copy is not base and not hasattr(base, "fp8_gemm_dgrad") and copy.fp8_format == "HYBRID"
     assert Variant.parse("fp8vit-fp8-delayed-graphed").fast_accum == () and len(made) == 2
 
+    class Block:  # TE asserts split accumulators for block scaling: refused, not copied past that check
+        def float8_block_scaling(self):
+            return True
+    with pytest.raises(ValueError, match="Float8BlockScaling requires split accumulators"):
+        recipes.fast_backward_accumulation(Block())
+
 
 def test_unknown_variant_lists_the_known_ones():
     with pytest.raises(ValueError, match="'fp8vit-fp9'.*timm-bf16"):

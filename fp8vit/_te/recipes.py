@@ -128,9 +128,15 @@ def fast_backward_accumulation(recipe: Any, *, dgrad: bool = True, wgrad: bool =
     ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` ``MMParams`` where it has them (current and block
     scaling do) and from their module constants otherwise (delayed scaling): the copy gets them.
     The forward's setting is left as it is.
+
+    Raises:
+        ValueError: a block-scaling recipe, for which TE requires the split accumulator.
     """
     import copy
 
+    if recipe_name(recipe) == "block":
+        raise ValueError("fast_backward_accumulation: TE's Float8BlockScaling requires split accumulators in "
+                         "every GEMM (its own check); use it with 'delayed' or 'current'")
     mm = te_module("transformer_engine.common.recipe").MMParams
     out = copy.copy(recipe)
     for gemm, fast in (("fp8_gemm_dgrad", dgrad), ("fp8_gemm_wgrad", wgrad)):
