@@ -23,7 +23,7 @@ from .._validate import check_bool, check_choice, show
 from .loader import te_module, te_version
 
 __all__ = ["RecipeName", "RECIPE_NAMES", "check_recipe_name", "check_recipe", "make_recipe", "recipe_name",
-           "row_multiple", "fast_backward_accumulation"]
+           "row_multiple", "recipe_settings", "fast_backward_accumulation"]
 
 
 class RecipeName(str, enum.Enum):
@@ -140,8 +140,8 @@ def fast_backward_accumulation(recipe: Any, *, dgrad: bool = True, wgrad: bool =
     mm = te_module("transformer_engine.common.recipe").MMParams
     out = copy.copy(recipe)
     for gemm, fast in (("fp8_gemm_dgrad", dgrad), ("fp8_gemm_wgrad", wgrad)):
-        if fast:  # a field DelayedScaling (a pydantic dataclass) does not declare: set past its __setattr__
-            object.__setattr__(out, gemm, mm(use_split_accumulator=False))
+        if fast:  # DelayedScaling declares no such field: an instance attribute, as TE's hasattr finds it
+            setattr(out, gemm, mm(use_split_accumulator=False))
     return out
 
 
@@ -175,6 +175,25 @@ def recipe_name(recipe: Any) -> str:
         if fn is not None and fn():
             return name
     return "custom"
+
+
+def recipe_settings(recipe: Any) -> Tuple[Tuple[str, Any], ...]:
+    """``(attribute, value)`` pairs, sorted, of a TE recipe object beyond its name: margin, format,
+    amax history and algorithms, FP8 attention, the GEMMs' accumulation (set fields and those
+    :func:`fast_backward_accumulation` adds alike: the instance's own attributes). A CUDA graph
+    bakes them in as kernel arguments, so graphs captured under one recipe are not replayed for a
+    recipe of the same name with other settings. Unhashable values are compared by their repr.
+    """
+    out = []
+    for name, value in sorted(vars(recipe).items()):
+        if name.startswith("_"):
+            continue
+        try:
+            hash(value)
+        except TypeError:
+            value = repr(value)
+        out.append((name, value))
+    return tuple(out)
 
 
 def row_multiple(name: Optional[str]) -> int:
