@@ -602,6 +602,9 @@ def test_fast_accumulation_variants_copy_the_recipe_with_the_backward_gemms_fast
     assert isinstance(r, Delayed) and made == [("delayed", {})]
     assert r.fp8_gemm_dgrad.use_split_accumulator is False and r.fp8_gemm_wgrad.use_split_accumulator is False
     assert not hasattr(r, "fp8_gemm_fprop")
+    # what the graph cache keys captures by: the copy's settings are not the default's
+    assert dict(recipes.recipe_settings(r)).keys() == {"fp8_gemm_dgrad", "fp8_gemm_wgrad"}
+    assert recipes.recipe_settings(Delayed()) == ()
     dgrad = Variant.parse("fp8vit-fp8-delayed-fastdgrad-graphed").recipe()
     assert dgrad.fp8_gemm_dgrad.use_split_accumulator is False and not hasattr(dgrad, "fp8_gemm_wgrad")
     base = Delayed()

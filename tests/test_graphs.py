@@ -304,6 +304,30 @@ def test_a_new_recipe_or_keyword_input_on_a_captured_shape_is_said_at_once(fake)
     assert [s.recipe_name for s in handle.shapes] == ["delayed", "current"]
 
 
+def test_the_same_recipe_with_other_settings_is_another_signature_not_a_replay(fake):
+    # The graphs bake a recipe's settings in (the margin in the scale update, the GEMMs'
+    # accumulation): a recipe of the same name with other settings must not replay them.
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model)
+    fake.recipe.margin = 0
+    _step(model, 4), _step(model, 4)
+    other = _Delayed()
+    other.margin, other.fp8_gemm_dgrad = 1, "fast"
+    fake.recipe = other
+    with pytest.warns(RuntimeWarning, match=r"recipe 'delayed' has other settings than the graphs were captured with "
+                                            r"\(fp8_gemm_dgrad None -> 'fast', margin 0 -> 1\).*captured as well"):
+        _step(model, 4)
+    assert handle.replays == 1 and len(fake.captures) == 1  # not replayed: run eagerly, then captured
+    _step(model, 4)
+    assert len(fake.captures) == 2 and fake.captures[-1]["recipe"] is other
+    same = _Delayed()  # equal settings, another object: the graphs serve it
+    same.margin, same.fp8_gemm_dgrad = 1, "fast"
+    fake.recipe = same
+    replays = handle.replays
+    _step(model, 4)
+    assert handle.replays == replays + 1 and len(fake.captures) == 2
+
+
 def test_outside_autocast_and_without_fp8_on_an_fp8_gpu_run_eagerly_saying_why(fake, monkeypatch):
     model = _vit()
     handle = fp8vit.make_graphed_blocks(model)

@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import _te
 from .._warn import warn_once
-from .._te.recipes import recipe_name
+from .._te.recipes import recipe_name, recipe_settings
 from ..blocks.base import FP8Block
 from ..blocks.weights import is_sharded
 from .detect import gpu_info
@@ -38,7 +38,7 @@ _SWITCH_NAMES = ("fp8_enabled", "grad_checkpointing", "recompute_mlp", "gelu_in_
 _SWITCHES = operator.attrgetter(*_SWITCH_NAMES)
 
 __all__ = ["GraphedBlocks", "GraphShape", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES", "TE_TUNED_LAYERNORM_WIDTHS",
-           "cudnn_norm_pays"]
+           "cudnn_norm_pays", "signature"]
 
 # Why make_graphed_blocks and FSDP2 (fully_shard) are refused together, from the sources (not
 # measured: it needs a GPU). Said by make_graphed_blocks and by fp8vit.training.distributed.shard_model.
@@ -64,6 +64,17 @@ _BUSY = ("the previous graph replay is still in use (its backward has not run, t
          "backward reads: this forward runs eagerly. Two forwards before one backward (several crops or "
          "views) run eagerly from the second on")
 
+
+
+def signature(shape: Tuple[int, ...], input_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype], recipe: Any,
+              spec: tuple) -> tuple:
+    """The key of one captured call signature: ``(shape, input dtype, autocast dtype, recipe name,
+    keyword inputs' spec, recipe settings)``, recipe name and settings None and ``()`` without FP8.
+    The settings (:func:`recipe_settings`) are part of it because the graphs bake them in: the same
+    recipe name with another margin or accumulation is another signature, not these graphs."""
+    if recipe is None:
+        return tuple(shape), input_dtype, autocast_dtype, None, spec, ()
+    return tuple(shape), input_dtype, autocast_dtype, recipe_name(recipe), spec, recipe_settings(recipe)
 
 
 def _spec(kwargs: dict, defaults: dict) -> tuple:
@@ -521,7 +532,7 @@ class GraphedBlocks:
         except TypeError:
             return None, "keyword inputs", (f"a keyword input of the blocks ({sorted(kwargs)}) is neither a tensor "
                                             "nor a hashable value, so no graph can be keyed on it")
-        key = (tuple(x.shape), x.dtype, dtype, recipe_name(recipe) if recipe is not None else None, spec)
+        key = signature(x.shape, x.dtype, dtype, recipe, spec)
         if self._entries:
             changed = self._stale or self._changed(0)
             if changed is not None:
@@ -626,6 +637,12 @@ class GraphedBlocks:
             elif key[3] != e.recipe_name:
                 why = (f"the graphs were captured with FP8 recipe {e.recipe_name!r}, the call runs with {key[3]!r} "
                        "(another fp8_context recipe)")
+            elif key[5] != e._key[5]:
+                now, then = dict(key[5]), dict(e._key[5])
+                changed = ", ".join(f"{k} {then.get(k)!r} -> {now.get(k)!r}"
+                                    for k in sorted(now.keys() | then.keys()) if now.get(k) != then.get(k))
+                why = (f"the call's FP8 recipe {key[3]!r} has other settings than the graphs were captured with "
+                       f"({changed})")
             else:
                 got, want = dict(key[4]), e.call_kwargs
                 names = sorted(set(got) | set(want), key=lambda k: (not isinstance(want.get(k), tuple), k))

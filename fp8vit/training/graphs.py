@@ -87,7 +87,7 @@ import torch
 from torch import nn
 
 from .._validate import check_bool, check_int, check_process_group, check_type
-from .._te.recipes import check_recipe, recipe_name
+from .._te.recipes import check_recipe
 from ..blocks.base import FP8Block
 from ..blocks.weights import is_sharded
 from ..errors import FP8UnavailableError
@@ -95,7 +95,7 @@ from .context import _fp8_context, check_autocast_dtype
 from .detect import gpu_info, resolve_recipe
 # _Dispatch and _fresh_handle: whole-model pickles made before graph_cache.py name them here
 from .graph_cache import (MAX_SHAPES, WHY_NOT_WITH_FSDP2, GraphedBlocks, GraphShape, _Dispatch,  # noqa: F401
-                          _fresh_handle, _is_tensor_spec, _spec, _uncapturable)
+                          _fresh_handle, _is_tensor_spec, _spec, _uncapturable, signature)
 
 __all__ = ["make_graphed_blocks", "GraphedBlocks", "GraphShape", "graphed_modules", "install_graphs",
            "remove_graphs", "graphed_handles", "branch_blocks", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES"]
@@ -365,7 +365,7 @@ def make_graphed_blocks(
                              "tensor keyword inputs, or the forward's defaults")
     handle._install()
     if now:
-        key = (tuple(shape), dtypes[0], dtype, recipe_name(te_recipe) if te_recipe is not None else None, spec)
+        key = signature(shape, dtypes[0], dtype, te_recipe, spec)
         was_training = blocks.training
         blocks.train()
         try:
