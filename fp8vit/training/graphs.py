@@ -236,7 +236,9 @@ def make_graphed_blocks(
     batch size), before or after DDP wraps the model, and train as usual inside
     :func:`fp8_context`. With ``batch_size``, that shape is captured now, for the given ``recipe``,
     ``fp8`` and ``dtype`` (the model on its GPU); every other shape is captured at its second
-    training call, under that call's recipe and autocast dtype, up to ``max_shapes`` in all.
+    training call, under that call's recipe and autocast dtype, up to ``max_shapes`` in all. A
+    signature is the block input's shape and dtype, the autocast dtype, the keyword inputs and the
+    recipe with its settings (margin, amax history, accumulation, ...: the graphs bake them in).
 
     Args:
         model: a timm ``VisionTransformer`` (its ``blocks`` is an ``nn.Sequential``; an
