@@ -16,6 +16,7 @@ Which recipes run on this GPU is :mod:`fp8vit.training.detect`'s question.
 
 from __future__ import annotations
 
+import copy
 import enum
 from typing import Any, Optional, Tuple
 
@@ -132,8 +133,6 @@ def fast_backward_accumulation(recipe: Any, *, dgrad: bool = True, wgrad: bool =
     Raises:
         ValueError: a block-scaling recipe, for which TE requires the split accumulator.
     """
-    import copy
-
     if recipe_name(recipe) == "block":
         raise ValueError("fast_backward_accumulation: TE's Float8BlockScaling requires split accumulators in "
                          "every GEMM (its own check); use it with 'delayed' or 'current'")
