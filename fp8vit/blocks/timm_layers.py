@@ -18,10 +18,10 @@ from torch import nn
 
 from .._warn import warn_once
 
-try:
+try:  # imported here for the block modules, from wherever this timm keeps it
     from timm.layers import register_notrace_module
 except ImportError:  # timm < 1.0 keeps it with the FX helpers
-    from timm.models._features_fx import register_notrace_module
+    from timm.models._features_fx import register_notrace_module  # noqa: F401
 
 __all__ = ["resolve_norm", "resolve_norm_module", "resolve_activation", "require_timm_class", "GELU_TANH_NOTE"]
 
