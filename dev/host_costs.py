@@ -80,7 +80,7 @@ def _print_stats(pr: cProfile.Profile, title: str, n: int, key: str = "tottime")
 
 def main() -> None:
     a = probe.parse_args(__doc__, "host_costs", 50, "the host costs of CUDA autocast, TE and the graphs")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; microseconds per call (timeit medians)")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host (CPU) microseconds per call, timeit medians: not GPU time")
     contexts()
     wl, opt, x, y = probe.build(a)
 

@@ -180,8 +180,10 @@ def recipe_settings(recipe: Any) -> Tuple[Tuple[str, Any], ...]:
     """``(attribute, value)`` pairs, sorted, of a TE recipe object beyond its name: margin, format,
     amax history and algorithms, FP8 attention, the GEMMs' accumulation (set fields and those
     :func:`fast_backward_accumulation` adds alike: the instance's own attributes). A CUDA graph
-    bakes them in as kernel arguments, so graphs captured under one recipe are not replayed for a
-    recipe of the same name with other settings. Unhashable values are compared by their repr.
+    bakes some of them in (the FP8 formats, FP8 attention, the GEMMs' accumulation: kernels and
+    their arguments), so graphs captured under one recipe are not replayed for a recipe of the same
+    name with other settings; keying on all of them needs no list of which. Unhashable values are
+    compared by their repr.
     """
     out = []
     for name, value in sorted(vars(recipe).items()):

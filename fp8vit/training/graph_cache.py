@@ -70,8 +70,9 @@ def signature(shape: Tuple[int, ...], input_dtype: torch.dtype, autocast_dtype: 
               spec: tuple) -> tuple:
     """The key of one captured call signature: ``(shape, input dtype, autocast dtype, recipe name,
     keyword inputs' spec, recipe settings)``, recipe name and settings None and ``()`` without FP8.
-    The settings (:func:`recipe_settings`) are part of it because the graphs bake them in: the same
-    recipe name with another margin or accumulation is another signature, not these graphs."""
+    The settings (:func:`recipe_settings`) are part of it because the graphs bake some of them in
+    (formats, FP8 attention, accumulation): the same recipe name with another margin or
+    accumulation is another signature, not these graphs."""
     if recipe is None:
         return tuple(shape), input_dtype, autocast_dtype, None, spec, ()
     return tuple(shape), input_dtype, autocast_dtype, recipe_name(recipe), spec, recipe_settings(recipe)

@@ -238,7 +238,7 @@ def make_graphed_blocks(
     ``fp8`` and ``dtype`` (the model on its GPU); every other shape is captured at its second
     training call, under that call's recipe and autocast dtype, up to ``max_shapes`` in all. A
     signature is the block input's shape and dtype, the autocast dtype, the keyword inputs and the
-    recipe with its settings (margin, amax history, accumulation, ...: the graphs bake them in).
+    recipe with all its settings (the graphs bake some in: formats, FP8 attention, accumulation).
 
     Args:
         model: a timm ``VisionTransformer`` (its ``blocks`` is an ``nn.Sequential``; an
