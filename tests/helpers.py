@@ -182,6 +182,57 @@ def fp8_step(model, x, recipe, enabled=True):
                                   if p.grad is not None}
 
 
+def block_weight(name: str, grad=None) -> bool:
+    """A weight of a transformer block (``blocks.N.`` anywhere in the name): :func:`fp8_snrs`'s default."""
+    return ".blocks." in f".{name}" and name.endswith("weight")
+
+
+def step_snrs(ref, test, keep=block_weight, full=lambda t: t) -> dict:
+    """SNR in dB of step ``test`` against step ``ref`` (each as :func:`fp8_step` returns it): the
+    logits', and each gradient ``keep`` accepts.
+
+    Args:
+        keep: ``keep(name, ref's gradient)``: whether to compare that parameter's gradient.
+        full: applied to each gradient first (FSDP2's DTensors to full tensors).
+
+    Returns:
+        ``{"logits": dB, name: dB, ...}``.
+    """
+    out = {"logits": snr_db(ref[0], test[0])}
+    for k, g in ref[1].items():
+        if keep(k, full(g)):
+            out[k] = snr_db(full(g), full(test[1][k]))
+    return out
+
+
+def fp8_snrs(model, x, recipe, keep=block_weight, *, fp8_steps=2, full=lambda t: t):
+    """SNR in dB of an FP8 step (:func:`fp8_step`) against the same step with FP8 off: the logits',
+    and each gradient ``keep`` accepts, after asserting that every FP8 gradient is finite.
+
+    Delayed scaling quantizes a step's gradients with scales from the steps before; after one FP8
+    step they can still be the initial 1, and gradients of ~1e-6 then flush to zero in E5M2 (measured
+    on the H200: 0.0 dB for every block-0/1 weight of DINOv3-S and AIMv2-L, 24 dB one step later;
+    git show d51209d:docs/results/gpu_tests_families_run1.log). Hence ``fp8_steps`` FP8 steps before
+    the one measured (two, as ``diagnose()`` runs).
+
+    Args:
+        keep, full: as :func:`step_snrs` takes them.
+        fp8_steps: FP8 steps run before the measured one.
+
+    Returns:
+        (``{"logits": dB, name: dB, ...}``, the name of the lowest, the bf16 step, the FP8 step); the
+        steps as :func:`fp8_step` returns them.
+    """
+    ref = fp8_step(model, x, recipe, enabled=False)
+    for _ in range(fp8_steps):
+        fp8_step(model, x, recipe)
+    test = fp8_step(model, x, recipe)
+    bad = [k for k, g in test[1].items() if not torch.isfinite(full(g)).all()]
+    assert not bad, f"non-finite FP8 gradients: {bad}"
+    snrs = step_snrs(ref, test, keep, full)
+    return snrs, min(snrs, key=snrs.get), ref, test
+
+
 def block_pair(case_kw: dict, *, backend: str, dim: int = 64, num_heads: int = 4, device: str = "cpu"):
     """A timm Block with options ``case_kw`` (a ``BLOCK_CASES``/``MLP_CASES`` entry; seed 0) in eval
     mode on ``device``, and the ``TE_Block`` converted from it on ``backend``."""

@@ -12,7 +12,7 @@ import torch
 
 import fp8vit
 from fp8vit.blocks.beit import TE_BeitBlock
-from helpers import fp8_step, max_rel_err, rel_l2_err, snr_db, train_steps
+from helpers import fp8_snrs, max_rel_err, rel_l2_err, snr_db, train_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -71,14 +71,8 @@ def test_fp32_logits_and_grads_match_timm(key):
 def test_fp8_snr_vs_bf16(recipe, batch):
     model = _convert(_model("beit_base_patch16_224")).train()
     x = torch.randn(batch, 3, 224, 224, device="cuda")
-    ref = fp8_step(model, x, recipe, enabled=False)
-    for _ in range(2):  # real delayed-scaling scales first (test_eva_gpu.py says why)
-        fp8_step(model, x, recipe)
-    test = fp8_step(model, x, recipe)
-    snrs = {"logits": snr_db(ref[0], test[0])}
-    snrs.update({k: snr_db(ref[1][k], test[1][k]) for k in ref[1] if k.startswith("blocks.")
-                 and k.endswith(("weight", "relative_position_bias_table"))})
-    worst = min(snrs, key=snrs.get)
+    snrs, worst, _, _ = fp8_snrs(model, x, recipe, lambda k, _: k.startswith("blocks.")
+                                 and k.endswith(("weight", "relative_position_bias_table")))
     print(f"beit {recipe} batch {batch}: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB")
     assert snrs["logits"] >= 20.0 and snrs[worst] >= 12.0
 

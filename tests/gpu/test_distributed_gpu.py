@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fp8vit
-from helpers import GRAD_DB, LOGITS_DB, fp8_step, snr_db, train_steps
+from helpers import GRAD_DB, LOGITS_DB, fp8_snrs, fp8_step, snr_db, step_snrs, train_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -78,14 +78,6 @@ def _delayed_state(model):
             if isinstance(getattr(m, "fp8_meta", None), dict) and "scaling_fwd" in m.fp8_meta}
 
 
-def _snrs(ref, test):
-    out = {"logits": snr_db(ref[0], test[0])}
-    for k in ref[1]:
-        if ".blocks." in f".{k}" and k.endswith("weight"):
-            out[k] = snr_db(_full(ref[1][k]), _full(test[1][k]))
-    return out
-
-
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_fsdp2_fp8_step_snr_vs_bf16(recipe):
     # fp8vit's default FSDP2 policy (bf16 compute): the third FP8 step (delayed scaling: the first
@@ -94,10 +86,7 @@ def test_fsdp2_fp8_step_snr_vs_bf16(recipe):
     model = fp8vit.shard_model(_vit())
     assert type(model.blocks[0].qkv.weight).__name__ == "DTensor"
     x = torch.randn(B, 3, 224, 224, device="cuda")
-    ref = fp8_step(model, x, recipe, enabled=False)
-    fp8_step(model, x, recipe)
-    snrs = _snrs(ref, fp8_step(model, x, recipe))
-    worst = min(snrs, key=snrs.get)
+    snrs, worst, _, _ = fp8_snrs(model, x, recipe, fp8_steps=1, full=_full)
     print(f"FSDP2 {recipe}: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB")
     assert snrs["logits"] >= LOGITS_DB and snrs[worst] >= GRAD_DB
 
@@ -149,7 +138,7 @@ def test_fsdp2_with_activation_checkpointing_under_fp8(switch):
     for model in (plain, ckpt):  # same warm-up: same FP8 scaling state
         fp8_step(model, x, "delayed")
     getattr(fp8vit, f"set_{switch}")(ckpt)
-    snrs = _snrs(fp8_step(plain, x, "delayed"), fp8_step(ckpt, x, "delayed"))
+    snrs = step_snrs(fp8_step(plain, x, "delayed"), fp8_step(ckpt, x, "delayed"), full=_full)
     worst = min(snrs, key=snrs.get)
     print(f"FSDP2 {switch} vs not: worst {worst} {snrs[worst]:.1f} dB")
     assert snrs[worst] >= 40

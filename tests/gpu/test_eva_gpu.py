@@ -14,7 +14,7 @@ from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 import fp8vit
 from fp8vit import _te
 from fp8vit.blocks.eva import TE_EvaBlock, rope_angles
-from helpers import fp8_step, max_rel_err, rel_l2_err, snr_db, train_steps
+from helpers import fp8_snrs, fp8_step, max_rel_err, rel_l2_err, snr_db, train_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -98,17 +98,8 @@ def test_fp32_logits_and_input_grad_match_timm(name):
 def test_fp8_snr_vs_bf16(name, recipe, batch):
     model = _convert(_model(name)).train()
     x = torch.randn(batch, 3, 224, 224, device="cuda")
-    ref = fp8_step(model, x, recipe, enabled=False)
-    # Delayed scaling quantizes a step's gradients with scales from the steps before; after one FP8
-    # step they can still be the initial 1, and gradients of ~1e-6 then flush to zero in E5M2
-    # (measured on the H200: 0.0 dB for every block-0/1 weight of DINOv3-S and AIMv2-L, 24 dB one
-    # step later; git show d51209d:docs/results/gpu_tests_families_run1.log). Two FP8 steps first, as diagnose() does.
-    for _ in range(2):
-        fp8_step(model, x, recipe)
-    test = fp8_step(model, x, recipe)
-    snrs = {"logits": snr_db(ref[0], test[0])}
-    snrs.update({k: snr_db(ref[1][k], test[1][k]) for k in ref[1] if k.startswith("blocks.") and k.endswith("weight")})
-    worst = min(snrs, key=snrs.get)
+    # two FP8 steps before the one measured: fp8_snrs says why
+    snrs, worst, ref, test = fp8_snrs(model, x, recipe, lambda k, _: k.startswith("blocks.") and k.endswith("weight"))
     print(f"{name} {recipe} batch {batch}: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB; "
           f"below 20 dB: {({k: round(v, 1) for k, v in snrs.items() if v < 20})}; "
           f"norms {[(k, f'{ref[1][k].norm():.2e}', f'{test[1][k].norm():.2e}') for k in snrs if snrs[k] < 12]}")

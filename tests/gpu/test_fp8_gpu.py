@@ -13,7 +13,7 @@ import timm
 import torch
 
 import fp8vit
-from helpers import GRAD_DB, LOGITS_DB, fp8_step, is_forward_gelu_kernel, snr_db
+from helpers import GRAD_DB, LOGITS_DB, fp8_snrs, fp8_step, is_forward_gelu_kernel, snr_db, step_snrs
 
 pytestmark = pytest.mark.gpu
 
@@ -34,14 +34,6 @@ def _vit(depth=2, **kw):
 
 
 
-def _snrs(ref, test):
-    out = {"logits": snr_db(ref[0], test[0])}
-    for k in ref[1]:
-        if ".blocks." in f".{k}" and k.endswith("weight"):
-            out[k] = snr_db(ref[1][k], test[1][k])
-    return out
-
-
 def test_default_recipe_on_this_gpu():
     info = fp8vit.gpu_info()
     print(info.summary())
@@ -57,12 +49,7 @@ def _fp8_vs_bf16(recipe, batch):
     _need(recipe)
     model = _vit().train()
     x = torch.randn(batch, 3, 224, 224, device="cuda")
-    ref = fp8_step(model, x, recipe, enabled=False)
-    fp8_step(model, x, recipe)
-    test = fp8_step(model, x, recipe)
-    assert all(torch.isfinite(g).all() for g in test[1].values())
-    snrs = _snrs(ref, test)
-    worst = min(snrs, key=snrs.get)
+    snrs, worst, _, _ = fp8_snrs(model, x, recipe, fp8_steps=1)
     print(f"{recipe} batch {batch}: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB")
     return snrs["logits"], snrs[worst]
 
@@ -106,7 +93,7 @@ def test_delayed_scaling_updates_after_a_recipe_switch():
             fp8_step(control, x, "delayed")
             lin_step(recipe)
     ref = fp8_step(model, x, "delayed", enabled=False)
-    snrs = _snrs(ref, fp8_step(model, x, "delayed"))
+    snrs = step_snrs(ref, fp8_step(model, x, "delayed"))
     worst = min(snrs, key=snrs.get)
     (stuck, n), (stuck_anyway, n_control) = _stuck_delayed_scales(model), _stuck_delayed_scales(control)
     te_stuck = bool((lin.fp8_meta["scaling_fwd"].scale == 1).all())
@@ -148,7 +135,7 @@ def test_fp8_attention_snr_vs_bf16(recipe):
         for _ in range(2):
             fp8_step(model, x, rec)
         out[name] = fp8_step(model, x, rec)
-    snrs = _snrs(ref, out["fp8 attention"])
+    snrs = step_snrs(ref, out["fp8 attention"])
     worst = min(snrs, key=snrs.get)
     same = snr_db(out["bf16 attention"][0], out["fp8 attention"][0])
     print(f"{recipe} + FP8 attention{' (refused by make_recipe)' if refused else ''}: logits "
@@ -178,7 +165,7 @@ def test_grad_checkpointing_under_fp8(recipe):
     ckpt.set_grad_checkpointing(True)
     assert all(b.grad_checkpointing for b in ckpt.blocks) and not ckpt.grad_checkpointing
     a, b = fp8_step(plain, x, recipe), fp8_step(ckpt, x, recipe)
-    snrs = _snrs(a, b)
+    snrs = step_snrs(a, b)
     worst = min(snrs, key=snrs.get)
     print(f"{recipe} checkpointed vs not: worst {worst} {snrs[worst]:.1f} dB")
     assert snrs[worst] >= 40  # the same computation, recomputed
@@ -235,7 +222,7 @@ def test_mlp_recompute_same_step_less_memory(exact_gelu):
         results.append(fp8_step(m, x, "delayed"))
         peaks.append(torch.cuda.max_memory_allocated() - base)
     for name, run in (("all blocks", results[1]), ("block 0 only", results[2])):
-        snrs = _snrs(results[0], run)
+        snrs = step_snrs(results[0], run)
         worst = min(snrs, key=snrs.get)
         print(f"MLP recompute ({'unfused' if exact_gelu else 'TE fused'}, {name}): worst {worst} "
               f"{snrs[worst]:.1f} dB")
@@ -280,7 +267,7 @@ def test_cudnn_layernorm_runs_cudnn_kernels_as_accurately(recipe):
     print(f"TE's LayerNorm kernels: {len(te_norm)}; with the switch: "
           f"{sorted(k[:40] for k in cudnn_kernels if 'layer_norm' in k or 'ln_' in k)}")
     assert te_norm and not any("normalization::ln_" in k for k in cudnn_kernels), "kernels unchanged"
-    a, b = _snrs(ref, te_run), _snrs(ref, cudnn_run)
+    a, b = step_snrs(ref, te_run), step_snrs(ref, cudnn_run)
     worst_a, worst_b = min(a, key=a.get), min(b, key=b.get)
     print(f"{recipe} vs bf16: TE LayerNorm worst {worst_a} {a[worst_a]:.1f} dB, "
           f"cuDNN LayerNorm worst {worst_b} {b[worst_b]:.1f} dB")
@@ -338,7 +325,7 @@ def test_gelu_in_fc1_gemm_epilogue(recipe):
             "fc1's GEMM did not take the GELU epilogue"
     else:
         assert gelu_kernels["fused"] == gelu_kernels["plain"]
-    a, b = _snrs(ref, runs["plain"][0]), _snrs(ref, runs["fused"][0])
+    a, b = step_snrs(ref, runs["plain"][0]), step_snrs(ref, runs["fused"][0])
     worst_a, worst_b = min(a, key=a.get), min(b, key=b.get)
     print(f"{recipe} vs bf16: separate GELU worst {worst_a} {a[worst_a]:.1f} dB, logits {a['logits']:.1f} dB; "
           f"GELU in the GEMM worst {worst_b} {b[worst_b]:.1f} dB, logits {b['logits']:.1f} dB")

@@ -13,7 +13,7 @@ import torch
 
 import fp8vit
 from fp8vit.blocks.linear import is_swapped
-from helpers import GRAD_DB, LOGITS_DB, fp8_step, kept_swin_blocks, snr_db
+from helpers import GRAD_DB, LOGITS_DB, fp8_snrs, fp8_step, kept_swin_blocks, snr_db, step_snrs
 
 pytestmark = pytest.mark.gpu
 
@@ -53,11 +53,12 @@ def _swapped(model):
 
 def _snrs(model, ref, test):
     """Logits, and the gradient of every swapped Linear's weight."""
-    out = {"logits": snr_db(ref[0], test[0])}
-    for name in _swapped(model):
-        key = f"{name}.weight"
-        out[key] = snr_db(ref[1][key], test[1][key])
-    return out
+    return step_snrs(ref, test, _swapped_weight(model))
+
+
+def _swapped_weight(model):
+    names = {f"{n}.weight" for n in _swapped(model)}
+    return lambda name, grad: name in names
 
 
 def _fp8_vs_bf16(key, recipe, batch):
@@ -67,15 +68,8 @@ def _fp8_vs_bf16(key, recipe, batch):
     assert swapped and len(swapped) == fp8vit.conversion_summary(model).num_swapped
     assert all(isinstance(m, fp8vit._te.SwappedLinear) for m in swapped.values())
     x = torch.randn(batch, 3, 224, 224, device="cuda")
-    ref = fp8_step(model, x, recipe, enabled=False)
-    assert not any(m.fp8 for m in swapped.values())  # FP8 only inside fp8_context
-    for _ in range(2):  # delayed scaling: gradient scales need two FP8 steps (see test_eva_gpu.py)
-        fp8_step(model, x, recipe)
-    test = fp8_step(model, x, recipe)
+    snrs, worst, _, _ = fp8_snrs(model, x, recipe, _swapped_weight(model))
     assert all(m.fp8 for m in swapped.values()), "a swapped Linear did not run in FP8"
-    assert all(torch.isfinite(g).all() for g in test[1].values())
-    snrs = _snrs(model, ref, test)
-    worst = min(snrs, key=snrs.get)
     print(f"{key} {recipe} batch {batch}: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB")
     return snrs["logits"], snrs[worst]
 

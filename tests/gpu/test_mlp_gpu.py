@@ -24,7 +24,8 @@ from torch import nn
 
 import fp8vit
 from fp8vit.blocks.weights import te_to_timm
-from helpers import GRAD_DB, LOGITS_DB, MLP_CASES, block_pair, fp32_against_timm, fp8_step, max_rel_err, padded_masks, snr_db
+from helpers import (GRAD_DB, LOGITS_DB, MLP_CASES, block_pair, block_weight, fp32_against_timm, fp8_snrs, fp8_step,
+                     max_rel_err, padded_masks, step_snrs)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:fp8vit. timm's exact")]
 
@@ -120,12 +121,8 @@ def _model(name):
 
 
 
-def _snrs(ref, test):
-    out = {"logits": snr_db(ref[0], test[0])}
-    for k in ref[1]:
-        if ".blocks." in f".{k}" and k.endswith("weight") and float(ref[1][k].norm()) > 0:
-            out[k] = snr_db(ref[1][k], test[1][k])
-    return out
+def _nonzero_block_weight(name, grad):
+    return block_weight(name) and float(grad.norm()) > 0
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
@@ -135,17 +132,7 @@ def test_fp8_step_snr_vs_bf16(name, recipe, batch):
     _need(recipe)
     model = _model(name)
     x = torch.randn(batch, 3, 224, 224, device="cuda")  # every model above at 224 px
-    ref = fp8_step(model, x, recipe, enabled=False)
-    # Delayed scaling quantizes a step's gradients with scales from the steps before; after one FP8
-    # step they can still be the initial 1, and gradients of ~1e-6 then flush to zero in E5M2
-    # (measured on the H200: 0.0 dB for every block-0/1 weight of DINOv3-S and AIMv2-L, 24 dB one
-    # step later; git show d51209d:docs/results/gpu_tests_families_run1.log). Two FP8 steps first, as diagnose() does.
-    for _ in range(2):
-        fp8_step(model, x, recipe)
-    test = fp8_step(model, x, recipe)
-    assert all(torch.isfinite(g).all() for g in test[1].values())
-    snrs = _snrs(ref, test)
-    worst = min(snrs, key=snrs.get)
+    snrs, worst, _, _ = fp8_snrs(model, x, recipe, _nonzero_block_weight)
     print(f"{name} {recipe} batch {batch} ({model.blocks[0].cfg.mlp.describe()}): logits "
           f"{snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB")
     assert snrs["logits"] >= LOGITS_DB and snrs[worst] >= GRAD_DB, worst
@@ -218,7 +205,7 @@ def test_mlp_recompute_of_glu_mlps_keeps_the_step(case):
         if recompute:
             fp8vit.set_mlp_recompute(m)
         runs.append(fp8_step(m, x, "delayed"))
-    snrs = _snrs(*runs)
+    snrs = step_snrs(*runs, _nonzero_block_weight)
     worst = min(snrs, key=snrs.get)
     print(f"{case}: MLP recompute vs not, worst {worst} {snrs[worst]:.1f} dB")
     assert snrs[worst] >= 40

@@ -16,7 +16,7 @@ import fp8vit
 from fp8vit.blocks.base import FP8Block
 from fp8vit.blocks.swin import TE_SwinBlock
 from fp8vit.blocks.weights import te_to_timm
-from helpers import (GRAD_DB, LOGITS_DB, assert_stage_graphs_train_like_eager, fp8_step, kept_swin_blocks,
+from helpers import (GRAD_DB, LOGITS_DB, assert_stage_graphs_train_like_eager, fp8_snrs, fp8_step, kept_swin_blocks,
                      max_rel_err, rel_l2_err, snr_db)
 
 pytestmark = pytest.mark.gpu
@@ -70,14 +70,8 @@ def test_fp32_logits_and_grads_match_timm():
 def test_fp8_snr_vs_bf16(recipe, batch):
     model = _convert(_model()).train()
     x = torch.randn(batch, 3, 224, 224, device="cuda")
-    ref = fp8_step(model, x, recipe, enabled=False)
-    for _ in range(2):  # real delayed-scaling scales first (test_eva_gpu.py says why)
-        fp8_step(model, x, recipe)
-    test = fp8_step(model, x, recipe)
-    snrs = {"logits": snr_db(ref[0], test[0])}
-    snrs.update({k: snr_db(ref[1][k], test[1][k]) for k in ref[1] if ".blocks." in k
-                 and k.endswith(("weight", "relative_position_bias_table"))})
-    worst = min(snrs, key=snrs.get)
+    snrs, worst, _, _ = fp8_snrs(model, x, recipe, lambda k, _: ".blocks." in k
+                                 and k.endswith(("weight", "relative_position_bias_table")))
     print(f"swin {recipe} batch {batch}: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB")
     assert snrs["logits"] >= LOGITS_DB and snrs[worst] >= GRAD_DB
 
