@@ -165,6 +165,15 @@ def load_example(name: str):
 LOGITS_DB, GRAD_DB = 20.0, 12.0
 
 
+def need_recipe(recipe: str) -> None:
+    """Skip the calling test, with TE's reason, where this GPU cannot run FP8 recipe ``recipe``."""
+    import fp8vit
+
+    ok, why = fp8vit.gpu_info().recipes[recipe]
+    if not ok:
+        pytest.skip(f"recipe {recipe!r} not supported here: {why}")
+
+
 def fp8_step(model, x, recipe, enabled=True):
     """One forward/backward inside ``fp8_context`` (FP8 on or off), loss ``mean(logits^2)``.
 

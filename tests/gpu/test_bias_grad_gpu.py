@@ -13,15 +13,14 @@ import torch
 
 import fp8vit
 from fp8vit._te.kernels import triton_support
+from helpers import need_recipe
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
 def _need_fp8_and_triton():
-    ok, why = fp8vit.gpu_info().recipes["delayed"]
-    if not ok:
-        pytest.skip(f"FP8 delayed scaling not supported here: {why}")
+    need_recipe("delayed")
     ok, why = triton_support()
     if not ok:
         pytest.skip(f"fp8vit's Triton kernels cannot run here: {why}")

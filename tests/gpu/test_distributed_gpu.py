@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fp8vit
-from helpers import GRAD_DB, LOGITS_DB, fp8_snrs, fp8_step, snr_db, step_snrs, train_steps
+from helpers import GRAD_DB, LOGITS_DB, fp8_snrs, fp8_step, need_recipe, snr_db, step_snrs, train_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -36,12 +36,6 @@ def _world_of_one():
     dist.init_process_group("nccl", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
-
-
-def _need(recipe):
-    ok, why = fp8vit.gpu_info().recipes[recipe]
-    if not ok:
-        pytest.skip(f"recipe {recipe!r} not supported here: {why}")
 
 
 def _vit(depth=2):
@@ -82,7 +76,7 @@ def _delayed_state(model):
 def test_fsdp2_fp8_step_snr_vs_bf16(recipe):
     # fp8vit's default FSDP2 policy (bf16 compute): the third FP8 step (delayed scaling: the first
     # fills the amax history) against the same sharded model's bf16 step, with test_fp8_gpu's floors.
-    _need(recipe)
+    need_recipe(recipe)
     model = fp8vit.shard_model(_vit())
     assert type(model.blocks[0].qkv.weight).__name__ == "DTensor"
     x = torch.randn(B, 3, 224, 224, device="cuda")
@@ -204,7 +198,7 @@ def _fp8_weight_vit(recipe):
 
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
 def test_fp8_primary_weights_train_sharded(recipe):
-    _need(recipe)
+    need_recipe(recipe)
     model = _fp8_weight_vit(recipe)
     from fp8vit import _te
     quantized = [n for n, p in model.named_parameters() if _te.is_quantized(p)]

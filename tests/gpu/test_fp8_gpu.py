@@ -13,17 +13,11 @@ import timm
 import torch
 
 import fp8vit
-from helpers import GRAD_DB, LOGITS_DB, fp8_snrs, fp8_step, is_forward_gelu_kernel, snr_db, step_snrs
+from helpers import GRAD_DB, LOGITS_DB, fp8_snrs, fp8_step, is_forward_gelu_kernel, need_recipe, snr_db, step_snrs
 
 pytestmark = pytest.mark.gpu
 
 RECIPES = list(fp8vit.RECIPE_NAMES)
-
-
-def _need(recipe):
-    ok, why = fp8vit.gpu_info().recipes[recipe]
-    if not ok:
-        pytest.skip(f"recipe {recipe!r} not supported here: {why}")
 
 
 def _vit(depth=2, **kw):
@@ -46,7 +40,7 @@ def test_default_recipe_on_this_gpu():
 def _fp8_vs_bf16(recipe, batch):
     """SNRs of the third FP8 training step against bf16 (delayed scaling: the first step only
     fills the amax history), for a 2-block ViT-B/16 on ``batch`` images of 197 tokens."""
-    _need(recipe)
+    need_recipe(recipe)
     model = _vit().train()
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     snrs, worst, _, _ = fp8_snrs(model, x, recipe, fp8_steps=1)
@@ -74,7 +68,7 @@ def test_delayed_scaling_updates_after_a_recipe_switch():
     # but keeps the module's first place in its amax/scale buffers, so the new scales never update
     # (fp8vit._te.recipe_switch); fp8vit's modules forget that place. Measured on TE's own Linear too,
     # the premise: if TE keeps its scales at 1.0 there, the fix is still needed.
-    _need("current")
+    need_recipe("current")
     te = fp8vit._te.load_te()
     x = torch.randn(16, 3, 224, 224, device="cuda")
     model = _vit().train()
@@ -115,7 +109,7 @@ def test_fp8_attention_snr_vs_bf16(recipe):
     # own recipe object: delayed scaling still below the floors, current scaling still no kernel;
     # should TE fix it, this fails and says to lift the refusal. Elsewhere: against bf16 by the same
     # floors, and against the same recipe with bf16 attention the logits must differ.
-    _need(recipe)
+    need_recipe(recipe)
     try:
         fp8_attn, refused = fp8vit.make_recipe(recipe, fp8_attention=True), None
     except ValueError as err:
@@ -157,7 +151,7 @@ def test_any_batch_size_under_fp8(recipe, batch):
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_grad_checkpointing_under_fp8(recipe):
-    _need(recipe)
+    need_recipe(recipe)
     x = torch.randn(8, 3, 224, 224, device="cuda")
     plain, ckpt = _vit(depth=3).train(), _vit(depth=3).train()  # same seed: same weights
     for model in (plain, ckpt):  # same warm-up: same FP8 scaling state
@@ -173,7 +167,7 @@ def test_grad_checkpointing_under_fp8(recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_state_dict_round_trip_resumes_training(recipe):
-    _need(recipe)
+    need_recipe(recipe)
     assert os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") != "1"
     model = _vit().train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -200,7 +194,7 @@ def test_state_dict_round_trip_resumes_training(recipe):
 @pytest.mark.parametrize("exact_gelu", [False, True], ids=["te-fused-mlp", "unfused-mlp"])
 def test_mlp_recompute_same_step_less_memory(exact_gelu):
     # Recompute reruns the same kernels with the forward's FP8 scales: the step must not change.
-    _need("delayed")
+    need_recipe("delayed")
     x = torch.randn(32, 3, 224, 224, device="cuda")
 
     def model():
@@ -249,7 +243,7 @@ def test_cudnn_layernorm_runs_cudnn_kernels_as_accurately(recipe):
     # ViT-H width (1280): TE has no tuned LayerNorm kernel for it, which is where cuDNN's pays.
     # Two FP8 runs whose amax differs in the last bit re-round every element (delayed scales are
     # not powers of two), so both are judged against bf16, not against each other.
-    _need(recipe)
+    need_recipe(recipe)
     x = torch.randn(32, 3, 224, 224, device="cuda")
     plain, cudnn = (_vit(embed_dim=1280, num_heads=16).train() for _ in range(2))
     ref = fp8_step(plain, x, recipe, enabled=False)
@@ -303,7 +297,7 @@ def test_gelu_in_fc1_gemm_epilogue(recipe):
     # Under delayed scaling fc1's GEMM computes GELU in its epilogue and writes fc2's FP8 input
     # (lever 12); TE's separate GELU+cast kernel must then be gone, and the step must be as
     # accurate against bf16 as with that kernel. Other recipes keep the separate kernel.
-    _need(recipe)
+    need_recipe(recipe)
     x = torch.randn(32, 3, 224, 224, device="cuda")
     fused, plain = _vit(depth=3).train(), _vit(depth=3).train()  # same seed: same weights
     assert all(b.gelu_in_gemm for b in fused.blocks)  # the default

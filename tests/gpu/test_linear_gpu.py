@@ -13,7 +13,7 @@ import torch
 
 import fp8vit
 from fp8vit.blocks.linear import is_swapped
-from helpers import GRAD_DB, LOGITS_DB, fp8_snrs, fp8_step, kept_swin_blocks, snr_db, step_snrs
+from helpers import GRAD_DB, LOGITS_DB, fp8_snrs, fp8_step, kept_swin_blocks, need_recipe, snr_db, step_snrs
 
 pytestmark = pytest.mark.gpu
 
@@ -26,12 +26,6 @@ MODELS = {
     # (helpers.kept_swin_blocks), since fp8vit fuses timm's Swin block itself
     "swin": ("swin_tiny_patch4_window7_224", dict(depths=(2, 2), num_heads=(3, 6))),
 }
-
-
-def _need(recipe):
-    ok, why = fp8vit.gpu_info().recipes[recipe]
-    if not ok:
-        pytest.skip(f"recipe {recipe!r} not supported here: {why}")
 
 
 def _model(key="relpos", **kw):
@@ -62,7 +56,7 @@ def _swapped_weight(model):
 
 
 def _fp8_vs_bf16(key, recipe, batch):
-    _need(recipe)
+    need_recipe(recipe)
     model = _model(key).train()
     swapped = _swapped(model)
     assert swapped and len(swapped) == fp8vit.conversion_summary(model).num_swapped
@@ -93,7 +87,7 @@ def test_linear_with_odd_features_is_kept_and_the_model_trains():
     # CaiT's talking-heads projections are heads x heads (4 x 4): not multiples of 16. LayerScale
     # at 1 rather than CaiT's 1e-5: with 1e-5 the blocks' bf16 gradients are ~1e-13 (measured on
     # H200), below what E5M2 holds, so FP8 measured 0 dB against them for a reason of the test model.
-    _need("delayed")
+    need_recipe("delayed")
     torch.manual_seed(0)
     model = timm.create_model("cait_xxs24_224", pretrained=False, depth=2, depth_token_only=1, num_classes=100,
                               drop_path_rate=0.0, init_values=1.0)
@@ -119,7 +113,7 @@ def test_linear_with_odd_features_is_kept_and_the_model_trains():
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_weights_round_trip_and_training_resumes(recipe):
-    _need(recipe)
+    need_recipe(recipe)
     assert os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") != "1"
     model = _model().train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -162,7 +156,7 @@ def test_outside_fp8_context_matches_timm_bf16():
 
 
 def test_set_block_fp8_turns_swapped_linears_off():
-    _need("delayed")
+    need_recipe("delayed")
     model = _model().train()
     fp8vit.set_block_fp8(model, ["blocks.0"], False)
     x = torch.randn(16, 3, 224, 224, device="cuda")
@@ -175,7 +169,7 @@ def test_set_block_fp8_turns_swapped_linears_off():
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_grad_checkpointing_of_swapped_blocks_under_fp8(recipe):
     # TE's checkpoint around blocks holding TE Linears (timm's own would recompute outside FP8)
-    _need(recipe)
+    need_recipe(recipe)
     x = torch.randn(8, 3, 224, 224, device="cuda")
     plain, ckpt = _model("swin").train(), _model("swin").train()  # same seed: same weights
     for model in (plain, ckpt):  # same warm-up: same FP8 scaling state
@@ -198,7 +192,7 @@ def test_swapped_model_under_torch_compile_steps_as_uncompiled(key):
     # FP8 against uncompiled bf16. Not "compiled close to uncompiled": on the H200 the
     # relative-position ViT's compiled bf16 attention differs enough that the two FP8 steps were
     # only 2.9 dB closer to each other than to bf16 (scales 0.5% apart).
-    _need("delayed")
+    need_recipe("delayed")
     x = torch.randn(8, 3, 224, 224, device="cuda")
     eager, compiled = _model(key), _model(key)
     fp8vit.convert_to_te(compiled, fallback="linear", compile=True)

@@ -25,17 +25,11 @@ from torch import nn
 import fp8vit
 from fp8vit.blocks.weights import te_to_timm
 from helpers import (GRAD_DB, LOGITS_DB, MLP_CASES, block_pair, block_weight, fp32_against_timm, fp8_snrs, fp8_step,
-                     max_rel_err, padded_masks, step_snrs)
+                     max_rel_err, need_recipe, padded_masks, step_snrs)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:fp8vit. timm's exact")]
 
 _KINKED = {"glu_relu_norm"}  # ReLU: a pre-activation within rounding of 0 flips (test_block_gpu.py)
-
-
-def _need(recipe):
-    ok, why = fp8vit.gpu_info().recipes[recipe]
-    if not ok:
-        pytest.skip(f"recipe {recipe!r} not supported here: {why}")
 
 
 def _pair(case, dim=128, heads=4):
@@ -129,7 +123,7 @@ def _nonzero_block_weight(name, grad):
 @pytest.mark.parametrize("name", list(_MODELS))
 @pytest.mark.parametrize("batch", [8, 3])  # 3: token rows padded to 16 too
 def test_fp8_step_snr_vs_bf16(name, recipe, batch):
-    _need(recipe)
+    need_recipe(recipe)
     model = _model(name)
     x = torch.randn(batch, 3, 224, 224, device="cuda")  # every model above at 224 px
     snrs, worst, _, _ = fp8_snrs(model, x, recipe, _nonzero_block_weight)
@@ -144,7 +138,7 @@ def test_fp8_step_snr_vs_bf16(name, recipe, batch):
 @pytest.mark.parametrize("name", ["eva02_large_mlp", "fused_padded"])
 def test_padded_mlp_trains_under_fp8_with_padding_exactly_zero(name, recipe):
     # The unfused EVA02-L MLP (norm before fc2) and a fused padded SwiGLU (LayerNormMLP("swiglu")).
-    _need(recipe)
+    need_recipe(recipe)
     torch.manual_seed(0)
     if name == "fused_padded":
         timm_model = VisionTransformer(img_size=224, patch_size=16, embed_dim=768, depth=2, num_heads=12,
@@ -180,7 +174,7 @@ def test_padded_mlp_trains_under_fp8_with_padding_exactly_zero(name, recipe):
 
 
 def test_padded_mlp_under_mxfp8_runs_without_fp8_and_says_so():
-    _need("mxfp8")
+    need_recipe("mxfp8")
     from fp8vit import _warn
     _warn._seen.clear()
     model = _model("eva02_large_mlp")
@@ -192,7 +186,7 @@ def test_padded_mlp_under_mxfp8_runs_without_fp8_and_says_so():
 @pytest.mark.parametrize("case", ["swiglu", "swiglu_norm_padded"])
 def test_mlp_recompute_of_glu_mlps_keeps_the_step(case):
     # Fused (TE's own recompute inside LayerNormMLP) and unfused (activation checkpointing).
-    _need("delayed")
+    need_recipe("delayed")
     runs = []
     for recompute in (False, True):
         torch.manual_seed(0)

@@ -14,7 +14,7 @@ import torch
 import fp8vit
 from fp8vit._te.fp8 import _delayed_states
 from fp8vit._te.recipes import recipe_name
-from helpers import LOGITS_DB, snr_db, train_steps
+from helpers import LOGITS_DB, need_recipe, snr_db, train_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -25,12 +25,6 @@ B = 16  # 16 x 197 token rows: aligned for FP8
 def _fresh_warnings():
     from fp8vit import _warn
     _warn._seen.clear()
-
-
-def _need(recipe):
-    ok, why = fp8vit.gpu_info().recipes[recipe]
-    if not ok:
-        pytest.skip(f"recipe {recipe!r} not supported here: {why}")
 
 
 def _need_fp8():
@@ -102,7 +96,7 @@ def _assert_same_losses(la, lb):
 
 @pytest.mark.parametrize("loop", ["unchanged", "amp"])
 def test_a_loop_without_fp8_context_trains_in_fp8_as_the_explicit_loop(loop):
-    _need("delayed")  # its scaling state shows that FP8 ran
+    need_recipe("delayed")  # its scaling state shows that FP8 ran
     data = _data()
     model, explicit = _vit(recipe="delayed"), _vit(autocast=False)
     assert all(not bool((amax > 0).any()) for _, amax, _ in _forward_scaling(model))  # nothing recorded yet
@@ -147,7 +141,7 @@ def test_the_unchanged_step_runs_te_fp8_kernels():
 
 @pytest.mark.parametrize("recipe", list(fp8vit.RECIPE_NAMES))
 def test_the_models_recipe_runs_and_an_explicit_context_overrides_it(recipe):
-    _need(recipe)
+    need_recipe(recipe)
     seen = []
 
     def recorded(model):
@@ -159,7 +153,7 @@ def test_the_models_recipe_runs_and_an_explicit_context_overrides_it(recipe):
     losses = _train(model, _data(2), "unchanged")
     assert seen == [recipe, recipe] and all(torch.isfinite(torch.tensor(losses)))
     other = "current" if recipe != "current" else "delayed"
-    _need(other)
+    need_recipe(other)
     model = recorded(_vit(recipe=recipe))  # fresh TE modules: no recipe switch on the same ones
     _train(model, _data(1), "explicit", other)
     assert seen[-1] == other and len(seen) == 3
@@ -167,7 +161,7 @@ def test_the_models_recipe_runs_and_an_explicit_context_overrides_it(recipe):
 
 @pytest.mark.parametrize("loop", ["unchanged", "amp"])
 def test_graphed_blocks_replay_inside_the_models_fp8(loop):
-    _need("delayed")
+    need_recipe("delayed")
     data = _data(4)
     model, explicit = _vit(depth=3, recipe="delayed"), _vit(autocast=False, depth=3)
     handle = fp8vit.make_graphed_blocks(model, B, recipe="delayed")
@@ -207,7 +201,7 @@ def test_eval_runs_fp8(guard):
 
 
 def test_a_model_cast_to_bf16_by_the_framework_trains_in_fp8():
-    _need("delayed")
+    need_recipe("delayed")
     data = _data()
     model = _vit(recipe="delayed").to(torch.bfloat16)  # e.g. Lightning's "bf16-true"
     explicit = _vit(autocast=False).to(torch.bfloat16)
