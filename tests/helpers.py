@@ -5,6 +5,7 @@ import contextlib
 import datetime
 import functools
 import importlib.util
+import io
 import os
 import sys
 import socket
@@ -194,6 +195,20 @@ def fp8_step(model, x, recipe, enabled=True):
 def block_weight(name: str, grad=None) -> bool:
     """A weight of a transformer block (``blocks.N.`` anywhere in the name): :func:`fp8_snrs`'s default."""
     return ".blocks." in f".{name}" and name.endswith("weight")
+
+
+def saved_after_fp8_steps(model, x, recipe, steps: int = 3) -> dict:
+    """``model``'s state dict after ``steps`` FP8 SGD steps, saved to bytes and loaded back with
+    ``weights_only=True`` (a checkpoint that needs pickle fails to load)."""
+    assert os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") != "1"
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        fp8_step(model, x, recipe)
+        opt.step()
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
 
 
 def step_snrs(ref, test, keep=block_weight, full=lambda t: t) -> dict:
