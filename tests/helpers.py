@@ -224,8 +224,9 @@ def step_snrs(ref, test, keep=block_weight, full=lambda t: t) -> dict:
     """
     out = {"logits": snr_db(ref[0], test[0])}
     for k, g in ref[1].items():
-        if keep(k, full(g)):
-            out[k] = snr_db(full(g), full(test[1][k]))
+        g = full(g)
+        if keep(k, g):
+            out[k] = snr_db(g, full(test[1][k]))
     return out
 
 
@@ -245,15 +246,16 @@ def fp8_snrs(model, x, recipe, keep=block_weight, *, fp8_steps=2, full=lambda t:
 
     Returns:
         (``{"logits": dB, name: dB, ...}``, the name of the lowest, the bf16 step, the FP8 step); the
-        steps as :func:`fp8_step` returns them.
+        steps as :func:`fp8_step` returns them, each gradient through ``full``.
     """
-    ref = fp8_step(model, x, recipe, enabled=False)
+    steps = [fp8_step(model, x, recipe, enabled=False)]
     for _ in range(fp8_steps):
         fp8_step(model, x, recipe)
-    test = fp8_step(model, x, recipe)
-    bad = [k for k, g in test[1].items() if not torch.isfinite(full(g)).all()]
+    steps.append(fp8_step(model, x, recipe))
+    ref, test = ((logits, {k: full(g) for k, g in grads.items()}) for logits, grads in steps)
+    bad = [k for k, g in test[1].items() if not torch.isfinite(g).all()]
     assert not bad, f"non-finite FP8 gradients: {bad}"
-    snrs = step_snrs(ref, test, keep, full)
+    snrs = step_snrs(ref, test, keep)
     return snrs, min(snrs, key=snrs.get), ref, test
 
 

@@ -63,6 +63,8 @@ def _fp8_vs_bf16(key, recipe, batch):
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     snrs, worst, _, _ = fp8_snrs(model, x, recipe, _swapped_weight(model))
     assert all(m.fp8 for m in swapped.values()), "a swapped Linear did not run in FP8"
+    fp8_step(model, x, recipe, enabled=False)
+    assert not any(m.fp8 for m in swapped.values())  # FP8 only inside fp8_context, also after FP8 steps
     print(f"{key} {recipe} batch {batch}: logits {snrs['logits']:.1f} dB, worst {worst} {snrs[worst]:.1f} dB")
     return snrs["logits"], snrs[worst]
 
