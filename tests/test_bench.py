@@ -579,8 +579,9 @@ def test_fp8_attention_variants_parse_and_give_the_capture_and_steps_one_recipe_
 
 
 def test_fast_accumulation_variants_copy_the_recipe_with_the_backward_gemms_fast(monkeypatch):
-    # lever 53: -fastacc- sets both backward GEMMs' MMParams on a copy of the recipe, -fastdgrad-
-    # the input gradient's only; the forward's and the original object are left alone
+    # lever 53: -fastacc- makes both backward GEMMs' accumulation fast on a copy of the recipe,
+    # -fastdgrad- the input gradient's only, -splitacc- neither (each set explicitly, whatever
+    # make_recipe chose); the forward's and the original object are left alone
     import types
 
     from fp8vit._te import recipes
@@ -606,11 +607,17 @@ def test_fast_accumulation_variants_copy_the_recipe_with_the_backward_gemms_fast
     assert dict(recipes.recipe_settings(r)).keys() == {"fp8_gemm_dgrad", "fp8_gemm_wgrad"}
     assert recipes.recipe_settings(Delayed()) == ()
     dgrad = Variant.parse("fp8vit-fp8-delayed-fastdgrad-graphed").recipe()
-    assert dgrad.fp8_gemm_dgrad.use_split_accumulator is False and not hasattr(dgrad, "fp8_gemm_wgrad")
+    assert dgrad.fp8_gemm_dgrad.use_split_accumulator is False and dgrad.fp8_gemm_wgrad.use_split_accumulator is True
+    split = Variant.parse("fp8vit-fp8-delayed-splitacc-graphed")
+    assert split.fast_accum == () and split.graphed
+    r = split.recipe()
+    assert r.fp8_gemm_dgrad.use_split_accumulator is True and r.fp8_gemm_wgrad.use_split_accumulator is True
     base = Delayed()
     copy = recipes.fast_backward_accumulation(base, wgrad=False)
     assert copy is not base and not hasattr(base, "fp8_gemm_dgrad") and copy.fp8_format == "HYBRID"
-    assert Variant.parse("fp8vit-fp8-delayed-graphed").fast_accum == () and len(made) == 2
+    # no lever-53 part: make_recipe's own recipe, by name (no copy)
+    assert Variant.parse("fp8vit-fp8-delayed-graphed").fast_accum is None and len(made) == 3
+    assert Variant.parse("fp8vit-fp8-delayed-graphed").recipe() == "delayed" and len(made) == 3
 
     class Block:  # TE asserts split accumulators for block scaling: refused, not copied past that check
         def float8_block_scaling(self):

@@ -158,6 +158,42 @@ def test_fp8_attention_refused_on_hopper_with_te_up_to_2_20(monkeypatch, name, c
             recipes.make_recipe(name, fp8_attention=True)
 
 
+def test_make_recipe_delayed_takes_fast_input_gradient_accumulation(monkeypatch):
+    # lever 53: delayed scaling's input-gradient GEMMs accumulate fast (within 0.05 dB of TE's split
+    # accumulator); its weight-gradient GEMMs and the other recipes keep TE's defaults
+    import types
+
+    from fp8vit._te import recipes
+
+    class MMParams:
+        def __init__(self, use_split_accumulator=True):
+            self.use_split_accumulator = use_split_accumulator
+
+    class Recipe:
+        def __init__(self, **kw):
+            vars(self).update(kw)
+
+    class DelayedScaling(Recipe):  # as TE 2.20's: no fp8_gemm_* fields
+        def delayed(self):
+            return True
+
+    class Float8CurrentScaling(Recipe):
+        def __init__(self, **kw):
+            super().__init__(fp8_gemm_dgrad=MMParams(True), fp8_gemm_wgrad=MMParams(True), **kw)
+
+        def float8_current_scaling(self):
+            return True
+
+    fake = types.SimpleNamespace(MMParams=MMParams, DelayedScaling=DelayedScaling, Float8CurrentScaling=Float8CurrentScaling,
+                                 Format=types.SimpleNamespace(HYBRID="HYBRID"))
+    monkeypatch.setattr(recipes, "te_module", lambda mod: fake)
+    delayed = recipes.make_recipe("delayed")
+    assert isinstance(delayed, DelayedScaling) and delayed.fp8_format == "HYBRID"
+    assert delayed.fp8_gemm_dgrad.use_split_accumulator is False and delayed.fp8_gemm_wgrad.use_split_accumulator is True
+    current = recipes.make_recipe("current")
+    assert current.fp8_gemm_dgrad.use_split_accumulator is True and current.fp8_gemm_wgrad.use_split_accumulator is True
+
+
 class _Reached(Exception):
     """make_recipe got past its checks to loading TE."""
 

@@ -51,7 +51,8 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-delayed-fastacc-graphed``  the backward's FP8 GEMMs (input and weight gradients)
                                    with fast accumulation, not TE's split accumulator
                                    (``fast_backward_accumulation``: lever 53); ``-fastdgrad-``:
-                                   the input gradients' only
+                                   the input gradients' only (``make_recipe("delayed")``'s
+                                   default); ``-splitacc[-graphed]``: neither (TE's own default)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -107,7 +108,11 @@ VARIANTS = (
     "fp8vit-fp8-delayed-torchnorm", "fp8vit-fp8-delayed-torchnorm-graphed",
     "timm-bf16-nchw-compile", "fp8vit-fp8-delayed-nchw-graphed-compile",
     "fp8vit-fp8-delayed-tedbias-graphed", "fp8vit-fp8-delayed-fastacc-graphed", "fp8vit-fp8-delayed-fastdgrad-graphed",
+    "fp8vit-fp8-delayed-splitacc", "fp8vit-fp8-delayed-splitacc-graphed",
 )
+
+# lever 53's variant parts: the backward GEMMs they give fast accumulation (Variant.fast_accum)
+_FAST_ACCUM = {"fastacc": ("dgrad", "wgrad"), "fastdgrad": ("dgrad",), "splitacc": ()}
 
 # -bf16narrow: fused blocks whose width (``cfg.dim``) is below this run with FP8 off
 NARROW = 512
@@ -139,8 +144,9 @@ class Variant:
         layout_opt: ``torch.compile`` with Inductor's ``layout_optimization`` (its default: the
             convolutions of a compiled graph run channels-last); False: off (``-nchw``).
         triton_dbias: the graphs' FP8 bias gradients by fp8vit's kernel; False: TE's (``-tedbias``).
-        fast_accum: the backward GEMMs whose accumulation is fast, not split: ``()`` (TE's
-            default), ``("dgrad", "wgrad")`` (``-fastacc``) or ``("dgrad",)`` (``-fastdgrad``).
+        fast_accum: the backward GEMMs whose accumulation is fast, the others' split:
+            ``("dgrad", "wgrad")`` (``-fastacc``), ``("dgrad",)`` (``-fastdgrad``), ``()``
+            (``-splitacc``), or None for :func:`make_recipe`'s choice.
     """
 
     name: str
@@ -159,7 +165,7 @@ class Variant:
     model_norms: bool = True
     layout_opt: bool = True
     triton_dbias: bool = True
-    fast_accum: Tuple[str, ...] = ()
+    fast_accum: Optional[Tuple[str, ...]] = None
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -180,7 +186,7 @@ class Variant:
                    bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts,
                    rope_kernel="te" if "terope" in parts else None, model_norms="torchnorm" not in parts,
                    layout_opt="nchw" not in parts, triton_dbias="tedbias" not in parts,
-                   fast_accum=("dgrad", "wgrad") if "fastacc" in parts else ("dgrad",) if "fastdgrad" in parts else ())
+                   fast_accum=next((acc for p, acc in _FAST_ACCUM.items() if p in parts), None))
 
     @property
     def te_fp8(self) -> bool:
@@ -189,10 +195,11 @@ class Variant:
 
     def recipe(self):
         """What ``fp8_context`` and the capture get: the recipe name, a TE recipe object where the
-        name alone does not say it (``-fp8attn``, ``-fastacc``, ``-fastdgrad``), None without TE's FP8."""
+        name alone does not say it (``-fp8attn``, ``-fastacc``, ``-fastdgrad``, ``-splitacc``), None
+        without TE's FP8."""
         if not self.te_fp8:
             return None
-        if self.fast_accum:
+        if self.fast_accum is not None:
             return fast_backward_accumulation(make_recipe(self.fp8), dgrad="dgrad" in self.fast_accum,
                                               wgrad="wgrad" in self.fast_accum)
         return make_recipe(self.fp8, fp8_attention=True) if self.fp8_attention else self.fp8
