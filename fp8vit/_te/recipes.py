@@ -115,7 +115,9 @@ def make_recipe(name: str, *, fp8_attention: bool = False) -> Any:
     rec = te_module("transformer_engine.common.recipe")
     dpa = {"fp8_dpa": True} if fp8_attention else {}
     if name == "delayed":
-        return fast_backward_accumulation(rec.DelayedScaling(fp8_format=rec.Format.HYBRID, **dpa), wgrad=False)
+        # a fresh object: set in place, no copy (fp8_context makes one per call)
+        return _set_backward_accumulation(rec.DelayedScaling(fp8_format=rec.Format.HYBRID, **dpa), rec.MMParams,
+                                          dgrad=True, wgrad=False)
     if name == "current":
         return rec.Float8CurrentScaling(fp8_format=rec.Format.HYBRID, **dpa)
     if name == "block":
@@ -143,12 +145,16 @@ def fast_backward_accumulation(recipe: Any, *, dgrad: bool = True, wgrad: bool =
     if recipe_name(recipe) == "block":
         raise ValueError("fast_backward_accumulation: TE's Float8BlockScaling requires split accumulators in "
                          "every GEMM (its own check); use it with 'delayed' or 'current'")
-    mm = te_module("transformer_engine.common.recipe").MMParams
-    out = copy.copy(recipe)
+    return _set_backward_accumulation(copy.copy(recipe), te_module("transformer_engine.common.recipe").MMParams,
+                                      dgrad=dgrad, wgrad=wgrad)
+
+
+def _set_backward_accumulation(recipe: Any, mm_params: type, *, dgrad: bool, wgrad: bool) -> Any:
+    """``recipe`` itself with its backward GEMMs' ``MMParams`` set (see :func:`fast_backward_accumulation`)."""
     for gemm, fast in (("fp8_gemm_dgrad", dgrad), ("fp8_gemm_wgrad", wgrad)):
         # DelayedScaling declares no such field: an instance attribute, as TE's hasattr finds it
-        setattr(out, gemm, mm(use_split_accumulator=not fast))
-    return out
+        setattr(recipe, gemm, mm_params(use_split_accumulator=not fast))
+    return recipe
 
 
 # The last TE release whose FP8 attention was measured unusable on Hopper (see make_recipe)
