@@ -17,10 +17,14 @@ host time of the synchronized steps and the GPU time between the segment's event
 pipelined, the host is ahead and the GPU time is the segment's kernels; synchronized, whatever more
 the GPU spent there it spent idle, waiting for the host. "GPU behind": at each mark of the
 synchronized steps, how much work the GPU still had queued (its time since the step's first mark
-less the host's); about 0 where the host is the bottleneck.
+less the host's); about 0 where the host is the bottleneck. "GC": the host time Python's cyclic
+garbage collector ran inside the segment, per synchronized step (a mean: most steps have none), read
+from ``gc.callbacks``; the run's collections per generation are summed up below the table.
+``--gc 0`` disables the collector for the timed steps, to see what it costs a step as a whole.
 """
 
 import collections
+import gc
 import itertools
 import math
 import statistics
@@ -61,6 +65,26 @@ class Marks:
 
 
 MARK = Marks()
+
+
+class GCTimes:
+    """Python's collections while marks are on: ``(host start, host stop, generation)``
+    (a ``gc.callbacks`` entry)."""
+
+    def __init__(self):
+        self.events, self._start = [], None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if not MARK.on:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.events.append((self._start, time.perf_counter(), info["generation"]))
+            self._start = None
+
+
+GC_TIMES = GCTimes()
 
 
 def _wrap_exit(cls, name: str, mark: str) -> None:
@@ -108,7 +132,7 @@ def instrument(model) -> None:
 
 
 def main() -> None:
-    a = probe.parse_args(__doc__, "step_timeline", 30, "CUDA events time the GPU side", warmup=8)
+    a = probe.parse_args(__doc__, "step_timeline", 30, "CUDA events time the GPU side", warmup=8, gc=1)
     wl, opt, x, y = probe.build(a)
     instrument(wl.model)
 
@@ -131,6 +155,10 @@ def main() -> None:
     for _ in range(a.warmup):
         step()
     torch.cuda.synchronize()
+    gc.callbacks.append(GC_TIMES)
+    if not a.gc:
+        gc.collect()
+        gc.disable()
     runs = {}
     for mode in ("synchronized", "pipelined"):
         MARK.on = True
@@ -144,6 +172,9 @@ def main() -> None:
         torch.cuda.synchronize()
         MARK.on = False
         runs[mode] = steps
+        if mode == "synchronized":
+            sync_gc, GC_TIMES.events = GC_TIMES.events, []
+    gc.enable()
     names = [n for n, _, _ in runs["synchronized"][0]]
     seg = collections.defaultdict(lambda: collections.defaultdict(list))
     for mode, steps in runs.items():
@@ -152,6 +183,8 @@ def main() -> None:
                 raise SystemExit(f"step_timeline: marks differ between steps: {[n for n, _, _ in rows]} vs {names}")
             for (n0, h0, e0), (n1, h1, e1) in itertools.pairwise(rows):
                 seg[(n0, n1)][f"{mode} host"].append((h1 - h0) * 1e3)
+                if mode == "synchronized":  # a collection counts where it started
+                    seg[(n0, n1)]["gc"].append(sum(t1 - t0 for t0, t1, _ in GC_TIMES.events if h0 <= t0 < h1) * 1e3)
                 seg[(n0, n1)][f"{mode} gpu"].append(e0.elapsed_time(e1))
                 if mode == "synchronized":
                     # how far the GPU trails the host at the mark: a synchronized step's GPU reaches
@@ -163,7 +196,7 @@ def main() -> None:
     size = "" if a.img_size == 224 else f" at {a.img_size} px"
     print(f"\n{a.model} batch {a.batch_size}{size} {a.variant}, {torch.cuda.get_device_name()}; medians over {a.steps} steps, ms")
     print(f"{'segment (from the mark before to this one)':58s} {'host sync':>9s} {'GPU sync':>9s} {'GPU pipe':>9s} "
-          f"{'idle':>7s} {'host pipe':>9s} {'GPU behind':>10s}")
+          f"{'idle':>7s} {'host pipe':>9s} {'GPU behind':>10s} {'GC':>6s}")
     idle_total = 0.0
     for n0, n1 in itertools.pairwise(names):
         s = seg[(n0, n1)]
@@ -172,8 +205,12 @@ def main() -> None:
         idle_total += 0.0 if math.isnan(idle) else idle
         print(f"  {n1[:56]:56s} {med['synchronized host']:9.3f} {med['synchronized gpu']:9.3f} "
               f"{med.get('pipelined gpu', float('nan')):9.3f} {idle:7.3f} {med.get('pipelined host', float('nan')):9.3f} "
-              f"{med['behind']:10.3f}")
+              f"{med['behind']:10.3f} {statistics.fmean(s['gc']):6.3f}")
     print(f"  idle (synchronized GPU time less pipelined), summed over segments: {idle_total:.3f} ms/step")
+    per_gen = collections.Counter(g for _, _, g in sync_gc)
+    print(f"  Python GC in the synchronized steps ({'on' if a.gc else 'off: --gc 0'}): "
+          f"{sum((t1 - t0) for t0, t1, _ in sync_gc) * 1e3 / a.steps:.3f} ms/step, collections per generation "
+          f"{dict(sorted(per_gen.items()))} over {a.steps} steps")
 
 
 if __name__ == "__main__":
