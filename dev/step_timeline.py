@@ -183,10 +183,10 @@ def main() -> None:
                 raise SystemExit(f"step_timeline: marks differ between steps: {[n for n, _, _ in rows]} vs {names}")
             for (n0, h0, e0), (n1, h1, e1) in itertools.pairwise(rows):
                 seg[(n0, n1)][f"{mode} host"].append((h1 - h0) * 1e3)
-                if mode == "synchronized":  # a collection counts where it started
-                    seg[(n0, n1)]["gc"].append(sum(t1 - t0 for t0, t1, _ in GC_TIMES.events if h0 <= t0 < h1) * 1e3)
                 seg[(n0, n1)][f"{mode} gpu"].append(e0.elapsed_time(e1))
                 if mode == "synchronized":
+                    # a collection counts in the segment where it started
+                    seg[(n0, n1)]["gc"].append(sum(t1 - t0 for t0, t1, _ in sync_gc if h0 <= t0 < h1) * 1e3)
                     # how far the GPU trails the host at the mark: a synchronized step's GPU reaches
                     # its first mark (nothing queued) as the host records it, so the GPU's time since
                     # then less the host's is its backlog; about 0: the GPU waits for the host there
