@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8vit import fp8_context
+from fp8vit.tools.timing import Stopwatch
+from fp8vit.tools.workload import train_step_fn
 
 import probe  # dev/: the probes' shared command line and workload
 
@@ -68,10 +70,10 @@ def main() -> None:
         with fp8_context(wl.recipe, enabled=wl.variant.te_fp8):
             return F.cross_entropy(wl.net(x), y)
 
+    train_step = train_step_fn(wl, opt)  # the bench's step: forward under fp8_context, backward, optimizer
+
     def step():
-        forward_loss().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(x, y)
 
     for _ in range(a.warmup):  # the blocks' graphs are captured at the second step
         step()
@@ -114,13 +116,11 @@ def main() -> None:
             for _ in range(2):
                 step()
             torch.cuda.synchronize()
+            watch = Stopwatch("cuda")
             for _ in range(a.steps):  # synchronized: the GPU's time from before the host starts
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
+                watch.start()
                 step()
-                end.record()
-                torch.cuda.synchronize()
-                times[(path, "synchronized")].append(start.elapsed_time(end))
+                times[(path, "synchronized")].append(watch.elapsed_ms())
             events = [torch.cuda.Event(enable_timing=True) for _ in range(a.steps + 1)]
             events[0].record()
             for ev in events[1:]:  # pipelined: step boundaries, the host ahead
