@@ -74,6 +74,22 @@ def _fake_graph():
     return lambda x, **kw: Replay.apply(x)
 
 
+def _fake_features_graph(target):
+    """The fake replay of a stem-and-blocks graph: the features module's own forward (images in,
+    tokens out), its output through a custom autograd Function as TE's replay returns it."""
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):
+            return y.view_as(y)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    return lambda x, **kw: Replay.apply(type(target).forward(target, x))
+
+
 class _FakeTE:
     """Replaces TE's capture and the call's environment (GPU, autocast, FP8 recipe)."""
 
@@ -88,8 +104,9 @@ class _FakeTE:
             if fake.oom:
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             fake.captures.append(dict(shape=tuple(samples[0][0].shape), dtypes=[s[0].dtype for s in samples],
-                                      kwargs=sample_kwargs, recipe=recipe, dtype=dtype, first=first))
-            graphed = tuple(_fake_graph() for _ in handle._targets)
+                                      kwargs=sample_kwargs, recipe=recipe, dtype=dtype, first=first,
+                                      requires_grad=samples[0][0].requires_grad))
+            graphed = tuple(_fake_features_graph(t) if handle.stem else _fake_graph() for t in handle._targets)
             return graphed, 1000 * samples[0][0].shape[0], True, ()
 
         monkeypatch.setattr(G.GraphedBlocks, "_run_capture", run_capture)
@@ -659,6 +676,92 @@ def test_a_copy_carries_the_settings_not_the_graphs(fake, make):
         assert all(t1 is not t0 for t1, t0 in zip(twin_handle._targets, handle._targets))
         _step(twin, 2, size), _step(twin, 2, size)
         assert len(twin_handle.shapes) == 1
+    assert len(handle.shapes) == 1
+
+
+# --------------------------------------------------------------------------- the stem in the graphs
+def test_the_stem_in_the_graphs_captures_from_the_images_on_forward_features(fake):
+    model, plain = _vit(), _vit()
+    handle = fp8vit.make_graphed_blocks(model, stem=True)
+    assert G.graphed_modules(model) == [""] and G.GraphedBlocks.of(model) is handle and handle.stem
+    assert "forward" not in vars(model.blocks) and "stem, blocks and norm" in handle.describe()
+    x = _images(4)
+    for _ in range(3):
+        out, ref = model(x), plain(x)
+        out.float().sum().backward(), ref.float().sum().backward()
+    # captured at the second sight, keyed on the images, which need no gradient
+    assert fake.shapes == [(4, 3, 32, 32)] and fake.captures[0]["requires_grad"] is False
+    assert handle.replays == 2 and handle.eager_reasons == {"new shape": 1}
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):  # the stem's gradients too
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    assert handle.eager_reasons["eval"] == 1  # the ViT's mode, not the graphed module's
+    handle.release()
+    assert G.graphed_modules(model) == [] and "forward_features" not in vars(model)
+
+
+def test_stem_true_where_the_stem_cannot_join_says_why():
+    with pytest.raises(ValueError, match=r"stem=True.*Eva.forward_features is not timm VisionTransformer's own"):
+        fp8vit.make_graphed_blocks(_eva(), stem=True)
+    with pytest.raises(ValueError, match=r"tokens=9 .*stem=True"):
+        fp8vit.make_graphed_blocks(_vit(), tokens=9, stem=True)
+    model = _vit()
+    model.patch_embed.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match=r"model.patch_embed has module hooks"):
+        fp8vit.make_graphed_blocks(model, stem=True)
+    with pytest.raises(TypeError, match="stem"):
+        fp8vit.make_graphed_blocks(_vit(), stem="yes")
+    assert not fp8vit.make_graphed_blocks(model, stem=False).stem
+
+
+def test_the_stem_graphs_run_eagerly_saying_why_when_they_cannot_replay(fake):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model, stem=True)
+    _step(model, 4), _step(model, 4)
+    with pytest.warns(RuntimeWarning, match="images require grad"):
+        model(_images(4).requires_grad_()).sum().backward()
+    # a hook on the stem after capture: the graphs go, and are not captured again (a replay would
+    # not run the hook)
+    model.norm.register_forward_hook(lambda *a: None)
+    with pytest.warns(RuntimeWarning) as record:
+        _step(model, 4), _step(model, 4)
+    said = _messages(record)
+    assert len(said) == 2 and "stem or final norm" in said[0] and "model.norm has module hooks" in said[1]
+    assert handle.shapes == [] and handle.eager_reasons["not capturable"] == 2
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model, stem=True)
+    _step(model, 4), _step(model, 4)
+    model.set_grad_checkpointing(True)  # timm's own switch, on the ViT
+    with pytest.warns(RuntimeWarning, match="activation checkpointing is on"):
+        _step(model, 4), _step(model, 4)
+    assert handle.shapes == [] and handle.eager_reasons["not capturable"] == 2
+
+
+def test_a_replaced_final_norm_is_captured_anew(fake):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model, stem=True)
+    _step(model, 4), _step(model, 4)
+    model.norm = torch.nn.LayerNorm(64, elementwise_affine=False)
+    with pytest.warns(RuntimeWarning, match="stem or final norm was replaced"):
+        _step(model, 4)  # a signature seen before: captured again at once, with the new norm
+    assert len(fake.captures) == 2 and handle._targets[0].norm is model.norm and handle.replays == 2
+    x = _images(4)
+    torch.testing.assert_close(model.forward_features(x), type(model).forward_features(model, x), rtol=0, atol=0)
+
+
+def test_a_copy_of_a_stem_graphed_model_graphs_its_own_stem(fake):
+    model = _vit()
+    handle = fp8vit.make_graphed_blocks(model, stem=True, max_shapes=2)
+    _step(model, 2), _step(model, 2)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        twin_handle = G.GraphedBlocks.of(twin)
+        assert twin_handle is not handle and twin_handle.stem and twin_handle._vit is twin
+        assert twin_handle.shapes == [] and twin_handle.max_shapes == 2
+        _step(twin, 2), _step(twin, 2)
+        assert len(twin_handle.shapes) == 1 and twin_handle._targets[0].blocks is twin.blocks
     assert len(handle.shapes) == 1
 
 

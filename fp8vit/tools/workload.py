@@ -53,6 +53,8 @@ A variant's name says what runs the blocks, in which precision, and how:
                                    (``fast_backward_accumulation``: lever 53); ``-fastdgrad-``:
                                    the input gradients' only (``make_recipe("delayed")``'s
                                    default); ``-splitacc[-graphed]``: neither (TE's own default)
+``fp8vit-fp8-delayed-stemgraph-graphed[-compile]``  the ViT's stem and final norm in the blocks'
+                                   graphs (``make_graphed_blocks(stem=True)``: lever 55)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -109,6 +111,7 @@ VARIANTS = (
     "timm-bf16-nchw-compile", "fp8vit-fp8-delayed-nchw-graphed-compile",
     "fp8vit-fp8-delayed-tedbias-graphed", "fp8vit-fp8-delayed-fastacc-graphed", "fp8vit-fp8-delayed-fastdgrad-graphed",
     "fp8vit-fp8-delayed-splitacc", "fp8vit-fp8-delayed-splitacc-graphed",
+    "fp8vit-fp8-delayed-stemgraph-graphed", "fp8vit-fp8-delayed-stemgraph-graphed-compile",
 )
 
 # lever 53's variant parts: the backward GEMMs they give fast accumulation (Variant.fast_accum)
@@ -147,6 +150,7 @@ class Variant:
         fast_accum: the backward GEMMs whose accumulation is fast, the others' split:
             ``("dgrad", "wgrad")`` (``-fastacc``), ``("dgrad",)`` (``-fastdgrad``), ``()``
             (``-splitacc``), or None for :func:`make_recipe`'s choice.
+        stem: ``make_graphed_blocks``' ``stem``: True (``-stemgraph``), or None for its default.
     """
 
     name: str
@@ -166,6 +170,7 @@ class Variant:
     layout_opt: bool = True
     triton_dbias: bool = True
     fast_accum: Optional[Tuple[str, ...]] = None
+    stem: Optional[bool] = None
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -186,7 +191,8 @@ class Variant:
                    bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts,
                    rope_kernel="te" if "terope" in parts else None, model_norms="torchnorm" not in parts,
                    layout_opt="nchw" not in parts, triton_dbias="tedbias" not in parts,
-                   fast_accum=next((acc for p, acc in _FAST_ACCUM.items() if p in parts), None))
+                   fast_accum=next((acc for p, acc in _FAST_ACCUM.items() if p in parts), None),
+                   stem=True if "stemgraph" in parts else None)
 
     @property
     def te_fp8(self) -> bool:
@@ -336,9 +342,9 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         # (CrossViT's MultiScaleBlocks, called with a list): each, by install_graphs
         if isinstance(getattr(net, "blocks", None), (nn.Sequential, nn.ModuleList)) and not branch_blocks(net):
             graphs = (make_graphed_blocks(net.train(), batch_size, recipe=recipe, fp8=v.te_fp8,
-                                          cudnn_layernorm=cudnn_norm, triton_dbias=v.triton_dbias),)
+                                          cudnn_layernorm=cudnn_norm, triton_dbias=v.triton_dbias, stem=v.stem),)
         else:  # blocks in stages (Swin) or branches (CrossViT): convert_to_te(cuda_graphs=True)'s shape cache
-            why = install_graphs(net, cudnn_norm, v.triton_dbias)
+            why = install_graphs(net, cudnn_norm, v.triton_dbias, v.stem)
             if why is not None:
                 raise ValueError(f"variant {variant!r}: {why}")
             graphs = tuple(graphed_handles(net))

@@ -1,6 +1,7 @@
 """The graph cache of one model's blocks: :class:`GraphedBlocks`, the captured call signatures
-(:class:`GraphShape`) and the dispatch installed as the blocks' ``forward``, which replays a
-graph, captures one at a signature's second sight, or runs the blocks eagerly.
+(:class:`GraphShape`) and the dispatch installed as the blocks' ``forward`` (or, with the stem in
+the graphs, as a timm ``VisionTransformer``'s ``forward_features``), which replays a graph,
+captures one at a signature's second sight, or runs the blocks eagerly.
 
 :func:`fp8vit.training.graphs.make_graphed_blocks` and ``convert_to_te(cuda_graphs=True)`` make
 them; that module's docstring says what is captured, when, what it costs and what stays right.
@@ -36,9 +37,14 @@ _REQUIRES_GRAD, _GRAD = operator.attrgetter("requires_grad"), operator.attrgette
 # every block switch its forward reads (FP8Block's): one changed after capture drops the graphs
 _SWITCH_NAMES = ("fp8_enabled", "grad_checkpointing", "recompute_mlp", "gelu_in_gemm", "bias_attention", "rope_kernel")
 _SWITCHES = operator.attrgetter(*_SWITCH_NAMES)
+# A timm VisionTransformer's forward_features in one graph with its blocks (lever 55): the modules and
+# parameters it reads, and the module hooks that would run only while TE captures
+_FEATURE_MODULES = ("patch_embed", "pos_drop", "patch_drop", "norm_pre", "blocks", "norm")
+_FEATURE_PARAMS = ("cls_token", "reg_token", "pos_embed")
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 __all__ = ["GraphedBlocks", "GraphShape", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES", "TE_TUNED_LAYERNORM_WIDTHS",
-           "cudnn_norm_pays", "signature"]
+           "cudnn_norm_pays", "signature", "stem_why_not"]
 
 # Why make_graphed_blocks and FSDP2 (fully_shard) are refused together, from the sources (not
 # measured: it needs a GPU). Said by make_graphed_blocks and by fp8vit.training.distributed.shard_model.
@@ -141,10 +147,9 @@ def _use_count(storage: Any) -> int:
 def _hooks_set_aside(targets: tuple):
     """Module hooks of the graphed modules, away while TE captures (it refuses modules with hooks;
     registered after capture they run around each replay, as they then are again)."""
-    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    saved = [(t, {n: getattr(t, n) for n in names}) for t in targets]
+    saved = [(t, {n: getattr(t, n) for n in _HOOK_DICTS}) for t in targets]
     for t, _ in saved:
-        for n in names:
+        for n in _HOOK_DICTS:
             setattr(t, n, collections.OrderedDict())
     try:
         yield
@@ -154,12 +159,64 @@ def _hooks_set_aside(targets: tuple):
                 setattr(t, n, d)
 
 
+def stem_why_not(model: nn.Module) -> Optional[str]:
+    """Why ``model``'s stem (patch embedding, class and register tokens, position embedding,
+    ``norm_pre``) and final ``norm`` cannot be captured in one graph with its blocks (None: they
+    can): that takes timm's own ``VisionTransformer.forward_features`` over ``nn.Sequential``
+    blocks and a plain ``PatchEmbed`` (a hybrid's conv stages were not measured in a graph), with
+    no module hooks on those parts (they would run while TE captures, never in a replay)."""
+    from timm.layers import PatchEmbed
+    from timm.models.vision_transformer import VisionTransformer
+    fn = getattr(type(model), "forward_features", None)
+    if fn is not VisionTransformer.forward_features:
+        return (f"{type(model).__name__}.forward_features is not timm VisionTransformer's own "
+                f"({getattr(fn, '__qualname__', fn)})")
+    if not isinstance(getattr(model, "blocks", None), nn.Sequential):
+        return f"its blocks are a {type(model.blocks).__name__}, not an nn.Sequential called as one"
+    if type(model.patch_embed) is not PatchEmbed:
+        return f"its patch_embed is a {type(model.patch_embed).__name__}, not timm's PatchEmbed"
+    hooked = [n for n in _FEATURE_MODULES
+              if any(getattr(getattr(model, n, None), d, None) for d in _HOOK_DICTS)]
+    if hooked:
+        return f"model.{hooked[0]} has module hooks, which a replay of its graph would not run"
+    return None
+
+
+class _Features(nn.Module):
+    """A timm ``VisionTransformer``'s ``forward_features`` as one module for TE's capture: images
+    ``[B, 3, H, W]`` to normed tokens ``[B, prefix + N, C]``. It holds the ViT's own stem, blocks
+    and final norm (the same objects: gradients reach the model's parameters), not the ViT: the head
+    stays out of the graphs, and no parameter is listed twice.
+    """
+
+    def __init__(self, vit: nn.Module):
+        super().__init__()
+        for name in _FEATURE_MODULES:
+            self.add_module(name, getattr(vit, name, None))
+        self._names = tuple(n for n in _FEATURE_PARAMS if isinstance(getattr(vit, n, None), nn.Parameter))
+        for name in self._names:
+            self.register_parameter(name, getattr(vit, name))
+        self._vit = (vit,)  # a tuple: not a submodule
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        vit = self._vit[0]
+        # timm's forward_features reads the tokens and position embedding from the ViT: point it at
+        # this module's, which are the ViT's own except while TE captures (fresh leaves stand in)
+        own, saved = vit._parameters, {n: vit._parameters[n] for n in self._names}
+        own.update((n, self._parameters[n]) for n in self._names)
+        try:
+            return type(vit).forward_features(vit, x, *args, **kwargs)
+        finally:
+            own.update(saved)
+
+
 @dataclasses.dataclass(eq=False)
 class GraphShape:
     """One captured call signature of the blocks: its graphs' memory and use.
 
     Attributes:
-        shape: the block input shape the graphs replay for, ``(B, N, C)``.
+        shape: the input shape the graphs replay for: the blocks' ``(B, N, C)``, or with the stem
+            in the graphs the images' ``(B, 3, H, W)``.
         input_dtypes: the block input dtype, per graphed module (one for ``nn.Sequential`` blocks;
             per block otherwise: the first block's from the model's stem, each later one's what the
             block before it returns).
@@ -267,14 +324,19 @@ class GraphedBlocks:
             (``"eval"``, ``"new shape"``: first sight, ``"cache full"``, ``"busy"``, ...).
         per_block: one graph pair per block (blocks in an ``nn.ModuleList`` that the model calls
             one by one, with keyword inputs such as EVA's RoPE table), instead of one for all.
+        stem: the graphs start from the images: a timm ``VisionTransformer``'s whole
+            ``forward_features`` (stem, blocks, final norm) is one graph pair, its dispatch the
+            model's ``forward_features`` (:func:`stem_why_not` says where it cannot be).
         shape, input_dtype, autocast_dtype, recipe_name, call_kwargs: the first captured
             signature's (None before any capture).
     """
 
     def __init__(self, blocks: nn.Module, per_block: bool, *, max_shapes: int = MAX_SHAPES,
                  num_warmup_iters: int = 3, cudnn_layernorm: Optional[bool] = None, fused_wgrad: bool = True,
-                 fp8: bool = True, amax_reduction_group: Any = None, triton_dbias: bool = True):
+                 fp8: bool = True, amax_reduction_group: Any = None, triton_dbias: bool = True,
+                 vit: Optional[nn.Module] = None):
         self._blocks = blocks  # may be half-built here (unpickling, deepcopy): read on first use
+        self._vit = vit  # the ViT whose forward_features is graphed whole (None: the blocks alone); as _blocks
         self._target_list: Optional[tuple] = None
         self.per_block = per_block
         self.max_shapes = max_shapes
@@ -301,6 +363,7 @@ class GraphedBlocks:
         self._watch: tuple = ()
         self._stale: Optional[str] = None  # a change a later block's check met, acted on at block 0
         self._fp8_blocks: tuple = ()
+        self._stem_modules: tuple = ()  # the modules of the stem and final norm, for their classes
         self._fingerprint_at_capture = None
         self._params: tuple = ()
         self._main_grad_weights: tuple = ()
@@ -313,22 +376,34 @@ class GraphedBlocks:
         if not kwargs:
             return ()
         if self._defaults is None:
-            params = inspect.signature(type(self._targets[0]).forward).parameters
+            fn = type(self._targets[0]).forward if self._vit is None else type(self._vit).forward_features
+            params = inspect.signature(fn).parameters
             self._defaults = {n: p.default for n, p in params.items()}
         return _spec(kwargs, self._defaults)
 
     @property
+    def stem(self) -> bool:
+        return self._vit is not None
+
+    @property
     def _targets(self) -> tuple:
-        """The modules whose forward is graphed: ``model.blocks``, or each block."""
+        """The modules whose forward is graphed: ``model.blocks``, each block, or the ViT's features."""
         if self._target_list is None:
-            self._target_list = tuple(self._blocks) if self.per_block else (self._blocks,)
+            self._target_list = ((_Features(self._vit),) if self._vit is not None else
+                                 tuple(self._blocks) if self.per_block else (self._blocks,))
         return self._target_list
+
+    def _seats(self) -> tuple:
+        """``(object, attribute)`` where each graphed module's dispatch sits."""
+        if self._vit is not None:
+            return ((self._vit, "forward_features"),)
+        return tuple((t, "forward") for t in self._targets)
 
     def _own(self) -> tuple:
         """This handle's dispatch on each graphed module (None where there is none)."""
         out = []
-        for t in self._targets:
-            d = vars(t).get("forward")
+        for obj, attr in self._seats():
+            d = vars(obj).get(attr)
             out.append(d if isinstance(d, _Dispatch) and d.handle is self else None)
         return tuple(out)
 
@@ -337,6 +412,9 @@ class GraphedBlocks:
     def of(model: nn.Module) -> Optional["GraphedBlocks"]:
         """The handle of ``model``'s graphed blocks (through a DDP wrapper too), or None."""
         model = getattr(model, "module", model)
+        d = vars(model).get("forward_features")
+        if isinstance(d, _Dispatch) and d.handle is not None:
+            return d.handle
         blocks = getattr(model, "blocks", None)
         if not isinstance(blocks, nn.Module):
             return None
@@ -382,7 +460,8 @@ class GraphedBlocks:
         """The graphs in words (``conversion_summary`` shows it)."""
         shapes = ", ".join(str(list(e.shape)) for e in self._entries.values())
         eager = ", ".join(f"{why} {n}" for why, n in self.eager_reasons.items())
-        return (f"{'per block' if self.per_block else 'model.blocks'}: {len(self._entries)} of at most "
+        what = "stem, blocks and norm" if self.stem else "per block" if self.per_block else "model.blocks"
+        return (f"{what}: {len(self._entries)} of at most "
                 f"{self.max_shapes} batch shapes captured{f' ({shapes})' if shapes else ''}, "
                 f"{self.replays} replays, {self.eager_calls} eager calls{f' ({eager})' if eager else ''}, "
                 f"{self.memory_bytes / 2**20:.0f} MiB")
@@ -391,14 +470,14 @@ class GraphedBlocks:
         shapes = [(list(e.shape), e.recipe_name, e.memory_bytes, e.replays) for e in self._entries.values()]
         return (f"GraphedBlocks(shapes={shapes} (shape, recipe, memory_bytes, replays), max_shapes="
                 f"{self.max_shapes}, replays={self.replays}, eager_calls={self.eager_calls}, "
-                f"memory_bytes={self.memory_bytes}, per_block={self.per_block})")
+                f"memory_bytes={self.memory_bytes}, per_block={self.per_block}, stem={self.stem})")
 
     # ------------------------------------------------------------------ lifetime
     def release(self) -> None:
         """Run the blocks eagerly again and let the graphs and their memory go."""
-        for t, d in zip(self._targets, self._own()):
+        for (obj, attr), d in zip(self._seats(), self._own()):
             if d is not None:
-                del t.forward
+                delattr(obj, attr)
         self._drop(remember=False)
         self._seen.clear()
         self._released = True
@@ -415,11 +494,11 @@ class GraphedBlocks:
         # these read the original's parameters.
         return (_fresh_handle, (self._blocks, self.per_block, dict(
             max_shapes=self.max_shapes, num_warmup_iters=self.num_warmup_iters, cudnn_layernorm=self.cudnn_layernorm,
-            fused_wgrad=self._fused_wgrad, fp8=self._fp8, triton_dbias=self._triton_dbias)))
+            fused_wgrad=self._fused_wgrad, fp8=self._fp8, triton_dbias=self._triton_dbias, vit=self._vit)))
 
     def _install(self) -> None:
-        for i, t in enumerate(self._targets):
-            t.forward = _Dispatch(self, i, t)
+        for i, (obj, attr) in enumerate(self._seats()):
+            setattr(obj, attr, _Dispatch(self, i, None if self.stem else obj))
 
     def _drop(self, remember: bool) -> None:
         """Let every graph go (``remember``: their signatures are captured again at their next call)."""
@@ -434,6 +513,8 @@ class GraphedBlocks:
         self._main_grad_weights, self._main_grads, self._params = (), (), ()
         self._static_ptrs, self._pool, self._fingerprint_at_capture, self._stale = set(), None, None, None
         self._main_ptrs = frozenset()
+        if self._vit is not None:
+            self._target_list = None  # built again from the ViT's modules now (one may be replaced)
         if had:
             gc.collect()  # TE's graphed callables hold their graphs in reference cycles
             if torch.cuda.is_available():
@@ -444,7 +525,7 @@ class GraphedBlocks:
         t = self._targets[i]
         if self._capturing or self._released:  # TE's warm-up and capture call the blocks themselves
             return type(t).forward(t, x, *args, **kwargs)
-        if not t.training:
+        if not (t if self._vit is None else self._vit).training:
             if i == 0:
                 self._seq = None
             return self._eager(t, "eval", None, x, args, kwargs)
@@ -528,6 +609,14 @@ class GraphedBlocks:
             return None, "no autocast", ("the call runs outside torch autocast; graphs are captured for a "
                                          "training loop inside fp8_context (its autocast): wrap the forward in it")
         spec = self._spec(kwargs)
+        if self._vit is not None:
+            if spec:
+                return None, "keyword inputs", (f"forward_features got {sorted(k for k, _ in spec)}; the graphs of "
+                                                "the stem and blocks take the images alone")
+            if x.requires_grad:
+                return None, "input requires grad", ("the images require grad, and the graphs of the stem and blocks "
+                                                     "compute no image gradient; make_graphed_blocks(model, stem=False) "
+                                                     "graphs the blocks alone")
         try:
             hash(spec)
         except TypeError:
@@ -561,6 +650,14 @@ class GraphedBlocks:
         """Why no signature can be captured now (None: one can)."""
         if self._capture_failed:
             return self._capture_failed
+        if self._vit is not None:
+            if getattr(self._vit, "grad_checkpointing", False) is True:
+                return ("activation checkpointing is on; a CUDA graph keeps all activations of its capture, so turn "
+                        "checkpointing off (model.set_grad_checkpointing(False)) or do not graph this model")
+            why = stem_why_not(self._vit)
+            if why is not None:
+                return (f"the stem cannot be captured with the blocks: {why}; make_graphed_blocks(model, stem=False) "
+                        "graphs the blocks alone")
         p = next(iter(self._blocks.parameters()), None)
         if p is not None and is_sharded(p):
             return f"model.blocks is sharded by FSDP2 (fully_shard): {WHY_NOT_WITH_FSDP2}"
@@ -671,7 +768,20 @@ class GraphedBlocks:
             ptrs = tuple(map(torch.Tensor.data_ptr, params))
             flags = tuple(map(_REQUIRES_GRAD, params))
         children = () if self.per_block else tuple(map(id, self._blocks._modules.values()))
+        if self._vit is not None:
+            children = children, self._frame()
         return tuple(map(id, params)), ptrs, flags, children, tuple(map(_SWITCHES, blocks))
+
+    def _frame(self) -> tuple:
+        """With the stem in the graphs, what else its graph depends on: the ViT's modules that
+        ``forward_features`` calls (replaced?), its checkpointing switch, the hooks on those modules
+        and the classes of the stem's and final norm's modules (fp8vit's norm and patch GEMM
+        switches swap classes)."""
+        vit = self._vit
+        parts = tuple(getattr(vit, n, None) for n in _FEATURE_MODULES)
+        hooks = tuple(len(getattr(m, d)) for m in parts if m is not None for d in _HOOK_DICTS)
+        return (tuple(map(id, parts)), getattr(vit, "grad_checkpointing", False), hooks,
+                tuple(map(type, self._stem_modules)))
 
     def _changed(self, i: int) -> Optional[str]:
         """What changed since capture that graphed module ``i``'s graph depends on (None: nothing)."""
@@ -679,6 +789,9 @@ class GraphedBlocks:
         if now == then:
             return None
         if now[3] != then[3]:
+            if self._vit is not None and now[3][1] != then[3][1]:
+                return ("the ViT's stem or final norm was replaced, switched class or got hooks, or checkpointing "
+                        "was switched")
             return "model.blocks holds other blocks"
         if now[4] != then[4]:
             return f"a block's {', '.join(_SWITCH_NAMES[:-1])} or {_SWITCH_NAMES[-1]} switch changed"
@@ -750,20 +863,24 @@ class GraphedBlocks:
         memory, or TE raising) returns None, stops lazy capture and says why (:attr:`_capture_failed`;
         TE's process-wide state is restored first); a capture asked for with a batch size raises."""
         targets, n, first = self._targets, len(self._targets), not self._entries
-        samples = tuple((torch.randn(key[0], device=device, dtype=dt, requires_grad=True),) for dt in dtypes)
+        # the images need no gradient (a call whose images require one runs eagerly)
+        samples = tuple((torch.randn(key[0], device=device, dtype=dt, requires_grad=not self.stem),) for dt in dtypes)
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         # as the call's: TE computes the gradient of an input that requires grad at capture
         sample_kwargs = tuple({k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in tensors.items()}
                               for _ in range(n)) \
             if self.per_block else None
         if first:
-            slots = [[(m, name) for m in t.modules() for name, p in m._parameters.items() if p is not None]
-                     for t in targets]  # per graphed module
+            # per graphed module; the features module's own (tokens, position embedding) read on the ViT
+            slots = [[(self._vit if m is t and self.stem else m, name)
+                      for m in t.modules() for name, p in m._parameters.items() if p is not None] for t in targets]
             self._watch = tuple((tuple(m._parameters for m, _ in ts), tuple(name for _, name in ts),
                                  tuple(m for m in t.modules() if isinstance(m, FP8Block)))
                                 for t, ts in zip(targets, slots))
             self._slots = tuple(s for ts in slots for s in ts)
             self._fp8_blocks = tuple(b for w in self._watch for b in w[2])
+            self._stem_modules = tuple(m for n, part in targets[0].named_children() if self.stem and n != "blocks"
+                                       for m in part.modules())
         self._copy_aliased_grads()  # the warm-up rewrites main_grad
         start = time.perf_counter()
         try:
@@ -851,7 +968,8 @@ class GraphedBlocks:
                         post_warmup_hook=torch.cuda.empty_cache)  # the warm-up's cached blocks, before capture
                 finally:
                     self._capturing = False
-                    graphed = tuple(self._reinstall(t, d) for t, d in zip(targets, dispatches))
+                    # with the stem, the dispatch sits on the ViT's forward_features, not on the target
+                    graphed = tuple(self._reinstall(t, None if self.stem else d) for t, d in zip(targets, dispatches))
             torch.cuda.empty_cache()
             memory = torch.cuda.memory_reserved() - before
         except BaseException:
@@ -864,16 +982,17 @@ class GraphedBlocks:
         return graphed, memory, grads_alias, weights
 
     @staticmethod
-    def _reinstall(t: nn.Module, dispatch: "_Dispatch"):
+    def _reinstall(t: nn.Module, dispatch: Optional["_Dispatch"]):
         """Take TE's graphed forward off the module (and the ``backward_dw``/``reset`` it set there),
-        put the dispatch back; returns TE's forward, without its per-call module walk where it is
-        TE's known one (None: the capture failed before setting it)."""
+        put the dispatch back (None: it sits elsewhere); returns TE's forward, without its per-call
+        module walk where it is TE's known one (None: the capture failed before setting it)."""
         graphed = vars(t).pop("forward", None)
         for attr in ("backward_dw", "reset"):
             vars(t).pop(attr, None)
-        t.forward = dispatch
+        if dispatch is not None:
+            t.forward = dispatch
         # lever 41: TE's forward walks every submodule on each call, before the replay
-        return None if graphed is dispatch else _te.lean_graphed_forward(graphed)
+        return None if graphed is None or graphed is dispatch else _te.lean_graphed_forward(graphed)
 
 
 def _fresh_handle(blocks, per_block, settings) -> GraphedBlocks:
@@ -894,6 +1013,9 @@ class _MainGradsToAutograd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, main_grads, *weights):
         ctx.main_grads = main_grads
+        # images (the stem in the graphs) need no gradient: the graphs' backward gives None for them,
+        # and autograd still runs this backward (no zeros made for it)
+        ctx.set_materialize_grads(False)
         return x.view_as(x)
 
     @staticmethod

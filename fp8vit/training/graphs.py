@@ -94,17 +94,47 @@ from ..errors import FP8UnavailableError
 from .context import _fp8_context, check_autocast_dtype
 from .detect import gpu_info, resolve_recipe
 # _Dispatch and _fresh_handle: whole-model pickles made before graph_cache.py name them here
-from .graph_cache import (MAX_SHAPES, WHY_NOT_WITH_FSDP2, GraphedBlocks, GraphShape, _Dispatch,  # noqa: F401
-                          _fresh_handle, _is_tensor_spec, _spec, _uncapturable, signature)
+from .graph_cache import (_FEATURE_MODULES, MAX_SHAPES, WHY_NOT_WITH_FSDP2, GraphedBlocks,  # noqa: F401
+                          GraphShape, _Dispatch, _fresh_handle, _is_tensor_spec, _spec, _uncapturable, signature,
+                          stem_why_not)
 
 __all__ = ["make_graphed_blocks", "GraphedBlocks", "GraphShape", "graphed_modules", "install_graphs",
            "remove_graphs", "graphed_handles", "branch_blocks", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES"]
 
 
+# Lever 55 (the stem and final norm in the blocks' graphs) by default: not yet (measured first)
+_STEM_BY_DEFAULT = False
+
+
 def graphed_modules(model: nn.Module) -> list:
-    """Names of the submodules of ``model`` (``""``: itself) whose forward is the graph dispatch of
-    :func:`make_graphed_blocks` (or of ``convert_to_te(cuda_graphs=True)``)."""
-    return [name for name, m in model.named_modules() if isinstance(vars(m).get("forward"), _Dispatch)]
+    """Names of the submodules of ``model`` (``""``: itself) whose forward (or, with the stem in the
+    graphs, ``forward_features``) is the graph dispatch of :func:`make_graphed_blocks` (or of
+    ``convert_to_te(cuda_graphs=True)``)."""
+    return [name for name, m in model.named_modules() if _dispatch_of(m) is not None]
+
+
+def _dispatch_of(m: nn.Module) -> Optional[_Dispatch]:
+    """The graph dispatch installed on ``m`` (its ``forward``, or a ViT's ``forward_features``), or None."""
+    for attr in ("forward", "forward_features"):
+        d = vars(m).get(attr)
+        if isinstance(d, _Dispatch):
+            return d
+    return None
+
+
+def _stem_vit(model: nn.Module, stem: Optional[bool], fn: str, strict: bool = True) -> Optional[nn.Module]:
+    """``model`` where its stem and final norm join the blocks' graphs (``stem`` True, or None and
+    on by default where :func:`stem_why_not` allows it), else None; ``stem=True`` where it cannot
+    raises saying why (``strict``; else None)."""
+    if stem is False or (stem is None and not _STEM_BY_DEFAULT):
+        return None
+    why = stem_why_not(model)
+    if why is None:
+        return model
+    if stem and strict:
+        raise ValueError(f"{fn}(stem=True): the stem cannot be captured with the blocks: {why}; stem=False "
+                         "graphs the blocks alone")
+    return None
 
 
 def _blocks_of(model: nn.Module, fn: str) -> Tuple[nn.Module, bool, tuple]:
@@ -163,18 +193,20 @@ def graphed_handles(model: nn.Module) -> list:
         return [own]
     found = {}  # every graph dispatch below model (stages, wrapped ViTs, branches), by handle
     for m in model.modules():
-        d = vars(m).get("forward")
-        if isinstance(d, _Dispatch) and d.handle is not None:
+        d = _dispatch_of(m)
+        if d is not None and d.handle is not None:
             found.setdefault(id(d.handle), d.handle)
     return list(found.values())
 
 
-def install_graphs(model: nn.Module, cudnn_layernorm: Optional[bool] = None, triton_dbias: bool = True) -> Optional[str]:
+def install_graphs(model: nn.Module, cudnn_layernorm: Optional[bool] = None, triton_dbias: bool = True,
+                   stem: Optional[bool] = None) -> Optional[str]:
     """``convert_to_te(cuda_graphs=True)``: graphs for ``model.blocks``, each shape captured as it
     comes (:func:`make_graphed_blocks` with no batch size, its defaults). Nothing needs a GPU yet.
     A model whose ``blocks`` hold no fp8vit block but that holds ViTs (a LightningModule's
     ``self.model``, a Swin's stages): theirs; or branches of fp8vit blocks (CrossViT): each branch.
-    ``cudnn_layernorm``, ``triton_dbias``: as :func:`make_graphed_blocks`'s.
+    ``cudnn_layernorm``, ``triton_dbias``, ``stem``: as :func:`make_graphed_blocks`'s (``stem=True``
+    where a ViT's stem cannot join: its blocks alone).
 
     Returns:
         None, or why nothing was installed (no ``blocks`` and no ViT of fp8vit blocks inside,
@@ -184,27 +216,30 @@ def install_graphs(model: nn.Module, cudnn_layernorm: Optional[bool] = None, tri
     if not (isinstance(blocks, (nn.Sequential, nn.ModuleList)) and _holds_fp8_blocks(blocks)):
         inner, branches = _vits_inside(model), branch_blocks(model)
         if inner or branches:
-            why = [install_graphs(m, cudnn_layernorm, triton_dbias) for m in inner]
-            why += [_install(b, False, (b,), cudnn_layernorm, triton_dbias) for b in branches]
+            why = [install_graphs(m, cudnn_layernorm, triton_dbias, stem) for m in inner]
+            why += [_install(b, b, False, (b,), cudnn_layernorm, triton_dbias) for b in branches]
             return "; ".join(dict.fromkeys(w for w in why if w is not None)) or None  # each reason once
     try:
         blocks, per_block, targets = _blocks_of(model, "cuda_graphs=True")
     except ValueError as err:
         return str(err)
-    return _install(blocks, per_block, targets, cudnn_layernorm, triton_dbias)
+    vit = None if per_block else _stem_vit(model, stem, "cuda_graphs=True", strict=False)
+    return _install(model, blocks, per_block, targets, cudnn_layernorm, triton_dbias, vit)
 
 
-def _install(blocks: nn.Module, per_block: bool, targets: tuple, cudnn_layernorm: Optional[bool],
-             triton_dbias: bool) -> Optional[str]:
-    """A :class:`GraphedBlocks` dispatch on ``targets``, or why not (as :func:`install_graphs`)."""
-    if any(isinstance(vars(t).get("forward"), _Dispatch) for t in targets):
-        return None
-    if any("forward" in vars(t) for t in targets):
-        return "the blocks' forward is replaced by something else already; they are not graphed"
+def _install(model: nn.Module, blocks: nn.Module, per_block: bool, targets: tuple, cudnn_layernorm: Optional[bool],
+             triton_dbias: bool, vit: Optional[nn.Module] = None) -> Optional[str]:
+    """A :class:`GraphedBlocks` dispatch on ``targets`` (or on ``vit.forward_features``), or why not
+    (as :func:`install_graphs`)."""
+    seats = [(t, "forward") for t in targets] if vit is None else [(vit, "forward_features")]
+    if any(_dispatch_of(m) is not None for m in (model, *targets)):
+        return None  # graphed already
+    if any(attr in vars(obj) for obj, attr in seats):
+        return f"the model's {seats[0][1]} is replaced by something else already; it is not graphed"
     param = next(iter(blocks.parameters()), None)
     if param is not None and is_sharded(param):
         return f"the blocks are sharded by FSDP2 (fully_shard), so they are not graphed: {WHY_NOT_WITH_FSDP2}"
-    GraphedBlocks(blocks, per_block, cudnn_layernorm=cudnn_layernorm, triton_dbias=triton_dbias)._install()
+    GraphedBlocks(blocks, per_block, cudnn_layernorm=cudnn_layernorm, triton_dbias=triton_dbias, vit=vit)._install()
     return None
 
 
@@ -228,6 +263,7 @@ def make_graphed_blocks(
     amax_reduction_group: Any = None,
     max_shapes: int = MAX_SHAPES,
     triton_dbias: bool = True,
+    stem: Optional[bool] = None,
 ) -> GraphedBlocks:
     """CUDA graphs for ``model.blocks`` (forward and backward, all blocks in one graph pair each, or
     one per block), one set per call signature, captured as the shapes come (module docstring).
@@ -277,6 +313,13 @@ def make_graphed_blocks(
             ``bgrad_quantize`` (delayed scaling; the same FP8 bytes, the bias gradient summed in
             another order; docs/performance.md, lever 49). ViT-B/16 b128 on an H100: -0.6 ms a
             step, ViT-L/16 -1.5 ms. Where Triton cannot run, TE's kernel is captured. False: TE's.
+        stem: True: a timm ``VisionTransformer``'s whole ``forward_features`` (patch embedding,
+            class and register tokens, position embedding, ``norm_pre``, the blocks, the final
+            ``norm``) is captured as one graph pair from the images, keyed on the image shape: a
+            synchronized step (``loss.item()`` every step) then waits for no host work on the stem
+            (docs/performance.md, lever 55). Calls whose images require grad or that pass
+            ``forward_features`` keyword inputs run eagerly. False: the blocks alone. None
+            (default): the blocks alone.
 
     Returns:
         a :class:`GraphedBlocks` handle (shapes, memory, replay counts, ``release()``).
@@ -292,7 +335,8 @@ def make_graphed_blocks(
             activation checkpointing or MLP recompute of an unfused MLP, passes its blocks
             non-tensor keyword inputs other than the forward's defaults, is
             graphed already, or (with ``batch_size``) is not on a GPU or has no
-            ``patch_embed.num_patches`` and no ``tokens``; each names the value.
+            ``patch_embed.num_patches`` and no ``tokens``; ``stem=True`` where the stem cannot be
+            captured (:func:`stem_why_not`) or with ``tokens``; each names the value.
         FP8UnavailableError: a ``batch_size`` capture with ``fp8`` that cannot run here.
     """
     fn = "make_graphed_blocks"
@@ -309,7 +353,13 @@ def make_graphed_blocks(
     check_bool(fn, "triton_dbias", triton_dbias)
     check_process_group(fn, "amax_reduction_group", amax_reduction_group)
     check_int(fn, "max_shapes", max_shapes, min=1)
+    if stem is not None:
+        check_bool(fn, "stem", stem)
     blocks, per_block, targets = _blocks_of(model, fn)
+    if stem and tokens is not None:
+        raise ValueError(f"make_graphed_blocks: tokens={tokens} sets the blocks' sequence length, and stem=True "
+                         "captures from the images (their size is the model's img_size); pass one of them")
+    vit = None if tokens is not None else _stem_vit(model, stem, fn)
     now = batch_size is not None
     if now and not per_block and tokens is None and not isinstance(
             getattr(getattr(model, "patch_embed", None), "num_patches", None), int):
@@ -331,11 +381,13 @@ def make_graphed_blocks(
     if why is not None:
         raise ValueError(f"make_graphed_blocks: {why}")
     old = [vars(t).get("forward") for t in targets if "forward" in vars(t)]
+    if "forward_features" in vars(model):
+        old.append(vars(model)["forward_features"])
     if old:
         handle = old[0].handle if isinstance(old[0], _Dispatch) else None
-        if handle is None or handle._entries or len(old) != len(targets):
-            raise ValueError("make_graphed_blocks: model.blocks is already graphed (or its forward is "
-                             "patched); call release() on the earlier result first")
+        if handle is None or handle._entries or len(old) != len(handle._seats()):
+            raise ValueError("make_graphed_blocks: model.blocks is already graphed (or its forward, or the "
+                             "model's forward_features, is patched); call release() on the earlier result first")
         handle.release()  # set up, never captured (convert_to_te(cuda_graphs=True)): replaced
     te_recipe = None
     if now and fp8:
@@ -350,6 +402,10 @@ def make_graphed_blocks(
             # what it passes, on one image, and capture each block with those inputs.
             dtypes, x_seen, call_kwargs = _block_calls(model, blocks, param.device, dtype)
             shape = (batch_size, *(x_seen.shape[1:] if tokens is None else (tokens, x_seen.shape[-1])))
+        elif vit is not None:  # the images, at the model's size
+            proj = model.patch_embed.proj
+            shape = (batch_size, proj.in_channels, *model.patch_embed.img_size)
+            dtypes, call_kwargs = (proj.weight.dtype,), {}
         else:
             if tokens is None:
                 tokens = model.patch_embed.num_patches + getattr(model, "num_prefix_tokens", 0)
@@ -358,7 +414,7 @@ def make_graphed_blocks(
             dtypes, call_kwargs = (in_dtype,), {}
     handle = GraphedBlocks(blocks, per_block, max_shapes=max_shapes, num_warmup_iters=num_warmup_iters,
                            cudnn_layernorm=cudnn_layernorm, fused_wgrad=fused_wgrad, fp8=fp8,
-                           amax_reduction_group=amax_reduction_group, triton_dbias=triton_dbias)
+                           amax_reduction_group=amax_reduction_group, triton_dbias=triton_dbias, vit=vit)
     if now:
         spec = handle._spec(call_kwargs)
         odd = [f"{k}={v!r}" for k, v in spec if not _is_tensor_spec(v)]
@@ -368,15 +424,18 @@ def make_graphed_blocks(
     handle._install()
     if now:
         key = signature(shape, dtypes[0], dtype, te_recipe, spec)
-        was_training = blocks.training
-        blocks.train()
+        graphed = [blocks] if vit is None else [m for m in handle._targets[0].children()]
+        was_training = [m.training for m in graphed]
+        for m in graphed:
+            m.train()
         try:
             handle._capture(key, dtypes, call_kwargs, te_recipe, lazy=False, device=param.device)
         except BaseException:
             handle.release()
             raise
         finally:
-            blocks.train(was_training)
+            for m, mode in zip(graphed, was_training):
+                m.train(mode)
         handle._met = 1
     return handle
 

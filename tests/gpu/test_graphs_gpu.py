@@ -173,6 +173,27 @@ def test_fused_wgrad_gradients_match_eager(recipe, accumulate, set_to_none):
         _assert_same_scales(eager, graphed)
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["captured-up-front", "captured-at-second-step"])
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_stem_in_the_graphs_gives_every_gradient_as_eager(recipe, lazy):
+    # Lever 55: the stem (patch GEMM, class token, position embedding) and the final norm in the
+    # blocks' graphs (fused_wgrad, the default), keyed on the images: every parameter's gradient,
+    # the stem's included (a graph that dropped one leaves its .grad None: the clone fails), as
+    # eager's over several replays, and the FP8 scales bit for bit.
+    data = _data(5)
+    eager, graphed = _vit(), _vit()
+    handle = fp8vit.make_graphed_blocks(graphed, None if lazy else B, recipe=recipe, stem=True)
+    ge = _grad_sequence(eager, data, recipe)
+    gg = _grad_sequence(graphed, data, recipe)
+    assert handle.stem and [s.shape for s in handle.shapes] == [(B, 3, 224, 224)]
+    assert handle.replays == len(data) - lazy and handle.eager_calls == lazy
+    _assert_same_gradients(ge, gg)
+    if recipe == "delayed":
+        _assert_same_scales(eager, graphed)
+    with torch.no_grad():  # eval: eager, the same output
+        assert snr_db(eager.eval()(data[0][0]), graphed.eval()(data[0][0])) > 40
+
+
 def test_vector_parameters_are_cast_by_one_kernel_each_way_with_the_same_bits(monkeypatch):
     # lever 42: TE casts each norm weight and bias and each GEMM bias to bf16 per forward (8 a ViT
     # block) and autograd casts each gradient back; fp8vit._te.cast_small_params makes those
