@@ -290,6 +290,7 @@ ROWS = [
     row("make_graphed_blocks", "fp8", "yes", lambda v: fp8vit.make_graphed_blocks(_vit(), 8, fp8=v), TypeError, BOOL),
     row("make_graphed_blocks", "triton_dbias", "on", lambda v: fp8vit.make_graphed_blocks(_vit(), 8, triton_dbias=v),
         TypeError, BOOL),
+    row("make_graphed_blocks", "stem", "on", lambda v: fp8vit.make_graphed_blocks(_vit(), 8, stem=v), TypeError, BOOL),
     row("make_graphed_blocks", "dtype", torch.float32, lambda v: fp8vit.make_graphed_blocks(_vit(), 8, dtype=v),
         ValueError, "torch.bfloat16"),
     row("make_graphed_blocks", "num_warmup_iters", -1,

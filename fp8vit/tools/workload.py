@@ -53,8 +53,10 @@ A variant's name says what runs the blocks, in which precision, and how:
                                    (``fast_backward_accumulation``: lever 53); ``-fastdgrad-``:
                                    the input gradients' only (``make_recipe("delayed")``'s
                                    default); ``-splitacc[-graphed]``: neither (TE's own default)
-``fp8vit-fp8-delayed-stemgraph-graphed[-compile]``  the ViT's stem and final norm in the blocks'
-                                   graphs (``make_graphed_blocks(stem=True)``: lever 55)
+``fp8vit-fp8-delayed-blocksgraph-graphed``  the blocks alone in the graphs, not the ViT's stem and
+                                   final norm with them (``make_graphed_blocks(stem=False)``:
+                                   lever 55 off; ``-graphed-compile`` graphs the blocks alone,
+                                   ``-stemgraph-graphed-compile`` the stem too)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -111,7 +113,7 @@ VARIANTS = (
     "timm-bf16-nchw-compile", "fp8vit-fp8-delayed-nchw-graphed-compile",
     "fp8vit-fp8-delayed-tedbias-graphed", "fp8vit-fp8-delayed-fastacc-graphed", "fp8vit-fp8-delayed-fastdgrad-graphed",
     "fp8vit-fp8-delayed-splitacc", "fp8vit-fp8-delayed-splitacc-graphed",
-    "fp8vit-fp8-delayed-stemgraph-graphed", "fp8vit-fp8-delayed-stemgraph-graphed-compile",
+    "fp8vit-fp8-delayed-blocksgraph-graphed", "fp8vit-fp8-delayed-stemgraph-graphed-compile",
 )
 
 # lever 53's variant parts: the backward GEMMs they give fast accumulation (Variant.fast_accum)
@@ -150,7 +152,8 @@ class Variant:
         fast_accum: the backward GEMMs whose accumulation is fast, the others' split:
             ``("dgrad", "wgrad")`` (``-fastacc``), ``("dgrad",)`` (``-fastdgrad``), ``()``
             (``-splitacc``), or None for :func:`make_recipe`'s choice.
-        stem: ``make_graphed_blocks``' ``stem``: True (``-stemgraph``), or None for its default.
+        stem: ``make_graphed_blocks``' ``stem``: True (``-stemgraph``), False (``-blocksgraph``,
+            and compiled variants, as ``convert_to_te(compile=True)``), or None for its default.
     """
 
     name: str
@@ -192,7 +195,7 @@ class Variant:
                    rope_kernel="te" if "terope" in parts else None, model_norms="torchnorm" not in parts,
                    layout_opt="nchw" not in parts, triton_dbias="tedbias" not in parts,
                    fast_accum=next((acc for p, acc in _FAST_ACCUM.items() if p in parts), None),
-                   stem=True if "stemgraph" in parts else None)
+                   stem=True if "stemgraph" in parts else False if "blocksgraph" in parts or compile_ else None)
 
     @property
     def te_fp8(self) -> bool:

@@ -43,7 +43,7 @@ from torch import nn
 from .. import _te
 from .._validate import check_bool, check_items, check_number, check_type
 from .detect import gpu_info
-from .graphs import WHY_NOT_WITH_FSDP2, _vits_inside, graphed_modules
+from .graphs import WHY_NOT_WITH_FSDP2, _dispatch_of, _vits_inside, graphed_modules
 from .._te.recipes import check_recipe, check_recipe_name, recipe_name
 from .detect import resolve_recipe
 
@@ -142,13 +142,14 @@ def shard_model(
     check_bool(fn, "reshard_after_forward", reshard_after_forward)
     units = None if units is None else check_items(fn, "units", units, nn.Module, "torch.nn.Module")
     graphed = graphed_modules(model)
-    dispatches = [vars(model.get_submodule(n))["forward"] for n in graphed]
+    dispatches = [_dispatch_of(model.get_submodule(n)) for n in graphed]
     if graphed and all(d.handle is not None and not d.handle.shapes for d in dispatches):
         # set up by convert_to_te (cuda_graphs, or compile=True's default) and never captured: let
         # them go, and say so; the blocks then run eagerly under FSDP2
         for handle in {id(d.handle): d.handle for d in dispatches}.values():
             handle.release()
-        warnings.warn(f"fp8vit.shard_model: the CUDA graphs convert_to_te set up for {graphed[:4]} (none captured "
+        names = [n or type(model).__name__ for n in graphed][:4]  # "": the model itself (its stem graphed too)
+        warnings.warn(f"fp8vit.shard_model: the CUDA graphs convert_to_te set up for {names} (none captured "
                       f"yet) are released, and the blocks run eagerly: {WHY_NOT_WITH_FSDP2}. Convert with "
                       "cuda_graphs=False to skip them, or train the graphed model with DistributedDataParallel",
                       UserWarning, stacklevel=2)

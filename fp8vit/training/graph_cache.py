@@ -199,9 +199,10 @@ class _Features(nn.Module):
         self._vit = (vit,)  # a tuple: not a submodule
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """Called by TE's capture only (eager calls run the ViT's own ``forward_features``)."""
         vit = self._vit[0]
         # timm's forward_features reads the tokens and position embedding from the ViT: point it at
-        # this module's, which are the ViT's own except while TE captures (fresh leaves stand in)
+        # this module's, which TE swaps for fresh leaves while it captures
         own, saved = vit._parameters, {n: vit._parameters[n] for n in self._names}
         own.update((n, self._parameters[n]) for n in self._names)
         try:
@@ -544,6 +545,8 @@ class GraphedBlocks:
         self.eager_reasons[reason] += 1
         if message:
             warn_once(_PREFIX + message, RuntimeWarning, stacklevel=5)
+        if self._vit is not None:  # the ViT as it is now (the target holds what the graphs captured)
+            return type(self._vit).forward_features(self._vit, x, *args, **kwargs)
         return type(t).forward(t, x, *args, **kwargs)
 
     def _follow(self, i: int, t: nn.Module, x, args, kwargs) -> torch.Tensor:

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.gpu
 
 EPOCH = [16, 16, 16, 5]  # 53 images, batch 16, drop_last=False: the last batch is partial
 TOKENS, DIM = 197, 768
+# the graphs' call signature: the images' shape (a ViT's stem is captured with its blocks: lever 55)
+IMAGE = (3, 224, 224)
 
 
 @pytest.fixture(autouse=True)
@@ -82,7 +84,7 @@ def test_shapes_captured_as_they_come_train_like_eager(recipe):
     (le, oe), (lg, og) = _epochs([eager, graphed], 3, recipe, evals, trail)
     print(f"{recipe}: eager losses {le}\n graphed {lg}\n{handle}\n"
           f"scaling state first differs after: {_first_divergence(trail)}")
-    assert _shapes(handle) == [(16, TOKENS, DIM), (5, TOKENS, DIM)]
+    assert _shapes(handle) == [(16, *IMAGE), (5, *IMAGE)]
     steps = len(EPOCH) * 3
     assert handle.eager_reasons == {"new shape": 2, "eval": 2 * 3} and handle.replays == steps - 2
     assert [s.replays for s in handle.shapes] == [3 * 3 - 1, 3 - 1]
@@ -112,7 +114,7 @@ def test_accumulation_over_micro_batches_of_two_shapes(set_to_none):
     assert handle.fused_wgrad
     ge = _grad_sequence(eager, data, accumulate=2, set_to_none=set_to_none)
     gg = _grad_sequence(graphed, data, accumulate=2, set_to_none=set_to_none)
-    assert _shapes(handle) == [(16, TOKENS, DIM), (5, TOKENS, DIM)] and handle.replays == len(data) - 2
+    assert _shapes(handle) == [(16, *IMAGE), (5, *IMAGE)] and handle.replays == len(data) - 2
     _assert_same_gradients(ge, gg)
     _assert_same_scales(eager, graphed)
 
@@ -132,7 +134,7 @@ def test_ddp_wrapped_before_any_capture(bucket_view):
         ddp = torch.nn.parallel.DistributedDataParallel(graphed, device_ids=[torch.cuda.current_device()],
                                                         gradient_as_bucket_view=bucket_view)
         _assert_same_gradients(_grad_sequence(plain, data), _grad_sequence(ddp, data))
-        assert _shapes(handle) == [(16, TOKENS, DIM), (5, TOKENS, DIM)] and handle.replays == 4
+        assert _shapes(handle) == [(16, *IMAGE), (5, *IMAGE)] and handle.replays == 4
     finally:
         dist.destroy_process_group()
 
@@ -193,7 +195,8 @@ def test_two_forwards_before_one_backward_are_right():
     # eagerly (warned), and the gradients are those of eager training.
     (x1, y1), (x2, y2) = _batches([16, 16])
     eager, graphed = _vit(), _vit()
-    handle = fp8vit.make_graphed_blocks(graphed, 16, fused_wgrad=False)
+    # stem=False: the part below calls model.blocks itself, whose own dispatch that needs
+    handle = fp8vit.make_graphed_blocks(graphed, 16, fused_wgrad=False, stem=False)
     grads = []
     for model in (eager, graphed):
         with fp8vit.fp8_context():
@@ -261,7 +264,7 @@ def test_convert_to_te_cuda_graphs_with_an_unchanged_loop():
     data = _batches(EPOCH * 2)
     ge, gg = _grad_sequence(eager, data), _grad_sequence(graphed, data)
     _assert_same_gradients(ge, gg)
-    assert _shapes(handle) == [(16, TOKENS, DIM), (5, TOKENS, DIM)] and handle.replays == len(data) - 2
+    assert _shapes(handle) == [(16, *IMAGE), (5, *IMAGE)] and handle.replays == len(data) - 2
     x, _ = _batches([7], seed=3)[0]
     for model in (eager, graphed):
         model.eval()
@@ -343,7 +346,7 @@ def test_a_capture_that_fails_inside_a_step_leaves_training_and_the_rng_working(
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         ge, gg = _grad_sequence(eager, data), _grad_sequence(graphed, data)
-    assert any("capturing the blocks for [16, 197, 768] failed" in str(w.message) for w in record), \
+    assert any("capturing the blocks for [16, 3, 224, 224] failed" in str(w.message) for w in record), \
         [str(w.message) for w in record]
     assert handle.shapes == [] and handle.replays == 0
     _assert_same_gradients(ge, gg)  # the failed capture changed nothing the step computes
