@@ -54,44 +54,26 @@ class _Current:
         return True
 
 
-def _fake_graph():
+def _fake_graph(target=None):
     """A fake graph replay, like TE's: a custom autograd Function that writes a static output
-    buffer and returns it detached (the same storage every replay)."""
-    static = []
+    buffer and returns it detached (the same storage every replay). Blocks (no ``target``): it
+    doubles its input; a stem-and-blocks graph: the features module's own forward, images in."""
+    static, scale = [], 2 if target is None else 1
 
     class Replay(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
             if not static:
                 static.append(torch.empty_like(x))
-            static[0].copy_(x * 2)
+            static[0].copy_(x * scale)
             return static[0].detach()
 
         @staticmethod
         def backward(ctx, g):
-            return g * 2
+            return g * scale
 
-    return lambda x, **kw: Replay.apply(x)
-
-
-def _fake_features_graph(target):
-    """The fake replay of a stem-and-blocks graph: the features module's own forward (images in,
-    tokens out), its output copied into a static buffer by a custom autograd Function, as TE's
-    replay returns it (the same storage every replay)."""
-    static = []
-
-    class Replay(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, y):
-            if not static:
-                static.append(torch.empty_like(y))
-            static[0].copy_(y)
-            return static[0].detach()
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
+    if target is None:
+        return lambda x, **kw: Replay.apply(x)
     return lambda x, **kw: Replay.apply(type(target).forward(target, x))
 
 
@@ -111,7 +93,7 @@ class _FakeTE:
             fake.captures.append(dict(shape=tuple(samples[0][0].shape), dtypes=[s[0].dtype for s in samples],
                                       kwargs=sample_kwargs, recipe=recipe, dtype=dtype, first=first,
                                       requires_grad=samples[0][0].requires_grad))
-            graphed = tuple(_fake_features_graph(t) if handle.stem else _fake_graph() for t in handle._targets)
+            graphed = tuple(_fake_graph(t if handle.stem else None) for t in handle._targets)
             return graphed, 1000 * samples[0][0].shape[0], True, ()
 
         monkeypatch.setattr(G.GraphedBlocks, "_run_capture", run_capture)

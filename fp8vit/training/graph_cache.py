@@ -113,9 +113,10 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
-def _uncapturable(blocks: nn.Module, targets: tuple) -> Optional[str]:
-    """Why the blocks cannot be captured as they are now (None: they can)."""
-    if any(getattr(m, "grad_checkpointing", False) is True for m in blocks.modules()):
+def _uncapturable(blocks: nn.Module, targets: tuple, model: Optional[nn.Module] = None) -> Optional[str]:
+    """Why the blocks cannot be captured as they are now (None: they can); ``model``: the ViT
+    holding them, whose own checkpointing switch counts too."""
+    if any(getattr(m, "grad_checkpointing", False) is True for m in (model, *blocks.modules()) if m is not None):
         return ("activation checkpointing is on; a CUDA graph keeps all activations of its capture, so turn "
                 "checkpointing off (model.set_grad_checkpointing(False)) or do not graph this model")
     unfused = [n for n, m in blocks.named_modules()
@@ -653,14 +654,10 @@ class GraphedBlocks:
         """Why no signature can be captured now (None: one can)."""
         if self._capture_failed:
             return self._capture_failed
-        if self._vit is not None:
-            if getattr(self._vit, "grad_checkpointing", False) is True:
-                return ("activation checkpointing is on; a CUDA graph keeps all activations of its capture, so turn "
-                        "checkpointing off (model.set_grad_checkpointing(False)) or do not graph this model")
-            why = stem_why_not(self._vit)
-            if why is not None:
-                return (f"the stem cannot be captured with the blocks: {why}; make_graphed_blocks(model, stem=False) "
-                        "graphs the blocks alone")
+        why = None if self._vit is None else stem_why_not(self._vit)
+        if why is not None:
+            return (f"the stem cannot be captured with the blocks: {why}; make_graphed_blocks(model, stem=False) "
+                    "graphs the blocks alone")
         p = next(iter(self._blocks.parameters()), None)
         if p is not None and is_sharded(p):
             return f"model.blocks is sharded by FSDP2 (fully_shard): {WHY_NOT_WITH_FSDP2}"
@@ -674,7 +671,7 @@ class GraphedBlocks:
             return ("the call runs without FP8 (outside fp8_context, or with FP8 turned off) on a GPU that runs "
                     "FP8, and graphs are captured for the training loop's fp8_context: wrap the forward in "
                     "fp8_context, or make_graphed_blocks(model, fp8=False) for graphs without FP8")
-        why = _uncapturable(self._blocks, self._targets)
+        why = _uncapturable(self._blocks, self._targets, self._vit)  # with the stem, the ViT's checkpointing too
         if why is not None:
             return why
         for k, v in self._spec(kwargs):

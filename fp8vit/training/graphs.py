@@ -387,11 +387,7 @@ def make_graphed_blocks(
     if now and param.device.type != "cuda":
         raise ValueError(f"make_graphed_blocks: the blocks are on {param.device}; CUDA graphs need the "
                          "model on its GPU (model.cuda() first)")
-    if getattr(model, "grad_checkpointing", False) is True:
-        raise ValueError("make_graphed_blocks: activation checkpointing is on; a CUDA graph keeps all "
-                         "activations of its capture, so turn checkpointing off "
-                         "(model.set_grad_checkpointing(False)) or do not graph this model")
-    why = _uncapturable(blocks, targets)
+    why = _uncapturable(blocks, targets, model)
     if why is not None:
         raise ValueError(f"make_graphed_blocks: {why}")
     old = [vars(t).get("forward") for t in targets if "forward" in vars(t)]
