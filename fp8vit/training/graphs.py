@@ -102,9 +102,8 @@ from ..errors import FP8UnavailableError
 from .context import _fp8_context, check_autocast_dtype
 from .detect import gpu_info, resolve_recipe
 # _Dispatch and _fresh_handle: whole-model pickles made before graph_cache.py name them here
-from .graph_cache import (_FEATURE_MODULES, MAX_SHAPES, WHY_NOT_WITH_FSDP2, GraphedBlocks,  # noqa: F401
-                          GraphShape, _Dispatch, _fresh_handle, _is_tensor_spec, _spec, _uncapturable, signature,
-                          stem_why_not)
+from .graph_cache import (MAX_SHAPES, WHY_NOT_WITH_FSDP2, GraphedBlocks, GraphShape, _Dispatch,  # noqa: F401
+                          _fresh_handle, _is_tensor_spec, _spec, _uncapturable, signature, stem_why_not)
 
 __all__ = ["make_graphed_blocks", "GraphedBlocks", "GraphShape", "graphed_modules", "install_graphs",
            "remove_graphs", "graphed_handles", "branch_blocks", "WHY_NOT_WITH_FSDP2", "MAX_SHAPES"]
@@ -246,7 +245,8 @@ def _install(model: nn.Module, blocks: nn.Module, per_block: bool, targets: tupl
     if any(_dispatch_of(m) is not None for m in (model, *targets)):
         return None  # graphed already
     if any(attr in vars(obj) for obj, attr in seats):
-        return f"the model's {seats[0][1]} is replaced by something else already; it is not graphed"
+        return ("the blocks' forward is replaced by something else already; they are not graphed" if vit is None else
+                "the model's forward_features is replaced by something else already; it is not graphed")
     param = next(iter(blocks.parameters()), None)
     if param is not None and is_sharded(param):
         return f"the blocks are sharded by FSDP2 (fully_shard), so they are not graphed: {WHY_NOT_WITH_FSDP2}"
@@ -332,7 +332,7 @@ def make_graphed_blocks(
             ``forward_features`` keyword inputs run eagerly. False: the blocks alone (what to
             pass where the model is then compiled by ``torch.compile``: compiled, the stem is
             faster outside the graphs). None (default): True where :func:`stem_why_not` allows
-            it, else the blocks alone. ViT-S/16 and ViT-B/16 b128 on an H100: -0.3 to -0.6 ms a
+            it and no ``tokens`` is given, else the blocks alone. ViT-S/16 and ViT-B/16 b128 on an H100: -0.3 to -0.6 ms a
             synchronized step, pipelined steps unchanged; ViT-L/16, ViT-H/16: unchanged.
 
     Returns:
@@ -413,6 +413,7 @@ def make_graphed_blocks(
             dtypes, x_seen, call_kwargs = _block_calls(model, blocks, param.device, dtype)
             shape = (batch_size, *(x_seen.shape[1:] if tokens is None else (tokens, x_seen.shape[-1])))
         elif vit is not None:  # the images, at the model's size
+            # (a PatchEmbed without img_size has no num_patches either: refused above, naming tokens=)
             proj = model.patch_embed.proj
             shape = (batch_size, proj.in_channels, *model.patch_embed.img_size)
             dtypes, call_kwargs = (proj.weight.dtype,), {}
