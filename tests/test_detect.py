@@ -81,6 +81,25 @@ def test_detection_is_cached(fake_device):
     assert len(calls) == 2
 
 
+def test_a_recipe_name_resolves_to_one_object_until_clear_cache(fake_device, monkeypatch):
+    # fp8_context resolves its recipe at every step: built once per name (lever 56), a new one
+    # after clear_cache (a TE repaired since); an object of the user's own is passed through.
+    fake_device("NVIDIA H200", (9, 0))
+    made = []
+    monkeypatch.setattr(detect, "make_recipe", lambda name: made.append(name) or object())
+    detect._named_recipe.cache_clear()
+    support = fp8vit.gpu_info().recipes
+    first = detect.resolve_recipe("current", support)
+    assert detect.resolve_recipe("current", support) is first and made == ["current"]
+    default = detect.resolve_recipe(None, support)
+    assert detect.resolve_recipe("delayed", support) is default and made == ["current", "delayed"]
+    own = object()
+    assert detect.resolve_recipe(own, support) is own
+    detect.clear_cache()
+    fake_device("NVIDIA H200", (9, 0))
+    assert detect.resolve_recipe("current", fp8vit.gpu_info().recipes) is not first and made[-1] == "current"
+
+
 def test_summary_lists_each_recipe(fake_device):
     fake_device("NVIDIA H200", (9, 0))
     text = fp8vit.gpu_info().summary()

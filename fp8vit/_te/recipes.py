@@ -115,7 +115,7 @@ def make_recipe(name: str, *, fp8_attention: bool = False) -> Any:
     rec = te_module("transformer_engine.common.recipe")
     dpa = {"fp8_dpa": True} if fp8_attention else {}
     if name == "delayed":
-        # a fresh object: set in place, no copy (fp8_context makes one per call)
+        # a fresh object: set in place, no copy
         return _set_backward_accumulation(rec.DelayedScaling(fp8_format=rec.Format.HYBRID, **dpa), rec.MMParams,
                                           dgrad=True, wgrad=False)
     if name == "current":

@@ -45,7 +45,9 @@ class FP8State:
 
     Attributes:
         fp8: whether TE's FP8 autocast is on.
-        recipe: the TE recipe object in use, or None.
+        recipe: the TE recipe object in use, or None. For a recipe name it is the one object this
+            process uses for that name at every step: for other settings, pass an object of your
+            own (e.g. ``make_recipe("delayed")``, changed) rather than change this one.
         recipe_name: ``"delayed"``, ``"current"``, ``"block"``, ``"mxfp8"``, ``"custom"`` or None.
         dtype: the torch autocast dtype in effect (None if torch autocast is off).
         reason: why FP8 is off (empty when on, or when it was not asked for).

@@ -113,6 +113,11 @@ def default_recipe_name(support: Dict[str, Check]) -> Optional[str]:
 def resolve_recipe(recipe: Union[None, str, Any], support: Dict[str, Check]) -> Any:
     """A recipe argument (None, a name, or a TE recipe object) -> a TE recipe object that runs here.
 
+    A name (or None) gives the same object at every call, :func:`make_recipe`'s, built once per
+    process: ``fp8_context`` resolves its recipe at every step, and building a TE recipe (a
+    pydantic dataclass, validated) each time was a tenth of its host time (lever 56). TE's scaling
+    state and the graphs' keys follow a recipe's settings, not the object.
+
     Args:
         recipe: None picks :func:`default_recipe_name`; a name must be supported; a TE recipe
             object is returned as is where any FP8 runs (TE validates it on first use).
@@ -128,11 +133,17 @@ def resolve_recipe(recipe: Union[None, str, Any], support: Dict[str, Check]) -> 
             usable = [n for n, c in support.items() if c.ok]
             raise FP8UnavailableError(f"FP8 recipe {recipe!r} cannot run here: {check.reason}. "
                                       f"Recipes this GPU supports: {usable}")
-        return make_recipe(recipe)
+        return _named_recipe(recipe)
     name = default_recipe_name(support)
     if name is None:  # also for a recipe object: no FP8 at all here
         raise FP8UnavailableError(f"FP8 cannot run here: {support['delayed'].reason}")
-    return make_recipe(name) if recipe is None else recipe
+    return _named_recipe(name) if recipe is None else recipe
+
+
+@functools.lru_cache(maxsize=None)
+def _named_recipe(name: str) -> Any:
+    """The TE recipe object a recipe name resolves to in this process (:func:`resolve_recipe`)."""
+    return make_recipe(name)
 
 
 def _device() -> Tuple[str, Optional[Tuple[int, int]]]:
@@ -168,10 +179,12 @@ def fp8_support() -> Check:
 def clear_cache() -> None:
     """Forget every cached detection result (e.g. after changing ``CUDA_VISIBLE_DEVICES``).
 
-    Clears the device description, TE's import status and capability answers, and whether
-    fp8vit's Triton kernels run, so a TE or Triton installed or repaired since then is seen.
+    Clears the device description, TE's import status and capability answers, the recipe objects
+    built for recipe names, and whether fp8vit's Triton kernels run, so a TE or Triton installed or
+    repaired since then is seen.
     """
     gpu_info.cache_clear()
+    _named_recipe.cache_clear()  # built by the TE seen before
     _te.clear_cache()
     triton_support.cache_clear()
     rope_support.cache_clear()

@@ -34,6 +34,7 @@ from .detect import gpu_info
 # block parameter, which a synchronized step pays while the GPU waits
 _is, _NONES = operator.is_, itertools.repeat(None)
 _REQUIRES_GRAD, _GRAD = operator.attrgetter("requires_grad"), operator.attrgetter("grad")
+_DATA_PTR = torch.Tensor.data_ptr
 # every block switch its forward reads (FP8Block's): one changed after capture drops the graphs
 _SWITCH_NAMES = ("fp8_enabled", "grad_checkpointing", "recompute_mlp", "gelu_in_gemm", "bias_attention", "rope_kernel")
 _SWITCHES = operator.attrgetter(*_SWITCH_NAMES)
@@ -366,6 +367,7 @@ class GraphedBlocks:
         self._stale: Optional[str] = None  # a change a later block's check met, acted on at block 0
         self._fp8_blocks: tuple = ()
         self._stem_modules: tuple = ()  # the modules of the stem and final norm, for their classes
+        self._hook_dicts: tuple = ()  # the hook dicts of the ViT's parts that forward_features calls
         self._fingerprint_at_capture = None
         self._params: tuple = ()
         self._main_grad_weights: tuple = ()
@@ -754,40 +756,48 @@ class GraphedBlocks:
 
     # ------------------------------------------------------------------ state the graphs depend on
     def _fingerprint(self, i: int) -> tuple:
-        """Graphed module ``i``'s ``(parameter ids, data pointers, requires_grad flags, children,
+        """Graphed module ``i``'s ``(parameters, data pointers, requires_grad flags, children,
         switches)``: what its graph reads that a loop may change between steps. The host checks it
-        before each replay, so the loops over parameters run in C (``map`` over ``dict.get`` and
-        tensor getters: a Python loop over PE-core-L's 288 parameters took 426 us on a CPU), and
-        per-block graphs check each block before its own replay, while the GPU runs the ones before
-        (a synchronized step pays block 0's check only: the GPU has nothing queued then)."""
+        before each replay (:meth:`_changed`), so the loops over parameters run in C (``map`` over
+        ``dict.get`` and tensor getters: a Python loop over PE-core-L's 288 parameters took 426 us
+        on a CPU), and per-block graphs check each block before its own replay, while the GPU runs
+        the ones before (a synchronized step pays block 0's check only: the GPU has nothing queued
+        then)."""
         dicts, names, blocks = self._watch[i]
         params = tuple(map(dict.get, dicts, names))  # None: a parameter set to None since
         if any(map(_is, params, _NONES)):
             ptrs = flags = None
         else:
-            ptrs = tuple(map(torch.Tensor.data_ptr, params))
-            flags = tuple(map(_REQUIRES_GRAD, params))
+            ptrs, flags = tuple(map(_DATA_PTR, params)), tuple(map(_REQUIRES_GRAD, params))
+        return params, ptrs, flags, self._children(), tuple(map(_SWITCHES, blocks))
+
+    def _children(self) -> tuple:
+        """The blocks held by ``model.blocks`` (graphed whole), with the stem also :meth:`_frame`."""
         children = () if self.per_block else tuple(map(id, self._blocks._modules.values()))
-        if self._vit is not None:
-            children = children, self._frame()
-        return tuple(map(id, params)), ptrs, flags, children, tuple(map(_SWITCHES, blocks))
+        return children if self._vit is None else (children, self._frame())
 
     def _frame(self) -> tuple:
         """With the stem in the graphs, what else its graph depends on: the ViT's modules that
         ``forward_features`` calls (replaced?), its checkpointing switch, the hooks on those modules
-        and the classes of the stem's and final norm's modules (fp8vit's norm and patch GEMM
-        switches swap classes)."""
+        (their hook dicts as captured: a part replaced since is caught by its id) and the classes
+        of the stem's and final norm's modules (fp8vit's norm and patch GEMM switches swap classes)."""
         vit = self._vit
-        parts = tuple(getattr(vit, n, None) for n in _FEATURE_MODULES)
-        hooks = tuple(len(getattr(m, d)) for m in parts if m is not None for d in _HOOK_DICTS)
-        return (tuple(map(id, parts)), getattr(vit, "grad_checkpointing", False), hooks,
+        return (tuple(map(id, map(vit._modules.get, _FEATURE_MODULES))),  # timm's parts are all submodules
+                getattr(vit, "grad_checkpointing", False), tuple(map(len, self._hook_dicts)),
                 tuple(map(type, self._stem_modules)))
 
     def _changed(self, i: int) -> Optional[str]:
         """What changed since capture that graphed module ``i``'s graph depends on (None: nothing)."""
-        now, then = self._fingerprint(i), self._fingerprint_at_capture[i]
-        if now == then:
+        then = self._fingerprint_at_capture[i]
+        dicts, names, blocks = self._watch[i]
+        params = tuple(map(dict.get, dicts, names))
+        # the usual step, nothing changed: compared in C against what was captured, the parameters
+        # by identity (a None fails it), without building the whole fingerprint (lever 56)
+        if (all(map(_is, params, then[0])) and tuple(map(_DATA_PTR, params)) == then[1]
+                and tuple(map(_REQUIRES_GRAD, params)) == then[2] and tuple(map(_SWITCHES, blocks)) == then[4]
+                and self._children() == then[3]):
             return None
+        now = self._fingerprint(i)
         if now[3] != then[3]:
             if self._vit is not None and now[3][1] != then[3][1]:
                 return ("the ViT's stem or final norm was replaced, switched class or got hooks, or checkpointing "
@@ -796,10 +806,9 @@ class GraphedBlocks:
         if now[4] != then[4]:
             return f"a block's {', '.join(_SWITCH_NAMES[:-1])} or {_SWITCH_NAMES[-1]} switch changed"
         # per parameter, in Python: this runs once per change (at capture no parameter was None)
-        dicts, names, _ = self._watch[i]
         moved = grad = 0
-        for p, pid, ptr, flag in zip(map(dict.get, dicts, names), *then[:3]):
-            moved += p is None or id(p) != pid or p.data_ptr() != ptr
+        for p, p0, ptr, flag in zip(now[0], *then[:3]):
+            moved += p is None or p is not p0 or p.data_ptr() != ptr
             grad += p is not None and p.requires_grad != flag
         where = f" (block {i})" if self.per_block else ""
         return (f"requires_grad changed on {grad} block parameters{where}" if grad and not moved else
@@ -881,6 +890,8 @@ class GraphedBlocks:
             self._fp8_blocks = tuple(b for w in self._watch for b in w[2])
             self._stem_modules = tuple(m for n, part in targets[0].named_children() if self.stem and n != "blocks"
                                        for m in part.modules())
+            parts = map(self._vit._modules.get, _FEATURE_MODULES) if self._vit is not None else ()
+            self._hook_dicts = tuple(getattr(m, d) for m in parts if m is not None for d in _HOOK_DICTS)
         self._copy_aliased_grads()  # the warm-up rewrites main_grad
         start = time.perf_counter()
         try:
