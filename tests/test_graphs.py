@@ -727,6 +727,35 @@ def test_the_stem_graphs_run_eagerly_saying_why_when_they_cannot_replay(fake):
     assert handle.shapes == [] and handle.eager_reasons["not capturable"] == 2
 
 
+@pytest.mark.parametrize("how", ["make_graphed_blocks", "convert_to_te"])
+def test_a_stem_joined_by_default_leaves_the_graphs_for_a_hook_and_the_blocks_stay_graphed(fake, how):
+    # stem=None: the stem joined because it could; a hook added later on the final norm (features for
+    # a distillation loss) must run every step, and the blocks keep their graphs rather than the
+    # whole model running eagerly (with stem=True: eagerly, the test above)
+    model = _vit(cuda_graphs=True) if how == "convert_to_te" else _vit()
+    handle = G.GraphedBlocks.of(model) if how == "convert_to_te" else fp8vit.make_graphed_blocks(model)
+    assert handle.stem
+    _step(model, 4), _step(model, 4)
+    assert fake.shapes == [(4, 3, 32, 32)] and handle.replays == 1
+    twin = G.GraphedBlocks.of(pickle.loads(pickle.dumps(model)))
+    seen = []
+    model.norm.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    with pytest.warns(RuntimeWarning) as record:
+        _step(model, 4)
+    said = _messages(record)
+    assert "stem or final norm" in said[0] and "model.norm has module hooks" in said[-1] and "blocks alone" in said[-1]
+    assert not handle.stem and G.graphed_modules(model) == ["blocks"] and G.GraphedBlocks.of(model) is handle
+    assert "forward_features" not in vars(model) and handle.shapes == []
+    _step(model, 4), _step(model, 4)  # the blocks' tokens: noted at the call above, captured now
+    assert fake.shapes == [(4, 3, 32, 32), (4, 5, 64)] and handle.replays == 3 and len(seen) == 3
+    assert "model.blocks: 1 of at most" in handle.describe()
+    # a copy made while the stem was in the graphs carries the default: it leaves them too
+    twin_model = twin._vit
+    twin_model.norm.register_forward_hook(lambda *a: None)
+    _step(twin_model, 4)  # (the same warning: said once per process)
+    assert not twin.stem and G.graphed_modules(twin_model) == ["blocks"] and twin.eager_reasons["stem left the graphs"] == 1
+
+
 def test_convert_to_te_compile_keeps_the_stem_out_of_the_graphs():
     # Compiled, the stem's kernels are fused by Inductor: in the graphs it measured slower (ViT-B/16
     # b128 on an H100, +0.1 ms synchronized, +0.3 pipelined; lever 55), so compile=True graphs the

@@ -234,13 +234,13 @@ def install_graphs(model: nn.Module, cudnn_layernorm: Optional[bool] = None, tri
     except ValueError as err:
         return str(err)
     vit = None if per_block else _stem_vit(model, stem, "cuda_graphs=True", strict=False)
-    return _install(model, blocks, per_block, targets, cudnn_layernorm, triton_dbias, vit)
+    return _install(model, blocks, per_block, targets, cudnn_layernorm, triton_dbias, vit, stem_optional=stem is None)
 
 
 def _install(model: nn.Module, blocks: nn.Module, per_block: bool, targets: tuple, cudnn_layernorm: Optional[bool],
-             triton_dbias: bool, vit: Optional[nn.Module] = None) -> Optional[str]:
+             triton_dbias: bool, vit: Optional[nn.Module] = None, stem_optional: bool = False) -> Optional[str]:
     """A :class:`GraphedBlocks` dispatch on ``targets`` (or on ``vit.forward_features``), or why not
-    (as :func:`install_graphs`)."""
+    (as :func:`install_graphs`; ``stem_optional``: as ``GraphedBlocks``')."""
     seats = [(t, "forward") for t in targets] if vit is None else [(vit, "forward_features")]
     if any(_dispatch_of(m) is not None for m in (model, *targets)):
         return None  # graphed already
@@ -250,7 +250,8 @@ def _install(model: nn.Module, blocks: nn.Module, per_block: bool, targets: tupl
     param = next(iter(blocks.parameters()), None)
     if param is not None and is_sharded(param):
         return f"the blocks are sharded by FSDP2 (fully_shard), so they are not graphed: {WHY_NOT_WITH_FSDP2}"
-    GraphedBlocks(blocks, per_block, cudnn_layernorm=cudnn_layernorm, triton_dbias=triton_dbias, vit=vit)._install()
+    GraphedBlocks(blocks, per_block, cudnn_layernorm=cudnn_layernorm, triton_dbias=triton_dbias, vit=vit,
+                  stem_optional=stem_optional)._install()
     return None
 
 
@@ -332,7 +333,10 @@ def make_graphed_blocks(
             ``forward_features`` keyword inputs run eagerly. False: the blocks alone (what to
             pass where the model is then compiled by ``torch.compile``: compiled, the stem is
             faster outside the graphs). None (default): True where :func:`stem_why_not` allows
-            it and no ``tokens`` is given, else the blocks alone. ViT-S/16 and ViT-B/16 b128 on an H100: -0.3 to -0.6 ms a
+            it and no ``tokens`` is given, else the blocks alone; where the stem can no longer
+            join later (hooks added to its parts or the final norm, a patch embedding of another
+            class), the blocks alone are graphed from then on, with one warning (with True those
+            calls run eagerly). ViT-S/16 and ViT-B/16 b128 on an H100: -0.3 to -0.6 ms a
             synchronized step, pipelined steps unchanged; ViT-L/16, ViT-H/16: unchanged.
 
     Returns:
@@ -425,7 +429,8 @@ def make_graphed_blocks(
             dtypes, call_kwargs = (in_dtype,), {}
     handle = GraphedBlocks(blocks, per_block, max_shapes=max_shapes, num_warmup_iters=num_warmup_iters,
                            cudnn_layernorm=cudnn_layernorm, fused_wgrad=fused_wgrad, fp8=fp8,
-                           amax_reduction_group=amax_reduction_group, triton_dbias=triton_dbias, vit=vit)
+                           amax_reduction_group=amax_reduction_group, triton_dbias=triton_dbias, vit=vit,
+                           stem_optional=stem is None)
     if now:
         spec = handle._spec(call_kwargs)
         odd = [f"{k}={v!r}" for k, v in spec if not _is_tensor_spec(v)]
