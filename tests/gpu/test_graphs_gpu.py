@@ -194,6 +194,31 @@ def test_stem_in_the_graphs_gives_every_gradient_as_eager(recipe, lazy):
         assert snr_db(eager.eval()(data[0][0]), graphed.eval()(data[0][0])) > 40
 
 
+def test_a_hook_on_the_final_norm_takes_a_default_stem_out_and_the_blocks_stay_graphed():
+    # stem=None (convert_to_te(cuda_graphs=True)'s default): the stem joined the graphs; a forward
+    # hook added later on the final norm (features for a loss) runs every step from then on, the
+    # blocks are captured alone, and every gradient matches eager's through the switch
+    from fp8vit.training.graphs import graphed_modules
+    data = _data(6)
+    eager = _vit()
+    torch.manual_seed(0)  # as _vit's
+    timm_model = timm.create_model("vit_base_patch16_224", pretrained=False, depth=3, num_classes=10)
+    graphed = fp8vit.convert_to_te(timm_model.cuda(), cuda_graphs=True).train()
+    handle = fp8vit.GraphedBlocks.of(graphed)
+    assert handle.stem
+    seen = []
+    ge = _grad_sequence(eager, data[:2]) + _grad_sequence(eager, data[2:])
+    gg = _grad_sequence(graphed, data[:2])
+    assert handle.replays == 1 and [s.shape for s in handle.shapes] == [(B, 3, 224, 224)]
+    graphed.norm.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    with pytest.warns(RuntimeWarning, match="blocks alone"):
+        gg += _grad_sequence(graphed, data[2:])
+    assert not handle.stem and graphed_modules(graphed) == ["blocks"] and len(seen) == 4
+    # step 3 switched (eager: the blocks' tokens noted), step 4 captured and replayed them, 5 and 6 replayed
+    assert [s.shape for s in handle.shapes] == [(B, 197, 768)] and handle.replays == 1 + 3
+    _assert_same_gradients(ge, gg)
+
+
 def test_vector_parameters_are_cast_by_one_kernel_each_way_with_the_same_bits(monkeypatch):
     # lever 42: TE casts each norm weight and bias and each GEMM bias to bf16 per forward (8 a ViT
     # block) and autograd casts each gradient back; fp8vit._te.cast_small_params makes those
