@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fp8vit
 from fp8vit import fp8_context
 from fp8vit._te import graph_forward
 from fp8vit.training import graph_cache as GC
@@ -148,6 +149,7 @@ def instrument(model) -> None:
 
 def main() -> None:
     a = probe.parse_args(__doc__, "step_timeline", 30, "CUDA events time the GPU side", warmup=8, gc=1)
+    print(f"fp8vit from {fp8vit.__file__}")  # an A/B's before side runs an earlier tree's (dev/ab_bench.sh)
     wl, opt, x, y = probe.build(a)
     instrument(wl.model)
 
