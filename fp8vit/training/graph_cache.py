@@ -483,12 +483,16 @@ class GraphedBlocks:
     # ------------------------------------------------------------------ lifetime
     def release(self) -> None:
         """Run the blocks eagerly again and let the graphs and their memory go."""
+        self._unseat()
+        self._released = True
+
+    def _unseat(self) -> None:
+        """Take this handle's dispatches off the model and let its graphs and signatures go."""
         for (obj, attr), d in zip(self._seats(), self._own()):
             if d is not None:
                 delattr(obj, attr)
         self._drop(remember=False)
         self._seen.clear()
-        self._released = True
 
     def clear(self) -> None:
         """Drop the captured graphs and their memory; shapes are captured again as they come (e.g.
@@ -677,11 +681,7 @@ class GraphedBlocks:
         its parts, a patch embedding of another class): the dispatch moves from the ViT's
         ``forward_features`` to ``model.blocks``' ``forward`` (a synchronized step then waits on the
         stem's host work again, ViT-B/16 b128: 0.3-0.6 ms, lever 55)."""
-        for (obj, attr), d in zip(self._seats(), self._own()):
-            if d is not None:
-                delattr(obj, attr)
-        self._drop(remember=False)
-        self._seen.clear()
+        self._unseat()
         self._met, self._warned_full = 0, False
         self._vit, self._target_list, self._defaults = None, None, None
         self._install()
