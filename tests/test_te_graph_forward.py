@@ -12,7 +12,9 @@ import sys
 import types
 
 import pytest
+import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fp8vit._te import lean_graphed_forward
 
@@ -67,6 +69,170 @@ def make_graphed_forward(func, graph_training_state, graphed, orig_fwd, te_modul
 '''
 
 
+# TE 2.20's make_graphed_autograd_function (transformer_engine/pytorch/graph.py, Apache-2.0), verbatim
+# inside a factory for the one variable it reads from make_graphed_callables' scope.
+TE_GRAPHED_FUNCTION = '''
+def make_factory(cache_quantized_params):
+    def make_graphed_autograd_function(
+        fwd_graph,
+        bwd_graph,
+        module_params,
+        kwargs_keys,
+        len_user_args,
+        output_unflatten_spec,
+        static_input_surface,
+        static_outputs,
+        static_grad_outputs,
+        static_grad_inputs,
+        returned_param_grad_clone_slots,
+    ):
+        class Graphed(torch.autograd.Function):
+            """Autograd function for graph replay."""
+
+            @staticmethod
+            def forward(ctx, skip_fp8_weight_update, cuda_graph_stream, cuda_graph_event, *inputs):
+                # pylint: disable=missing-function-docstring
+
+                # Set flag for whether to update FP8 weight updates
+                ctx.is_first_module = FP8GlobalStateManager.is_first_fp8_module()
+                if ctx.is_first_module and skip_fp8_weight_update is not None:
+                    FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(skip_fp8_weight_update)
+                ctx.cuda_graph_stream = cuda_graph_stream
+                ctx.cuda_graph_event = cuda_graph_event
+                # Copy values from new tensors into static tensors
+                for i in range(len_user_args):
+                    if (
+                        isinstance(static_input_surface[i], torch.Tensor)
+                        and static_input_surface[i].data_ptr() != inputs[i].data_ptr()
+                    ):
+                        static_input_surface[i].copy_(inputs[i])
+
+                # Replay forward graph
+                if cuda_graph_stream != torch.cuda.current_stream():
+                    cuda_graph_stream.wait_stream(torch.cuda.current_stream())
+                    with cuda_graph_stream:
+                        fwd_graph.replay()
+                    if cuda_graph_event is not None:
+                        torch.cuda.current_stream().wait_event(cuda_graph_event)
+                    else:
+                        torch.cuda.current_stream().wait_stream(cuda_graph_stream)
+                else:
+                    fwd_graph.replay()
+                if not isinstance(static_outputs, tuple):
+                    raise TypeError(
+                        "Expected static_outputs to be a tuple, but got"
+                        f" {type(static_outputs).__name__}"
+                    )
+                return tuple(o.detach() if o is not None else o for o in static_outputs)
+
+            @staticmethod
+            @torch.autograd.function.once_differentiable
+            def backward(ctx, *grads):
+                # pylint: disable=missing-function-docstring
+
+                # Replay backward graph
+                if len(grads) != len(static_grad_outputs):
+                    raise ValueError(
+                        "Backward graph grad dimension mismatch: "
+                        f"received {len(grads)} grads, "
+                        f"but expected {len(static_grad_outputs)} static_grad_outputs"
+                    )
+                for g, grad in zip(static_grad_outputs, grads):
+                    if g is not None:
+                        # don't copy if autograd gods have been kind and the
+                        # incoming grad is already in the right place
+                        if g.data_ptr() != grad.data_ptr():
+                            g.copy_(grad)
+                if ctx.cuda_graph_stream != torch.cuda.current_stream():
+                    ctx.cuda_graph_stream.wait_stream(torch.cuda.current_stream())
+                    with ctx.cuda_graph_stream:
+                        bwd_graph.replay()
+                    if ctx.cuda_graph_event is not None:
+                        torch.cuda.current_stream().wait_event(ctx.cuda_graph_event)
+                    else:
+                        torch.cuda.current_stream().wait_stream(ctx.cuda_graph_stream)
+                else:
+                    bwd_graph.replay()
+
+                # Update FP8 scale factors if needed
+                if ctx.is_first_module:
+                    FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+
+                # Input args that didn't require grad expect a None gradient.
+                if not isinstance(static_grad_inputs, tuple):
+                    raise TypeError(
+                        "Expected static_grad_inputs to be a tuple, but got"
+                        f" {type(static_grad_inputs).__name__}"
+                    )
+                grad_inputs = []
+                for idx, grad_input in enumerate(static_grad_inputs):
+                    if grad_input is None:
+                        grad_inputs.append(None)
+                    elif returned_param_grad_clone_slots[idx]:
+                        # Returned parameter grads may be installed directly as param.grad.
+                        # Clone to avoid exposing CUDA graph static buffers to autograd users.
+                        grad_inputs.append(grad_input.detach().clone())
+                    else:
+                        grad_inputs.append(grad_input.detach())
+                return (None, None, None) + tuple(grad_inputs)
+
+        def functionalized(*user_args, **user_kwargs):
+
+            # Decide whether to update FP8 weights
+            skip_fp8_weight_update = None
+            if cache_quantized_params:
+                if "is_first_microbatch" not in user_kwargs or not isinstance(
+                    user_kwargs["is_first_microbatch"], bool
+                ):
+                    raise ValueError(
+                        "`is_first_microbatch` boolean kwarg must be provided for FP8 weight"
+                        " caching."
+                    )
+
+                skip_fp8_weight_update = not user_kwargs["is_first_microbatch"]
+
+            # The cuda_graph_stream and cuda_graph_event are used in the TE CUDA graph replay.
+            # When replaying the graph in the cuda graph stream, the graph replay could overlap
+            # with the work on main stream.
+            # When cuda_graph_event is given, it should be an external event recorded
+            # in the cuda graph and is used to sync-back to the main stream.
+            # If cuda_graph_event is not given, it will be None and the graph replay will block
+            # the main stream until it is finished.
+            if "cuda_graph_stream" in user_kwargs:
+                cuda_graph_stream = user_kwargs["cuda_graph_stream"]
+                user_kwargs.pop("cuda_graph_stream")
+            else:
+                cuda_graph_stream = torch.cuda.current_stream()
+            if "cuda_graph_event" in user_kwargs:
+                cuda_graph_event = user_kwargs["cuda_graph_event"]
+                user_kwargs.pop("cuda_graph_event")
+            else:
+                cuda_graph_event = None
+            # Check that required kwargs are provided
+            for key in kwargs_keys:
+                if key not in user_kwargs:
+                    raise TypeError(
+                        f"Graphed callable was initialized with kwarg {key} ,"
+                        "but it was not provided in graph replay"
+                    )
+
+            # Runs the autograd function with inputs == all inputs to
+            # the graph that might require grad (explicit user args +
+            # module parameters)
+            # Assumes module params didn't change since capture.
+            flatten_user_args, _ = _tree_flatten(user_args)
+            flatten_user_kwargs, _ = _tree_flatten([user_kwargs[key] for key in kwargs_keys])
+            func_args = tuple(flatten_user_args) + tuple(flatten_user_kwargs) + module_params
+            out = Graphed.apply(
+                skip_fp8_weight_update, cuda_graph_stream, cuda_graph_event, *func_args
+            )
+            return _tree_unflatten(out, output_unflatten_spec)
+
+        return functionalized
+    return make_graphed_autograd_function
+'''
+
+
 class Recipe:
     def __init__(self, fp8_dpa=False):
         self.fp8_mha, self.fp8_dpa = False, fp8_dpa
@@ -92,6 +258,14 @@ class Manager:
     @classmethod
     def add_fp8_tensors_to_global_buffer(cls, meta):
         cls.added.append((meta["name"], meta["recipe"], meta["fp8_group"]))
+
+    @classmethod
+    def is_first_fp8_module(cls):
+        return True
+
+    @classmethod
+    def reduce_and_update_fp8_tensors(cls, forward):
+        cls.added.append(("reduced", forward, None))
 
 
 class TEModule(nn.Module):
@@ -161,6 +335,8 @@ def _manager_state(monkeypatch):
     monkeypatch.setattr(Manager, "enabled", True)
     monkeypatch.setattr(Manager, "recipe", Recipe())
     monkeypatch.setattr(Manager, "group", "group0")
+    stream = object()  # TE's graphed function replays on the current stream: one, without a GPU
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
     saved = {k: v for k, v in sys.modules.items() if k.startswith("transformer_engine")}
     yield
     for k in [k for k in sys.modules if k.startswith("transformer_engine")]:
@@ -244,3 +420,86 @@ def test_other_forwards_are_left_as_they_are():
     exec(changed, ns)  # noqa: S102
     newer = ns["make_graphed_forward"](model, True, print, print, captured, Helpers())
     assert lean_graphed_forward(newer) is newer
+
+
+class Graph:
+    """A CUDA graph stand-in: ``replay()`` runs ``work`` (what the capture recorded) and counts."""
+
+    def __init__(self, work):
+        self.work, self.replays = work, 0
+
+    def replay(self):
+        self.replays += 1
+        self.work()
+
+
+def _graphed_function(user_args=1, forward_source=TE_GRAPHED_FUNCTION):
+    """TE's graphed function of ``y = 2 * x * w`` (``w`` a parameter) over static buffers, as
+    make_graphed_callables builds it (one per callable), and its two graphs."""
+    w = nn.Parameter(torch.tensor([1.5, -0.5]))
+    static_in = tuple(torch.zeros(2) for _ in range(user_args))
+    out, grad_out, grad_w = torch.zeros(2), torch.zeros(2), torch.zeros(2)
+    fwd = Graph(lambda: out.copy_(2 * static_in[0] * w.detach()))
+    bwd = Graph(lambda: grad_w.copy_(2 * static_in[0] * grad_out))
+    ns = {"FP8GlobalStateManager": Manager, "torch": torch, "_tree_flatten": tree_flatten,
+          "_tree_unflatten": tree_unflatten}
+    exec(forward_source, ns)  # noqa: S102 - TE's function, defined in a namespace of stand-ins
+    make = ns["make_factory"](False)
+    _, spec = tree_flatten(out)
+    fn = make(fwd, bwd, (w,), (), user_args, spec, static_in + (w,), (out,), (grad_out,),
+              (None,) * user_args + (grad_w,), (False,) * (user_args + 1))
+    return fn, fwd, static_in[0], w
+
+
+def _lean_graphed(user_args=1, forward_source=TE_GRAPHED_FUNCTION):
+    model, captured = _model()
+    fn, fwd, static_in, w = _graphed_function(user_args, forward_source)
+    new_fwd = _te_forward(model, captured, Helpers(), [])
+    cells = dict(zip(new_fwd.__code__.co_freevars, new_fwd.__closure__))
+    cells["graphed"].cell_contents = fn  # TE's forward calls the graphed function
+    return lean_graphed_forward(new_fwd), model, fwd, static_in, w
+
+
+def test_a_launched_replay_runs_once_before_the_bookkeeping_and_gives_what_tes_call_gives():
+    # lever 58: launch() replays the forward graph on the images at once; call_launched() then does
+    # TE's FP8 registrations and builds its autograd node without a second replay
+    x = torch.tensor([3.0, 4.0])
+    lean, _, fwd, static_in, w = _lean_graphed()
+    ref = lean(x)  # TE's order: registrations, the input copied into the static input, the replay
+    ref.backward(torch.ones(2))
+    ref_grad, ref_added, ref_replays = w.grad.clone(), list(Manager.added), fwd.replays
+    assert ref.tolist() == [9.0, -4.0] and ref_replays == 1
+
+    w.grad, Manager.added = None, []
+    static = lean.launch(x)
+    assert static is static_in and static.tolist() == x.tolist() and fwd.replays == ref_replays + 1
+    assert Manager.added == []  # nothing of the bookkeeping has run yet
+    out = lean.call_launched(static)
+    assert fwd.replays == ref_replays + 1  # not replayed again
+    assert "replay" not in vars(fwd) and fwd.replay()is None and fwd.replays == ref_replays + 2  # TE's replay back
+    out.backward(torch.ones(2))
+    assert out.tolist() == ref.tolist() and torch.equal(w.grad, ref_grad) and Manager.added == ref_added
+
+
+def test_a_launched_call_that_raises_gives_the_graph_its_replay_back(monkeypatch):
+    lean, model, fwd, _, _ = _lean_graphed()
+    static = lean.launch(torch.ones(2))
+    monkeypatch.setattr(Manager, "add_fp8_tensors_to_global_buffer", classmethod(lambda cls, meta: 1 / 0))
+    with pytest.raises(ZeroDivisionError):
+        lean.call_launched(static)
+    assert "replay" not in vars(fwd)
+
+
+def test_no_launch_where_the_graph_has_two_inputs_in_eval_mode_or_for_another_te():
+    lean, model, fwd, _, _ = _lean_graphed(user_args=2)
+    assert lean.launch(torch.ones(2)) is None and fwd.replays == 0
+    lean, model, fwd, _, _ = _lean_graphed()
+    model.eval()
+    assert lean.launch(torch.ones(2)) is None and fwd.replays == 0
+    # a TE whose Graphed.forward replays elsewhere (another name in its code): no launch, and its
+    # own call works as before
+    other = TE_GRAPHED_FUNCTION.replace("fwd_graph.replay()", "fwd_graph.replay() or fwd_graph.work")
+    lean, model, fwd, _, _ = _lean_graphed(forward_source=other)
+    model.train()
+    assert lean.launch(torch.ones(2)) is None and fwd.replays == 0
+    assert lean(torch.ones(2)).tolist() == [3.0, -1.0] and fwd.replays == 1

@@ -14,6 +14,11 @@ modules made once (per setting of the recipe's ``fp8_mha``/``fp8_dpa``), in the 
 then calls TE's inner graphed function. It reads TE's forward only where the forward is the one it
 was written against (its free variables and the names its code uses): any other TE forward is
 returned as it is.
+
+Lever 58: where the graph has one input, :meth:`_LeanForward.launch` replays the forward graph
+before that host work (the walk, and autograd's bookkeeping of TE's graphed function over every
+parameter), and :meth:`_LeanForward.call_launched` then does it with TE's replay skipped. In a
+synchronized step (the host waits for the GPU at each step's end) the GPU starts that much earlier.
 """
 
 from __future__ import annotations
@@ -31,6 +36,49 @@ _NAMES = frozenset({
     "DotProductAttention", "fp8_mha", "fp8_dpa", "get_fp8_group", "fp8_meta", "add_fp8_tensors_to_global_buffer",
     "BasicOperation", "num_quantizers", "_fp8_metas"})
 _DPA_MODULE = "transformer_engine.pytorch.attention.dot_product_attention"
+# TE 2.20's Graphed.forward (make_graphed_autograd_function): the closure it reads and the names its
+# code uses. It copies each user input into the graph's static input unless it is that tensor, then
+# replays ``fwd_graph`` (on the current stream without the cuda_graph_stream keyword).
+_GRAPHED_FREEVARS = frozenset({"fwd_graph", "len_user_args", "static_input_surface", "static_outputs"})
+_GRAPHED_NAMES = frozenset({
+    "FP8GlobalStateManager", "Tensor", "TypeError", "__name__", "copy_", "cuda", "cuda_graph_event",
+    "cuda_graph_stream", "current_stream", "data_ptr", "is_first_fp8_module", "is_first_module", "isinstance",
+    "range", "replay", "set_skip_fp8_weight_update_tensor", "torch", "tuple", "type", "wait_event", "wait_stream"})
+
+
+def _cells(fn: Any) -> Dict[str, Any]:
+    """A function's closure by variable name ({} where it has none)."""
+    code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or closure is None:
+        return {}
+    out = {}
+    for name, cell in zip(code.co_freevars, closure):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    return out
+
+
+def _forward_graph(graphed: Any) -> Optional[Tuple[Any, Any]]:
+    """``(forward graph, its static input)`` of TE 2.20's graphed function (``functionalized``)
+    where the graph takes one user input, else None."""
+    graphed_cls = _cells(graphed).get("Graphed")
+    forward = getattr(graphed_cls, "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is None or frozenset(code.co_freevars) != _GRAPHED_FREEVARS or frozenset(code.co_names) != _GRAPHED_NAMES:
+        return None
+    cells = _cells(forward)
+    graph, inputs = cells.get("fwd_graph"), cells.get("static_input_surface")
+    if cells.get("len_user_args") != 1 or not isinstance(inputs, tuple) or not hasattr(inputs[0], "data_ptr"):
+        return None
+    if not hasattr(graph, "__dict__") or not callable(getattr(graph, "replay", None)):  # replay shadowed per call
+        return None
+    return graph, inputs[0]
+
+
+def _replayed() -> None:
+    """A forward graph's ``replay`` while :meth:`_LeanForward.call_launched` runs: it already ran."""
 
 
 class _LeanForward:
@@ -42,6 +90,7 @@ class _LeanForward:
         self._te_modules = cells["te_modules"]
         self._manager, self._te_base, self._op_base = manager, te_base, op_base
         self._lists: Dict[bool, Tuple[Tuple[Any, Optional[str]], ...]] = {}
+        self._early = _forward_graph(self._graphed)  # (graph, static input), or None: no early replay
 
     def _visits(self, fp8_attention: bool) -> Tuple[Tuple[Any, Optional[str]], ...]:
         """``(module, mode)`` in the order TE's walk meets them, as its loop filters them: captured
@@ -84,6 +133,33 @@ class _LeanForward:
                 add(meta)
         return self._graphed(*args, **kwargs)
 
+    def launch(self, x: Any) -> Optional[Any]:
+        """Replay the forward graph on ``x`` now, before this call's host work; then call
+        :meth:`call_launched` with what this returns (the graph's static input, holding ``x``).
+
+        None, nothing launched: the graph takes several inputs, the module is not in the mode it was
+        captured in (the call runs the module's own forward), or TE's graphed function is not the
+        one this knows. ``x`` must need no gradient (the returned tensor carries none back to it).
+        """
+        if self._early is None or self._func.training != self._training:
+            return None
+        self._helpers.ensure_not_reset()
+        graph, static = self._early
+        if static.data_ptr() != x.data_ptr():
+            static.copy_(x)
+        graph.replay()
+        return static
+
+    def call_launched(self, x: Any) -> Any:
+        """This call after :meth:`launch`: the FP8 metadata walk and TE's graphed function (its
+        autograd node, its static outputs) with the forward graph not replayed again."""
+        graph = self._early[0]
+        graph.replay = _replayed  # what TE's Graphed.forward calls; the instance attribute goes after
+        try:
+            return self(x)
+        finally:
+            del graph.replay
+
 
 def lean_graphed_forward(forward: Optional[Callable]) -> Optional[Callable]:
     """``forward`` (a module's forward from ``te.make_graphed_callables``) without its per-call
@@ -93,7 +169,9 @@ def lean_graphed_forward(forward: Optional[Callable]) -> Optional[Callable]:
         return forward
     if frozenset(code.co_freevars) != _FREEVARS or frozenset(code.co_names) != _NAMES:
         return forward
-    cells = {name: cell.cell_contents for name, cell in zip(code.co_freevars, forward.__closure__)}
+    cells = _cells(forward)
+    if len(cells) != len(_FREEVARS):  # an empty cell
+        return forward
     g = forward.__globals__
     try:
         manager, te_base, op_base = g["FP8GlobalStateManager"], g["TransformerEngineBaseModule"], g["BasicOperation"]

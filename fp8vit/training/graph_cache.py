@@ -855,11 +855,19 @@ class GraphedBlocks:
             # TE's static gradient buffers live in the graphs' pool, which this forward may reuse;
             # main_grad is written by the backward replay only: its views wait (see _BeforeBackward).
             self._copy_aliased_grads(keep=self._main_ptrs)
+        graphed = entry._graphed[i]
+        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)} if kwargs else {}
+        # The images (the stem in the graphs): the forward graph replays first, and the host work
+        # below (autograd's nodes over every parameter, TE's FP8 bookkeeping) runs while the GPU
+        # works instead of before it (lever 58). An input that needs a gradient keeps TE's order.
+        launch = None if tensors or x.requires_grad else getattr(graphed, "launch", None)
+        launched = None if launch is None else launch(x)
+        if launched is not None:
+            x = launched
         weights, grads = self._main_grads[i] if self._main_grads else ((), ())
         if grads and torch.is_grad_enabled():
             x = _MainGradsToAutograd.apply(x, grads, *weights)
-        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)} if kwargs else {}
-        out = entry._graphed[i](x, **tensors)
+        out = graphed(x, **tensors) if launched is None else graphed.call_launched(x)
         entry.replays += 1
         self.replays += 1
         node = out.grad_fn
