@@ -8,8 +8,11 @@ call, eval mode and FP8 off handled alike; any other forward is left as it is.
 
 from __future__ import annotations
 
+import collections
+import gc
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -69,7 +72,7 @@ def make_graphed_forward(func, graph_training_state, graphed, orig_fwd, te_modul
 '''
 
 
-# TE 2.20's make_graphed_autograd_function (transformer_engine/pytorch/graph.py, Apache-2.0), verbatim
+# TE 2.20.2's make_graphed_autograd_function (transformer_engine/pytorch/graph.py, Apache-2.0), verbatim
 # inside a factory for the one variable it reads from make_graphed_callables' scope.
 TE_GRAPHED_FUNCTION = '''
 def make_factory(cache_quantized_params):
@@ -86,12 +89,22 @@ def make_factory(cache_quantized_params):
         static_grad_inputs,
         returned_param_grad_clone_slots,
     ):
+        is_reset = False
+
+        def ensure_not_reset():
+            """Reject replay after this callable's graph state has been released."""
+            if is_reset:
+                raise RuntimeError(
+                    "This graphed callable has been reset and can no longer be used."
+                )
+
         class Graphed(torch.autograd.Function):
             """Autograd function for graph replay."""
 
             @staticmethod
             def forward(ctx, skip_fp8_weight_update, cuda_graph_stream, cuda_graph_event, *inputs):
                 # pylint: disable=missing-function-docstring
+                ensure_not_reset()
 
                 # Set flag for whether to update FP8 weight updates
                 ctx.is_first_module = FP8GlobalStateManager.is_first_fp8_module()
@@ -129,6 +142,7 @@ def make_factory(cache_quantized_params):
             @torch.autograd.function.once_differentiable
             def backward(ctx, *grads):
                 # pylint: disable=missing-function-docstring
+                ensure_not_reset()
 
                 # Replay backward graph
                 if len(grads) != len(static_grad_outputs):
@@ -177,6 +191,7 @@ def make_factory(cache_quantized_params):
                 return (None, None, None) + tuple(grad_inputs)
 
         def functionalized(*user_args, **user_kwargs):
+            ensure_not_reset()
 
             # Decide whether to update FP8 weights
             skip_fp8_weight_update = None
@@ -228,7 +243,29 @@ def make_factory(cache_quantized_params):
             )
             return _tree_unflatten(out, output_unflatten_spec)
 
-        return functionalized
+        def release_static_state():
+            """Release per-callable state captured by replay closures."""
+            nonlocal fwd_graph, bwd_graph, is_reset
+            nonlocal module_params
+            nonlocal static_input_surface, static_outputs
+            nonlocal static_grad_outputs, static_grad_inputs
+
+            is_reset = True
+
+            # Drop the per-callable references that can own graph-pool storage.
+            fwd_graph = None
+            bwd_graph = None
+            module_params = ()
+            static_input_surface = ()
+            static_outputs = ()
+            static_grad_outputs = ()
+            static_grad_inputs = ()
+
+        helpers = _GraphedCallableHelpers(
+            ensure_not_reset=ensure_not_reset,
+            release_static_state=release_static_state,
+        )
+        return functionalized, helpers
     return make_graphed_autograd_function
 '''
 
@@ -442,29 +479,33 @@ def _graphed_function(user_args=1, forward_source=TE_GRAPHED_FUNCTION):
     fwd = Graph(lambda: out.copy_(2 * static_in[0] * w.detach()))
     bwd = Graph(lambda: grad_w.copy_(2 * static_in[0] * grad_out))
     ns = {"FP8GlobalStateManager": Manager, "torch": torch, "_tree_flatten": tree_flatten,
-          "_tree_unflatten": tree_unflatten}
+          "_tree_unflatten": tree_unflatten,
+          "_GraphedCallableHelpers": collections.namedtuple("_GraphedCallableHelpers",
+                                                            "ensure_not_reset release_static_state")}
     exec(forward_source, ns)  # noqa: S102 - TE's function, defined in a namespace of stand-ins
     make = ns["make_factory"](False)
     _, spec = tree_flatten(out)
-    fn = make(fwd, bwd, (w,), (), user_args, spec, static_in + (w,), (out,), (grad_out,),
-              (None,) * user_args + (grad_w,), (False,) * (user_args + 1))
-    return fn, fwd, static_in[0], w
+    fn, helpers = make(fwd, bwd, (w,), (), user_args, spec, static_in + (w,), (out,), (grad_out,),
+                       (None,) * user_args + (grad_w,), (False,) * (user_args + 1))
+    return fn, helpers, fwd, static_in[0], w
 
 
 def _lean_graphed(user_args=1, forward_source=TE_GRAPHED_FUNCTION):
+    """TE's graphed forward of a model around ``_graphed_function``'s, through lean_graphed_forward;
+    the model, TE's helpers (as TE hands them to its forward), the forward graph, its static input, ``w``."""
     model, captured = _model()
-    fn, fwd, static_in, w = _graphed_function(user_args, forward_source)
-    new_fwd = _te_forward(model, captured, Helpers(), [])
+    fn, helpers, fwd, static_in, w = _graphed_function(user_args, forward_source)
+    new_fwd = _te_forward(model, captured, helpers, [])
     cells = dict(zip(new_fwd.__code__.co_freevars, new_fwd.__closure__))
     cells["graphed"].cell_contents = fn  # TE's forward calls the graphed function
-    return lean_graphed_forward(new_fwd), model, fwd, static_in, w
+    return lean_graphed_forward(new_fwd), model, helpers, fwd, static_in, w
 
 
 def test_a_launched_replay_runs_once_before_the_bookkeeping_and_gives_what_tes_call_gives():
     # lever 58: launch() replays the forward graph on the images at once; call_launched() then does
     # TE's FP8 registrations and builds its autograd node without a second replay
     x = torch.tensor([3.0, 4.0])
-    lean, _, fwd, static_in, w = _lean_graphed()
+    lean, _, _, fwd, static_in, w = _lean_graphed()
     ref = lean(x)  # TE's order: registrations, the input copied into the static input, the replay
     ref.backward(torch.ones(2))
     ref_grad, ref_added, ref_replays = w.grad.clone(), list(Manager.added), fwd.replays
@@ -482,7 +523,7 @@ def test_a_launched_replay_runs_once_before_the_bookkeeping_and_gives_what_tes_c
 
 
 def test_a_launched_call_that_raises_gives_the_graph_its_replay_back(monkeypatch):
-    lean, model, fwd, _, _ = _lean_graphed()
+    lean, model, _, fwd, _, _ = _lean_graphed()
     static = lean.launch(torch.ones(2))
     monkeypatch.setattr(Manager, "add_fp8_tensors_to_global_buffer", classmethod(lambda cls, meta: 1 / 0))
     with pytest.raises(ZeroDivisionError):
@@ -491,15 +532,29 @@ def test_a_launched_call_that_raises_gives_the_graph_its_replay_back(monkeypatch
 
 
 def test_no_launch_where_the_graph_has_two_inputs_in_eval_mode_or_for_another_te():
-    lean, model, fwd, _, _ = _lean_graphed(user_args=2)
+    lean, model, _, fwd, _, _ = _lean_graphed(user_args=2)
     assert lean.launch(torch.ones(2)) is None and fwd.replays == 0
-    lean, model, fwd, _, _ = _lean_graphed()
+    lean, model, _, fwd, _, _ = _lean_graphed()
     model.eval()
     assert lean.launch(torch.ones(2)) is None and fwd.replays == 0
     # a TE whose Graphed.forward replays elsewhere (another name in its code): no launch, and its
     # own call works as before
     other = TE_GRAPHED_FUNCTION.replace("fwd_graph.replay()", "fwd_graph.replay() or fwd_graph.work")
-    lean, model, fwd, _, _ = _lean_graphed(forward_source=other)
+    lean, model, _, fwd, _, _ = _lean_graphed(forward_source=other)
     model.train()
     assert lean.launch(torch.ones(2)) is None and fwd.replays == 0
     assert lean(torch.ones(2)).tolist() == [3.0, -1.0] and fwd.replays == 1
+
+
+def test_a_released_graph_is_not_launched_nor_kept_alive():
+    # TE's release_static_state drops the graph and its buffers (the graphs' memory pool): the lean
+    # forward reads them at each launch, so it neither launches a released graph nor holds it
+    lean, _, helpers, fwd, _, _ = _lean_graphed()
+    assert lean.launch(torch.ones(2)) is not None and fwd.replays == 1
+    alive = weakref.ref(fwd)
+    helpers.release_static_state()
+    del fwd
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(RuntimeError, match="has been reset"):
+        lean.launch(torch.ones(2))

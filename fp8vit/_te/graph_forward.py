@@ -36,10 +36,12 @@ _NAMES = frozenset({
     "DotProductAttention", "fp8_mha", "fp8_dpa", "get_fp8_group", "fp8_meta", "add_fp8_tensors_to_global_buffer",
     "BasicOperation", "num_quantizers", "_fp8_metas"})
 _DPA_MODULE = "transformer_engine.pytorch.attention.dot_product_attention"
-# TE 2.20's Graphed.forward (make_graphed_autograd_function): the closure it reads and the names its
+# TE 2.20.2's Graphed.forward (make_graphed_autograd_function): the closure it reads and the names its
 # code uses. It copies each user input into the graph's static input unless it is that tensor, then
-# replays ``fwd_graph`` (on the current stream without the cuda_graph_stream keyword).
-_GRAPHED_FREEVARS = frozenset({"fwd_graph", "len_user_args", "static_input_surface", "static_outputs"})
+# replays ``fwd_graph`` (on the current stream without the cuda_graph_stream keyword). TE's
+# release_static_state sets the closure's graph and buffers to None: they are read at each call.
+_GRAPHED_FREEVARS = frozenset({"ensure_not_reset", "fwd_graph", "len_user_args", "static_input_surface",
+                               "static_outputs"})
 _GRAPHED_NAMES = frozenset({
     "FP8GlobalStateManager", "Tensor", "TypeError", "__name__", "copy_", "cuda", "cuda_graph_event",
     "cuda_graph_stream", "current_stream", "data_ptr", "is_first_fp8_module", "is_first_module", "isinstance",
@@ -60,21 +62,18 @@ def _cells(fn: Any) -> Dict[str, Any]:
     return out
 
 
-def _forward_graph(graphed: Any) -> Optional[Tuple[Any, Any]]:
-    """``(forward graph, its static input)`` of TE 2.20's graphed function (``functionalized``)
-    where the graph takes one user input, else None."""
+def _forward_graph(graphed: Any) -> Optional[Dict[str, Any]]:
+    """The closure cells of TE 2.20.2's ``Graphed.forward`` inside its graphed function
+    (``functionalized``), by name, where the graph takes one user input; else None."""
     graphed_cls = _cells(graphed).get("Graphed")
     forward = getattr(graphed_cls, "forward", None)
     code = getattr(forward, "__code__", None)
     if code is None or frozenset(code.co_freevars) != _GRAPHED_FREEVARS or frozenset(code.co_names) != _GRAPHED_NAMES:
         return None
-    cells = _cells(forward)
-    graph, inputs = cells.get("fwd_graph"), cells.get("static_input_surface")
-    if cells.get("len_user_args") != 1 or not isinstance(inputs, tuple) or not hasattr(inputs[0], "data_ptr"):
+    cells = dict(zip(code.co_freevars, forward.__closure__))
+    if _cells(forward).get("len_user_args") != 1:
         return None
-    if not hasattr(graph, "__dict__") or not callable(getattr(graph, "replay", None)):  # replay shadowed per call
-        return None
-    return graph, inputs[0]
+    return cells
 
 
 def _replayed() -> None:
@@ -90,7 +89,7 @@ class _LeanForward:
         self._te_modules = cells["te_modules"]
         self._manager, self._te_base, self._op_base = manager, te_base, op_base
         self._lists: Dict[bool, Tuple[Tuple[Any, Optional[str]], ...]] = {}
-        self._early = _forward_graph(self._graphed)  # (graph, static input), or None: no early replay
+        self._early = _forward_graph(self._graphed)  # TE's closure cells, or None: no early replay
 
     def _visits(self, fp8_attention: bool) -> Tuple[Tuple[Any, Optional[str]], ...]:
         """``(module, mode)`` in the order TE's walk meets them, as its loop filters them: captured
@@ -144,7 +143,9 @@ class _LeanForward:
         if self._early is None or self._func.training != self._training:
             return None
         self._helpers.ensure_not_reset()
-        graph, static = self._early
+        graph, static = self._early["fwd_graph"].cell_contents, self._early["static_input_surface"].cell_contents[0]
+        if not hasattr(graph, "__dict__"):  # replay cannot be shadowed for the call
+            return None
         if static.data_ptr() != x.data_ptr():
             static.copy_(x)
         graph.replay()
@@ -153,7 +154,7 @@ class _LeanForward:
     def call_launched(self, x: Any) -> Any:
         """This call after :meth:`launch`: the FP8 metadata walk and TE's graphed function (its
         autograd node, its static outputs) with the forward graph not replayed again."""
-        graph = self._early[0]
+        graph = self._early["fwd_graph"].cell_contents
         graph.replay = _replayed  # what TE's Graphed.forward calls; the instance attribute goes after
         try:
             return self(x)
