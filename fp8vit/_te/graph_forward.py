@@ -71,9 +71,7 @@ def _forward_graph(graphed: Any) -> Optional[Dict[str, Any]]:
     if code is None or frozenset(code.co_freevars) != _GRAPHED_FREEVARS or frozenset(code.co_names) != _GRAPHED_NAMES:
         return None
     cells = dict(zip(code.co_freevars, forward.__closure__))
-    if _cells(forward).get("len_user_args") != 1:
-        return None
-    return cells
+    return cells if cells["len_user_args"].cell_contents == 1 else None
 
 
 def _replayed() -> None:
