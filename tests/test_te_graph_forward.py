@@ -470,11 +470,12 @@ class Graph:
         self.work()
 
 
-def _graphed_function(user_args=1, forward_source=TE_GRAPHED_FUNCTION):
+def _graphed_function(user_args=1, forward_source=TE_GRAPHED_FUNCTION, input_grad=False):
     """TE's graphed function of ``y = 2 * x * w`` (``w`` a parameter) over static buffers, as
-    make_graphed_callables builds it (one per callable), and its two graphs."""
+    make_graphed_callables builds it (one per callable), and its two graphs. ``input_grad``: captured
+    with an input that needs a gradient (TE's static input is then a leaf that requires grad)."""
     w = nn.Parameter(torch.tensor([1.5, -0.5]))
-    static_in = tuple(torch.zeros(2) for _ in range(user_args))
+    static_in = tuple(torch.zeros(2, requires_grad=input_grad) for _ in range(user_args))
     out, grad_out, grad_w = torch.zeros(2), torch.zeros(2), torch.zeros(2)
     fwd = Graph(lambda: out.copy_(2 * static_in[0] * w.detach()))
     bwd = Graph(lambda: grad_w.copy_(2 * static_in[0] * grad_out))
@@ -490,11 +491,11 @@ def _graphed_function(user_args=1, forward_source=TE_GRAPHED_FUNCTION):
     return fn, helpers, fwd, static_in[0], w
 
 
-def _lean_graphed(user_args=1, forward_source=TE_GRAPHED_FUNCTION):
+def _lean_graphed(user_args=1, forward_source=TE_GRAPHED_FUNCTION, input_grad=False):
     """TE's graphed forward of a model around ``_graphed_function``'s, through lean_graphed_forward;
     the model, TE's helpers (as TE hands them to its forward), the forward graph, its static input, ``w``."""
     model, captured = _model()
-    fn, helpers, fwd, static_in, w = _graphed_function(user_args, forward_source)
+    fn, helpers, fwd, static_in, w = _graphed_function(user_args, forward_source, input_grad)
     new_fwd = _te_forward(model, captured, helpers, [])
     cells = dict(zip(new_fwd.__code__.co_freevars, new_fwd.__closure__))
     cells["graphed"].cell_contents = fn  # TE's forward calls the graphed function
@@ -544,6 +545,18 @@ def test_no_launch_where_the_graph_has_two_inputs_in_eval_mode_or_for_another_te
     model.train()
     assert lean.launch(torch.ones(2)) is None and fwd.replays == 0
     assert lean(torch.ones(2)).tolist() == [3.0, -1.0] and fwd.replays == 1
+
+
+def test_no_launch_where_the_graph_was_captured_with_an_input_that_needs_grad():
+    # blocks captured without their stem (x from a patch embedding that needs grad), then called on
+    # a tensor that needs none: TE's static input is a leaf needing grad, into which only TE's
+    # autograd function may copy (the GPU suite's two-forwards test hit this with lever 58)
+    lean, _, _, fwd, static_in, w = _lean_graphed(input_grad=True)
+    assert static_in.requires_grad and static_in.is_leaf
+    assert lean.launch(torch.tensor([3.0, 4.0])) is None and fwd.replays == 0
+    out = lean(torch.tensor([3.0, 4.0]))  # TE's own call copies and replays once
+    out.backward(torch.ones(2))
+    assert out.tolist() == [9.0, -4.0] and fwd.replays == 1 and static_in.grad is None
 
 
 def test_a_released_graph_is_not_launched_nor_kept_alive():

@@ -136,13 +136,16 @@ class _LeanForward:
 
         None, nothing launched: the graph takes several inputs, the module is not in the mode it was
         captured in (the call runs the module's own forward), or TE's graphed function is not the
-        one this knows. ``x`` must need no gradient (the returned tensor carries none back to it).
+        one this knows, or the graph was captured with an input that needs a gradient (blocks called
+        on their own, no stem: TE copies into that static leaf inside its autograd function and its
+        backward hands the input's gradient on; given the leaf itself, autograd would accumulate it
+        there). ``x`` must need no gradient (the returned tensor carries none back to it).
         """
         if self._early is None or self._func.training != self._training:
             return None
         self._helpers.ensure_not_reset()
         graph, static = self._early["fwd_graph"].cell_contents, self._early["static_input_surface"].cell_contents[0]
-        if not hasattr(graph, "__dict__"):  # replay cannot be shadowed for the call
+        if not hasattr(graph, "__dict__") or static.requires_grad:  # replay cannot be shadowed; see above
             return None
         if static.data_ptr() != x.data_ptr():
             static.copy_(x)
