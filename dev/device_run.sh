@@ -3,7 +3,10 @@
 # time: the device machine returns at most 8 files of $OUT, and nothing of what a command killed at
 # the call's limit had not yet copied there (session 31 lost a profile and two A/B rounds that way).
 #
-#   bash dev/device_run.sh 'bash dev/ab_bench.sh run ...; bash docs/perf/h200.sh profile:...'
+#   bash dev/device_run.sh 'bash .kit/setup.sh >/tmp/setup.log 2>&1; bash dev/ab_bench.sh run ...'
+#
+# Put TE's setup inside the command, as above: its minute then counts against DEVICE_RUN_S (session
+# 49: setup before device_run plus a 575 s limit passed the call's 600 s, and the tarball was lost).
 #
 # The command runs with OUT=/tmp/device_out (te_env.sh's $out: the scripts' logs go there) under
 # `timeout` at DEVICE_RUN_S seconds (default 570: under the call's 600 s), then everything under
