@@ -518,7 +518,7 @@ def test_a_launched_replay_runs_once_before_the_bookkeeping_and_gives_what_tes_c
     assert Manager.added == []  # nothing of the bookkeeping has run yet
     out = lean.call_launched(static)
     assert fwd.replays == ref_replays + 1  # not replayed again
-    assert "replay" not in vars(fwd) and fwd.replay()is None and fwd.replays == ref_replays + 2  # TE's replay back
+    assert "replay" not in vars(fwd) and fwd.replay() is None and fwd.replays == ref_replays + 2  # TE's replay back
     out.backward(torch.ones(2))
     assert out.tolist() == ref.tolist() and torch.equal(w.grad, ref_grad) and Manager.added == ref_added
 
@@ -551,7 +551,7 @@ def test_no_launch_where_the_graph_was_captured_with_an_input_that_needs_grad():
     # blocks captured without their stem (x from a patch embedding that needs grad), then called on
     # a tensor that needs none: TE's static input is a leaf needing grad, into which only TE's
     # autograd function may copy (the GPU suite's two-forwards test hit this with lever 58)
-    lean, _, _, fwd, static_in, w = _lean_graphed(input_grad=True)
+    lean, _, _, fwd, static_in, _ = _lean_graphed(input_grad=True)
     assert static_in.requires_grad and static_in.is_leaf
     assert lean.launch(torch.tensor([3.0, 4.0])) is None and fwd.replays == 0
     out = lean(torch.tensor([3.0, 4.0]))  # TE's own call copies and replays once

@@ -135,7 +135,7 @@ class _LeanForward:
         :meth:`call_launched` with what this returns (the graph's static input, holding ``x``).
 
         None, nothing launched: the graph takes several inputs, the module is not in the mode it was
-        captured in (the call runs the module's own forward), or TE's graphed function is not the
+        captured in (the call runs the module's own forward), TE's graphed function is not the
         one this knows, or the graph was captured with an input that needs a gradient (blocks called
         on their own, no stem: TE copies into that static leaf inside its autograd function and its
         backward hands the input's gradient on; given the leaf itself, autograd would accumulate it
