@@ -533,6 +533,8 @@ def test_a_launched_call_that_raises_gives_the_graph_its_replay_back(monkeypatch
 
 
 def test_no_launch_where_the_graph_has_two_inputs_in_eval_mode_or_for_another_te():
+    lean, model, _, fwd, _, _ = _lean_graphed()
+    assert lean.launch(torch.ones(2, requires_grad=True)) is None and fwd.replays == 0  # x needs grad
     lean, model, _, fwd, _, _ = _lean_graphed(user_args=2)
     assert lean.launch(torch.ones(2)) is None and fwd.replays == 0
     lean, model, _, fwd, _, _ = _lean_graphed()

@@ -134,14 +134,14 @@ class _LeanForward:
         """Replay the forward graph on ``x`` now, before this call's host work; then call
         :meth:`call_launched` with what this returns (the graph's static input, holding ``x``).
 
-        None, nothing launched: the graph takes several inputs, the module is not in the mode it was
-        captured in (the call runs the module's own forward), TE's graphed function is not the
-        one this knows, or the graph was captured with an input that needs a gradient (blocks called
-        on their own, no stem: TE copies into that static leaf inside its autograd function and its
-        backward hands the input's gradient on; given the leaf itself, autograd would accumulate it
-        there). ``x`` must need no gradient (the returned tensor carries none back to it).
+        None, nothing launched: ``x`` needs a gradient (the returned tensor carries none back to
+        it), the graph takes several inputs, the module is not in the mode it was captured in (the
+        call runs the module's own forward), TE's graphed function is not the one this knows, or the
+        graph was captured with an input that needs a gradient (blocks called on their own, no stem:
+        TE copies into that static leaf inside its autograd function and its backward hands the
+        input's gradient on; given the leaf itself, autograd would accumulate it there).
         """
-        if self._early is None or self._func.training != self._training:
+        if self._early is None or x.requires_grad or self._func.training != self._training:
             return None
         self._helpers.ensure_not_reset()
         graph, static = self._early["fwd_graph"].cell_contents, self._early["static_input_surface"].cell_contents[0]

@@ -860,8 +860,8 @@ class GraphedBlocks:
         # The images (the stem in the graphs): the forward graph replays first, and the host work
         # below (autograd's nodes over every parameter, TE's FP8 bookkeeping) runs while the GPU
         # works instead of before it (lever 58). An input that needs a gradient, or a graph captured
-        # with one (stem=False; launch() returns None), keeps TE's order.
-        launch = None if tensors or x.requires_grad else getattr(graphed, "launch", None)
+        # with one (stem=False), keeps TE's order: launch() returns None.
+        launch = None if tensors else getattr(graphed, "launch", None)
         launched = None if launch is None else launch(x)
         if launched is not None:
             x = launched
