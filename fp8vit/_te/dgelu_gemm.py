@@ -30,7 +30,7 @@ from typing import Any, Dict
 import torch
 
 from .kernels import fp8_transpose_dbias
-from .loader import te_module
+from .loader import te_module, te_version
 
 __all__ = ["set_dgelu_gemm", "dgelu_gemm_enabled"]
 
@@ -89,7 +89,7 @@ def _backward(ctx, *grad_outputs):
     if state["pending"] is not None:
         raise RuntimeError("fp8vit (lever 59): TE's LayerNormMLP backward did not pass fc2's deferred dgrad "
                            "to tex.dbias_dgelu: this TE's backward differs from TE 2.20's; report it with "
-                           f"TE's version ({te_module('transformer_engine').__version__})")
+                           f"TE's version ({te_version()})")
     return grads
 
 
@@ -100,7 +100,7 @@ def _general_gemm(A, B, *args, **kwargs):
         if (not args and set(kwargs) <= _DGRAD_KEYWORDS and kwargs.get("layout") == "NN"
                 and not kwargs.get("gelu") and kwargs.get("quantization_params") is None
                 and kwargs.get("ub") is None and kwargs.get("out_dtype") in (torch.bfloat16, torch.float16)):
-            placeholder = torch.empty(0, device=A.device, dtype=kwargs["out_dtype"])
+            placeholder = torch.empty(0, dtype=kwargs["out_dtype"])  # never read: identity only
             state["pending"] = (placeholder, A, B, kwargs)
             return placeholder, None, None, None
     return _TE_FUNCTIONS["general_gemm"](A, B, *args, **kwargs)
@@ -113,12 +113,18 @@ def _dbias_dgelu(grad, fwd_input, quantizer, *args, **kwargs):
         return _TE_FUNCTIONS["dbias_dgelu"](grad, fwd_input, quantizer, *args, **kwargs)
     state["pending"] = None
     _, A, B, gemm_kwargs = pending
-    if args or kwargs or not (fwd_input.is_cuda and fwd_input.is_contiguous() and fwd_input.dim() >= 2
-                              and quantizer.rowwise_usage and quantizer.columnwise_usage):
+    if args or kwargs or not _takes(fwd_input, quantizer):
         # not the call this was written for: TE's two steps, as without fp8vit
         out = _TE_FUNCTIONS["general_gemm"](A, B, **gemm_kwargs)[0]
         return _TE_FUNCTIONS["dbias_dgelu"](out, fwd_input, quantizer, *args, **kwargs)
     return _fused(A, B, gemm_kwargs, fwd_input, quantizer)
+
+
+def _takes(fwd_input: torch.Tensor, quantizer: Any) -> bool:
+    """The fused call applies: a contiguous CUDA pre-GELU input of at least two dimensions, a
+    quantizer that wants the FP8 bytes and their transpose (as TE's ``dbias_dgelu`` makes them)."""
+    return (fwd_input.is_cuda and fwd_input.is_contiguous() and fwd_input.dim() >= 2
+            and bool(quantizer.rowwise_usage and quantizer.columnwise_usage))
 
 
 def _fused(A, B, gemm_kwargs: dict, fwd_input: torch.Tensor, quantizer: Any):
