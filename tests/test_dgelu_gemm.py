@@ -167,3 +167,32 @@ def test_outside_a_backward_tes_functions_run_as_called(te):
 
 def test_turning_off_needs_no_te():
     assert dgelu_gemm.set_dgelu_gemm(False) is False
+
+
+def test_where_cublaslt_refuses_the_epilogue_tes_two_steps_run_from_then_on(te, monkeypatch):
+    mlp, tex, calls = te
+    _kernel_stand_in(monkeypatch, [])
+    monkeypatch.setattr(dgelu_gemm, "_REFUSED", [])
+    tes = dgelu_gemm._TE_FUNCTIONS["general_gemm"]
+    error = "Unable to find suitable cuBLAS GEMM algorithm"  # TE's message where cuBLASLt has none
+
+    def refusing(A, B, *args, **kwargs):
+        if kwargs.get("gelu"):
+            raise RuntimeError(error)
+        return tes(A, B, *args, **kwargs)
+    fc1_out = torch.zeros(T, H, dtype=torch.bfloat16)
+    dgelu_gemm._TE_FUNCTIONS["general_gemm"] = refusing
+    try:
+        with pytest.warns(UserWarning, match=r"cuBLASLt refuses .*Unable to find suitable cuBLAS GEMM algorithm.*lever 59"):
+            assert mlp._LayerNormMLP.backward(_ctx(), "dy", fc1_out) == ("te-dbias", "te-dact")
+        assert _gemms(calls) == [(ACT, "NT", False), (W2, "NN", False), (W1, "NN", False)]
+        calls.clear()
+        mlp._LayerNormMLP.backward(_ctx(), "dy", fc1_out)  # not asked again
+        assert _gemms(calls) == [(ACT, "NT", False), (W2, "NN", False), (W1, "NN", False)]
+        assert dgelu_gemm._REFUSED == [error]
+        error = "an illegal memory access"  # any other error is a bug: raised
+        dgelu_gemm._REFUSED.clear()
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            mlp._LayerNormMLP.backward(_ctx(), "dy", fc1_out)
+    finally:
+        dgelu_gemm._TE_FUNCTIONS["general_gemm"] = tes

@@ -17,7 +17,9 @@ delayed scaling, the ``gelu`` activation, none of TE's debug, userbuffers or bia
 first GEMM with ``grad=True`` inside it, which is fc2's dgrad in TE's code order, is deferred if it
 has the expected form (``NN``, no epilogue, a bf16 output): it returns a placeholder that TE hands
 to ``tex.dbias_dgelu`` with ``fc1_out``, and there the fused GEMM runs. Any other use of the
-placeholder fails on its shape; a backward that never consumed it raises. TE's modules look the
+placeholder fails on its shape; a backward that never consumed it raises. Where cuBLASLt has no
+such kernel (its algorithm query fails on the host, before anything runs), one warning, and TE's
+two steps from then on. TE's modules look the
 replaced functions up at each call (``general_gemm`` in ``layernorm_mlp``'s globals,
 ``dbias_dgelu`` on the extension module).
 """
@@ -25,10 +27,11 @@ replaced functions up at each call (``general_gemm`` in ``layernorm_mlp``'s glob
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 
+from .._warn import warn_once
 from .kernels import fp8_transpose_dbias
 from .loader import te_module, te_version
 
@@ -36,6 +39,7 @@ __all__ = ["set_dgelu_gemm", "dgelu_gemm_enabled"]
 
 _MLP_MODULE = "transformer_engine.pytorch.module.layernorm_mlp"
 _TE_FUNCTIONS: Dict[str, Any] = {}  # TE's own functions while fp8vit's are installed
+_REFUSED: List[str] = []  # cuBLASLt's refusal of the fused GEMM on this machine, once seen
 _LOCAL = threading.local()  # the backward in flight on this thread (autograd runs each device's on one)
 # TE 2.20's fc2 dgrad call: general_gemm(fc2_weight, grad_output, layout="NN", grad=True,
 # quantization_params=None, out_dtype=..., gelu=False, gelu_in=None, use_split_accumulator=..., ub=None,
@@ -113,11 +117,18 @@ def _dbias_dgelu(grad, fwd_input, quantizer, *args, **kwargs):
         return _TE_FUNCTIONS["dbias_dgelu"](grad, fwd_input, quantizer, *args, **kwargs)
     state["pending"] = None
     _, A, B, gemm_kwargs = pending
-    if args or kwargs or not _takes(fwd_input, quantizer):
-        # not the call this was written for: TE's two steps, as without fp8vit
-        out = _TE_FUNCTIONS["general_gemm"](A, B, **gemm_kwargs)[0]
-        return _TE_FUNCTIONS["dbias_dgelu"](out, fwd_input, quantizer, *args, **kwargs)
-    return _fused(A, B, gemm_kwargs, fwd_input, quantizer)
+    if not (args or kwargs or _REFUSED) and _takes(fwd_input, quantizer):
+        try:
+            return _fused(A, B, gemm_kwargs, fwd_input, quantizer)
+        except RuntimeError as err:  # cuBLASLt without this epilogue for FP8: found on the host, nothing ran
+            if "cublas" not in str(err).lower():
+                raise
+            _REFUSED.append(str(err))
+            warn_once(f"fp8vit: cuBLASLt refuses fc1's GELU backward in fc2's FP8 dgrad GEMM here "
+                      f"({str(err).strip()[:200]}); TE's own kernels run it (docs/performance.md, lever 59)")
+    # not the call this was written for: TE's two steps, as without fp8vit
+    out = _TE_FUNCTIONS["general_gemm"](A, B, **gemm_kwargs)[0]
+    return _TE_FUNCTIONS["dbias_dgelu"](out, fwd_input, quantizer, *args, **kwargs)
 
 
 def _takes(fwd_input: torch.Tensor, quantizer: Any) -> bool:
