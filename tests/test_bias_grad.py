@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from fp8vit._te import bias_grad, dgelu_gemm
+from fp8vit._te import bias_grad
 from fp8vit.errors import Check
 from fp8vit.tools.workload import VARIANTS, Variant
 
@@ -16,27 +16,19 @@ class _Float8Quantizer:
     rowwise_usage = columnwise_usage = True
 
 
-class _LayerNormMLP:
-    @staticmethod
-    def backward(ctx, *grads):
-        return grads
-
-
 @pytest.fixture
 def fake_te(monkeypatch):
     calls = []
     tex = types.SimpleNamespace(bgrad_quantize=lambda *a, **k: calls.append(("bgrad", a, k)) or "te-bgrad",
                                 dbias_dgelu=lambda *a, **k: calls.append(("dgelu", a, k)) or "te-dgelu")
-    mlp = types.SimpleNamespace(_LayerNormMLP=_LayerNormMLP, general_gemm=lambda *a, **k: "te-gemm")
-    mods = {"transformer_engine_torch": tex, "transformer_engine.pytorch.module.layernorm_mlp": mlp,
+    mods = {"transformer_engine_torch": tex,
             "transformer_engine.pytorch.tensor.float8_tensor": types.SimpleNamespace(Float8Quantizer=_Float8Quantizer)}
     monkeypatch.setattr(bias_grad, "te_module", mods.__getitem__)
-    monkeypatch.setattr(dgelu_gemm, "te_module", mods.__getitem__)
     monkeypatch.setattr(bias_grad, "triton_support", lambda: Check(True))
-    originals = (tex.bgrad_quantize, tex.dbias_dgelu, mlp.general_gemm, _LayerNormMLP.backward)
+    originals = (tex.bgrad_quantize, tex.dbias_dgelu)
     yield tex, originals, calls
     bias_grad.set_bias_grad_kernel(False)
-    assert (tex.bgrad_quantize, tex.dbias_dgelu, mlp.general_gemm, _LayerNormMLP.backward) == originals
+    assert (tex.bgrad_quantize, tex.dbias_dgelu) == originals
 
 
 def test_install_and_restore(fake_te):
@@ -44,24 +36,22 @@ def test_install_and_restore(fake_te):
     assert not bias_grad.bias_grad_kernel_enabled()
     assert bias_grad.set_bias_grad_kernel(True) and bias_grad.bias_grad_kernel_enabled()
     assert tex.bgrad_quantize is bias_grad._bgrad_quantize
-    # the same switch moves fc1's GELU backward into fc2's dgrad GEMM (lever 59)
-    assert tex.dbias_dgelu is dgelu_gemm._dbias_dgelu and dgelu_gemm.dgelu_gemm_enabled()
-    assert _LayerNormMLP.backward is dgelu_gemm._backward
+    assert tex.dbias_dgelu is originals[1]  # fc1's GELU backward stays TE's (faster there)
     assert bias_grad.set_bias_grad_kernel(True)  # twice: TE's functions are still the ones kept
     assert bias_grad.set_bias_grad_kernel(False) is False
-    assert (tex.bgrad_quantize, tex.dbias_dgelu, _LayerNormMLP.backward) == (originals[0], originals[1], originals[3])
+    assert (tex.bgrad_quantize, tex.dbias_dgelu) == originals
 
 
 def test_not_installed_where_triton_cannot_run(fake_te, monkeypatch):
     tex, originals, _ = fake_te
     monkeypatch.setattr(bias_grad, "triton_support", lambda: Check(False, "no CUDA device"))
     assert bias_grad.set_bias_grad_kernel(True) is False
-    assert (tex.bgrad_quantize, tex.dbias_dgelu) == originals[:2] and not dgelu_gemm.dgelu_gemm_enabled()
+    assert (tex.bgrad_quantize, tex.dbias_dgelu) == originals
 
 
 def test_what_the_kernel_does_not_take_goes_to_te(fake_te):
     # CPU tensors (fp8vit's kernels need CUDA), other quantizers, none: TE's own function, with the
-    # same arguments; dbias_dgelu outside a deferred fc2 dgrad (tests/test_dgelu_gemm.py) too
+    # same arguments; dbias_dgelu is never routed
     tex, _, calls = fake_te
     bias_grad.set_bias_grad_kernel(True)
     g = torch.zeros(4, 16, dtype=torch.bfloat16)

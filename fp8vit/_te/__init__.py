@@ -21,7 +21,6 @@ see ``pyproject.toml``). One concern per module:
 ``graph_forward``   TE's graphed forward without its per-call walk over the module tree
 ``kernels``         fp8vit's own Triton kernels
 ``bias_grad``       TE's FP8 bias gradients (cast, transpose, column sums) on one of those kernels
-``dgelu_gemm``      fc1's GELU backward in the epilogue of fc2's FP8 dgrad GEMM (bias_grad's switch)
 ==================  ==================================================================================
 
 ``import fp8vit`` imports TE here (:func:`preload`) when it is installed and a GPU is visible: TE

@@ -10,8 +10,7 @@ running) and to TE's own function otherwise: the same FP8 bytes, amax and scale,
 summed in another order. Graphed, a call at ViT-B/L widths takes 35-45 us against TE's 48-59
 (proj, fc2) and 95-124 against 107-135 (qkv) on an H100
 (``docs/results/levers/ct_dbias_sweep_lever49_h100.log``). fc1's ``dbias_dgelu`` (the GELU's
-backward first) is not this kernel's (the same pass with the GELU was 15-25% slower than TE's):
-the same switch moves the GELU's backward into fc2's dgrad GEMM (:mod:`fp8vit._te.dgelu_gemm`).
+backward first) stays TE's: the same pass with the GELU was 15-25% slower than TE's there.
 
 It replaces the function in TE's extension module for the whole process: TE's modules look it up
 there at each call (``module/base.py``).
@@ -24,7 +23,6 @@ from typing import Any, Dict, Iterator, List
 
 import torch
 
-from .dgelu_gemm import set_dgelu_gemm
 from .kernels import cast_transpose_dbias, kernel_takes, triton_support
 from .loader import te_module
 
@@ -39,9 +37,7 @@ def bias_grad_kernel_enabled() -> bool:
 
 
 def set_bias_grad_kernel(enable: bool = True) -> bool:
-    """Route TE's fused cast + transpose + bias-gradient call to fp8vit's kernel, and fc1's GELU
-    backward with its bias gradient into fc2's dgrad GEMM and fp8vit's kernel
-    (:mod:`fp8vit._te.dgelu_gemm`, lever 59), or both back to TE's.
+    """Route TE's fused cast + transpose + bias-gradient call to fp8vit's kernel, or back to TE's.
 
     Args:
         enable: install fp8vit's function (True) or restore TE's (False).
@@ -58,11 +54,9 @@ def set_bias_grad_kernel(enable: bool = True) -> bool:
     tex = te_module("transformer_engine_torch")
     if not enable:
         tex.bgrad_quantize = _TE_FUNCTIONS.pop("bgrad_quantize")
-        set_dgelu_gemm(False)
     elif triton_support().ok:
         _TE_FUNCTIONS["bgrad_quantize"] = tex.bgrad_quantize
         tex.bgrad_quantize = _bgrad_quantize
-        set_dgelu_gemm(True)
     return bias_grad_kernel_enabled()
 
 

@@ -9,8 +9,7 @@
 - RoPE on q and k of the packed QKV buffer (:func:`rope_packed_qkv`), for
   :class:`fp8vit.blocks.eva.RopeQKV`;
 - an output gradient's FP8 cast, its transpose and its column sums (the bias gradient)
-  (:func:`cast_transpose_dbias`), for :mod:`fp8vit._te.bias_grad`; the transpose and column sums
-  of a gradient already in FP8 (:func:`fp8_transpose_dbias`), for :mod:`fp8vit._te.dgelu_gemm`.
+  (:func:`cast_transpose_dbias`), for :mod:`fp8vit._te.bias_grad`.
 
 Each takes contiguous tensors in one half-precision dtype on one GPU (:func:`kernel_takes`).
 Triton comes with torch's CUDA wheels; it is imported on first use on a CUDA tensor only, so that
@@ -32,8 +31,7 @@ import torch
 from ..errors import Check
 
 __all__ = ["triton_support", "kernel_takes", "layerscale_backward", "row_scale_add", "column_scale_add",
-           "padded_norm_forward", "padded_norm_backward", "rope_support", "rope_packed_qkv", "cast_transpose_dbias",
-           "fp8_transpose_dbias"]
+           "padded_norm_forward", "padded_norm_backward", "rope_support", "rope_packed_qkv", "cast_transpose_dbias"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -277,28 +275,6 @@ def _kernels():
             tl.store(SCALE_INV, libdevice.div_rn(scale * 0.0 + 1.0, scale))  # exact, as TE's
 
     @triton.jit
-    def fp8_transpose_colsum(Q, QT, PART, R, C, ROWS_PER_PROG, E5M2: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_C: tl.constexpr):
-        # One program: ROWS_PER_PROG rows x BLOCK_C columns of the FP8 bytes Q [R, C]: QT [C, R] gets
-        # them transposed, PART[program row] the strip's column sums of the FP8 values (fp32, not yet
-        # times scale_inv), per element in registers until the strip ends (as cast_transpose_dbias).
-        pid_r = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cols < C
-        acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-        for r in range(0, ROWS_PER_PROG, BLOCK_R):
-            rows = pid_r * ROWS_PER_PROG + r + tl.arange(0, BLOCK_R)
-            m = (rows[:, None] < R) & cmask[None, :]
-            offs = rows[:, None].to(tl.int64) * C + cols[None, :]
-            q = tl.load(Q + offs, mask=m, other=0)  # byte 0 is +0.0 in both formats
-            if E5M2:
-                acc += q.to(tl.float8e5, bitcast=True).to(tl.float32)
-            else:
-                acc += q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            tl.store(QT + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=m)
-        tl.store(PART + pid_r * C + cols, tl.sum(acc, axis=0), mask=cmask)
-
-    @triton.jit
     def column_sum(PART, OUT, P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
         # OUT[c] = sum over the P rows of PART [P, C] (fp32), rounded once to OUT's dtype
         cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -311,8 +287,7 @@ def _kernels():
 
     return SimpleNamespace(triton=triton, layerscale_bwd=layerscale_bwd, row_scale_add=row_scale_add_kernel,
                            padded_norm_fwd=padded_norm_fwd, padded_norm_bwd=padded_norm_bwd, rope_qk=rope_qk,
-                           cast_transpose_dbias=cast_transpose_dbias_kernel, fp8_transpose_colsum=fp8_transpose_colsum,
-                           column_sum=column_sum)
+                           cast_transpose_dbias=cast_transpose_dbias_kernel, column_sum=column_sum)
 
 
 _BLOCK_R, _BLOCK_C = 32, 128
@@ -562,35 +537,3 @@ def cast_transpose_dbias(grad: torch.Tensor, data: torch.Tensor, data_t: torch.T
             _CT_BLOCK, _CT_BLOCK, num_warps=4)
         k.column_sum[(k.triton.cdiv(C, _SUM_COLS),)](part, dbias, progs, C, _SUM_ROWS, _SUM_COLS)
     return dbias
-
-
-def fp8_transpose_dbias(data: torch.Tensor, data_t: torch.Tensor, scale_inv: torch.Tensor, e5m2: bool,
-                        dtype: torch.dtype) -> torch.Tensor:
-    """An FP8 gradient's transpose and its bias gradient, in one pass over its bytes.
-
-    For a gradient a GEMM wrote in FP8 itself (:mod:`fp8vit._te.dgelu_gemm`): the transpose feeds
-    the weight-gradient GEMM, the column sums of the FP8 values times ``scale_inv`` are the bias
-    gradient, from the same values that GEMM reads.
-
-    Args:
-        data: ``[R, C]`` uint8, the FP8 bytes (read).
-        data_t: ``[C, R]`` uint8, their transpose (written).
-        scale_inv: the one-element fp32 ``1 / scale`` of the bytes.
-        e5m2: the bytes are E5M2 (else E4M3).
-        dtype: the bias gradient's dtype.
-
-    Returns:
-        the bias gradient ``[C]``: column sums in fp32, times ``scale_inv``, rounded once.
-    """
-    k = _kernels()
-    R, C = data.shape
-    part_sums = torch.zeros(1, C, device=data.device, dtype=torch.float32)
-    if R:
-        col_blocks = k.triton.cdiv(C, _CT_BLOCK)
-        progs, per = _row_strips(R, data.device, col_blocks, _CT_BLOCK)
-        part = torch.empty(progs, C, device=data.device, dtype=torch.float32)
-        with torch.cuda.device(data.device):  # Triton launches on the current device
-            k.fp8_transpose_colsum[(progs, col_blocks)](data, data_t, part, R, C, per, e5m2, _CT_BLOCK, _CT_BLOCK,
-                                                        num_warps=4)
-            k.column_sum[(k.triton.cdiv(C, _SUM_COLS),)](part, part_sums, progs, C, _SUM_ROWS, _SUM_COLS)
-    return (part_sums[0] * scale_inv).to(dtype)

@@ -1000,9 +1000,8 @@ class GraphedBlocks:
             with contextlib.ExitStack() as stack:
                 if self._cudnn_norm_for(recipe):
                     stack.enter_context(_te.cudnn_norm(True))
-                # TE's FP8 bias gradients by fp8vit's kernels in the captured backward (lever 49; and
-                # fc1's GELU backward in fc2's dgrad GEMM, lever 59; without Triton, or under other
-                # recipes, TE's own run)
+                # TE's FP8 bias gradients by fp8vit's kernel in the captured backward (lever 49;
+                # without Triton, or under other recipes, TE's own run)
                 stack.enter_context(_te.bias_grad_kernel(self._triton_dbias and recipe is not None))
                 if self._fused_wgrad:
                     # fp8vit's blocks only: their TE modules' weights are known to reach the GEMMs as is.
