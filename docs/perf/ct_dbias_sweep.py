@@ -31,10 +31,8 @@ import triton
 
 from fp8vit._te import te_module, te_version
 from fp8vit._te.kernels import _kernels
-from microbench import per_call_ms
+from microbench import STEP_ROWS as ROWS, VIT_WIDTHS as MODELS, per_call_ms
 
-ROWS = 128 * 197
-MODELS = {"ViT-B/16": (768, 12), "ViT-L/16": (1024, 24), "ViT-H/16": (1280, 32)}  # width, depth
 CONFIGS = ((32, 64, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8))  # rows, cols, warps
 PROGRAMS_PER_SM = (4, 8, 16)
 

@@ -32,10 +32,8 @@ import fp8vit  # noqa: F401  imports TE (where installed) before torch runs a cu
 import torch
 
 from fp8vit._te import te_module, te_version
-from microbench import per_call_ms
+from microbench import STEP_ROWS as ROWS, VIT_WIDTHS as MODELS, per_call_ms
 
-ROWS = 128 * 197
-MODELS = {"ViT-B/16": (768, 12), "ViT-L/16": (1024, 24), "ViT-H/16": (1280, 32)}  # width, depth
 
 
 def main():

@@ -8,6 +8,11 @@ import torch
 
 from fp8vit.tools.timing import median_ms
 
+# The classic ViTs the kernel microbenchmarks size their tensors by: width and depth, and the token
+# rows of a batch-128 step at 224 px (197 tokens an image)
+VIT_WIDTHS = {"ViT-B/16": (768, 12), "ViT-L/16": (1024, 24), "ViT-H/16": (1280, 32)}
+STEP_ROWS = 128 * 197
+
 
 def timed_or_refused(step: Callable[[], None], label: str) -> Optional[float]:
     """``step``'s median ms (30 calls after 10 warm-up, the host waiting for each), or None after

@@ -32,9 +32,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fp8vit._te import te_module, te_version
-from microbench import per_call_ms
+from microbench import VIT_WIDTHS as MODELS, per_call_ms
 
-MODELS = {"ViT-B/16": (768, 12), "ViT-L/16": (1024, 24), "ViT-H/16": (1280, 32)}  # width, depth
 CONFIGS = ((32, 64, 4), (64, 64, 4), (64, 128, 4), (128, 64, 4), (64, 64, 2), (128, 128, 8))  # rows, cols, warps
 FP8_MAX = 448.0  # E4M3, the weights' format under delayed scaling
 
