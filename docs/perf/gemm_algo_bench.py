@@ -41,7 +41,7 @@ COMPUTE_32F, OP_N, OP_T = 68, 0, 1
 (DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER, DESC_AUX_POINTER, DESC_AUX_LD,
  DESC_A_SCALE, DESC_B_SCALE, DESC_D_SCALE, DESC_AMAX_D, DESC_AUX_TYPE, DESC_FAST_ACCUM,
  DESC_BIAS_TYPE) = 3, 4, 7, 8, 11, 12, 17, 18, 20, 21, 22, 25, 26
-EPI_DEFAULT, EPI_BIAS, EPI_GELU_AUX_BIAS = 1, 4, 32 | 128 | 4
+EPI_DEFAULT, EPI_BIAS, EPI_GELU_BIAS, EPI_GELU_AUX_BIAS = 1, 4, 32 | 4, 32 | 128 | 4
 PREF_MAX_WORKSPACE = 1
 PREF_ALIGNMENT = (5, 6, 7, 8)        # MIN_ALIGNMENT_{A,B,C,D}_BYTES
 CONFIG_TILE_ID, CONFIG_STAGES_ID, CONFIG_CLUSTER_SHAPE_ID = 1, 6, 8
@@ -118,11 +118,13 @@ class Gemm:
     epilogue: int = EPI_DEFAULT
     fast_accum: bool = True
     main_grad: bool = False       # wgrad written into TE's fp32 main_grad, C = D, beta 0 (overwrite_main_grad)
+    reference: bool = False       # not a GEMM of the step: a bound printed beside it
 
 
 def block_gemms(C: int, T: int):
     """A ViT block's twelve FP8 GEMMs at width C and T token rows (batch 128: STEP_ROWS), with the
-    accumulation fp8vit's delayed recipe gives them (fast forward and dgrad, split wgrad)."""
+    accumulation fp8vit's delayed recipe gives them (fast forward and dgrad, split wgrad), then two
+    reference forms of fc1's forward."""
     H = 4 * C
     shapes = {"qkv": (3 * C, C), "proj": (C, C), "fc1": (H, C), "fc2": (C, H)}   # (out, in)
     out = []
@@ -133,6 +135,10 @@ def block_gemms(C: int, T: int):
         out.append(Gemm(f"{lin} dgrad", T, i, o, x_type=R_8F_E5M2))
     for lin, (o, i) in shapes.items():
         out.append(Gemm(f"{lin} wgrad", o, i, T, x_type=R_8F_E5M2, d_type=R_32F, fast_accum=False, main_grad=True))
+    # fc1's forward without its aux output, and with a plain bf16 output: what the epilogue's
+    # writes cost, the most another algorithm of the GELU-aux GEMM could win back
+    out.append(Gemm("fc1 noaux", T, H, C, epilogue=EPI_GELU_BIAS, d_type=R_8F_E4M3, reference=True))
+    out.append(Gemm("fc1 bf16", T, H, C, epilogue=EPI_BIAS, reference=True))
     return out
 
 
@@ -237,8 +243,9 @@ def algo_name(res):
 def te_time(g: Gemm):
     """TE's own call of the same GEMM (``general_gemm``, layout "TN" as Hopper runs every FP8
     GEMM), its per-call ms: should equal the heuristic's first algorithm's. None for the wgrad
-    form (TE writes it into ``main_grad``, a path this does not rebuild)."""
-    if g.main_grad:
+    form (TE writes it into ``main_grad``, a path this does not rebuild) and for a GELU without
+    aux (TE has none)."""
+    if g.main_grad or g.epilogue == EPI_GELU_BIAS:
         return None
     from fp8vit._te import te_module
     tex = te_module("transformer_engine_torch")
@@ -296,8 +303,9 @@ def main():
             print(f"{model} {g.name:11s} n={g.n:5d} m={g.m:4d} k={g.k:5d}: first {first[0] * 1e3:6.1f} us "
                   f"({algo_name(first[3])}), {te_txt}, best {best[0] * 1e3:6.1f} us (rank {best[1]:2d}, "
                   f"{algo_name(best[3])}, diff {best[2]:.1e}), {len(times)} timed")
-            saved += (first[0] - best[0]) * depth
-            first_total += first[0] * depth
+            if not g.reference:
+                saved += (first[0] - best[0]) * depth
+                first_total += first[0] * depth
         print(f"{model}: the step's FP8 GEMMs {first_total:.2f} ms with the first algorithms; the best would save "
               f"{saved:.2f} ms ({100 * saved / first_total:.1f}%)")
 
