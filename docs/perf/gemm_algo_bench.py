@@ -285,9 +285,18 @@ def main():
         C, depth = VIT_WIDTHS[model]
         saved = first_total = 0.0
         for g in block_gemms(C, ROWS):
-            lt = LtGemm(g, handle, workspace)
-            algos = lt.algos(args.algos)
+            try:
+                lt = LtGemm(g, handle, workspace)
+                algos = lt.algos(args.algos)
+                if not algos:
+                    raise RuntimeError("the heuristic returned no algorithm")
+            except RuntimeError as err:   # cuBLASLt without a kernel for this form: say so, go on
+                print(f"{model} {g.name:11s}: refused ({err})")
+                continue
             ref = lt.output(algos[0])
+            # an algorithm that computes something else is no choice; where D is FP8 with no aux to
+            # compare, one E4M3 step (up to 1/8 of the largest value) is a rounding, not an error
+            tol = 0.13 if g.d_type == R_8F_E4M3 and lt.aux is None else 1e-2
             times = []
             for rank, res in enumerate(algos):
                 try:
@@ -296,8 +305,7 @@ def main():
                 except RuntimeError as err:
                     print(f"  {g.name}: algorithm {rank} failed ({err})")
             first = next(t for t in times if t[1] == 0)
-            ok = [t for t in times if t[2] <= 1e-2]   # an algorithm that computes something else is no choice
-            best = min(ok)
+            best = min((t for t in times if t[2] <= tol), key=lambda t: t[0])
             te = te_time(g)
             te_txt = f"TE {te * 1e3:6.1f}" if te is not None else "TE    n/a"
             print(f"{model} {g.name:11s} n={g.n:5d} m={g.m:4d} k={g.k:5d}: first {first[0] * 1e3:6.1f} us "
