@@ -22,6 +22,15 @@ Prediction (written before the first run): the best of 16 beats the first by 10-
 forward and by 0-5% on the other GEMMs; per step, ViT-B -0.4 to -1.2 ms, ViT-L -1 to -3, ViT-H
 -1.5 to -4. Under -1 ms at ViT-L the lever stops here; above, the library would run the chosen
 algorithm itself in the graphed step (its own cuBLASLt call where TE's heuristic loses).
+
+Lever 61, in the same run: the residual add after proj and after fc2 (``x + attn(...)``,
+``x + mlp(...)``: 48 kernels, 2.5 ms of a ViT-L step, each reading two [T, C] bf16 tensors and
+writing one) moved into the GEMM's epilogue, the residual read as cuBLASLt's C from its own
+buffer (C != D, beta 1). TE can only accumulate in place (C = D), which would overwrite the block
+input that norm1's backward keeps (dev/NOTES.md); an own cuBLASLt call need not. Prediction:
+the epilogue's extra 2 bytes an element read cost 10-20 us a call against the add's 51 us at
+ViT-L: per step ViT-B -0.5 to -0.8 ms, ViT-L -1.2 to -1.9, ViT-H -2 to -3. cuBLASLt could also
+refuse an out-of-place FP8 GEMM with a bf16 C.
 """
 
 import argparse
@@ -119,6 +128,7 @@ class Gemm:
     fast_accum: bool = True
     main_grad: bool = False       # wgrad written into TE's fp32 main_grad, C = D, beta 0 (overwrite_main_grad)
     reference: bool = False       # not a GEMM of the step: a bound printed beside it
+    residual: bool = False        # D = X W^T + bias + R, R a separate bf16 [n, m] (C != D, beta 1)
 
 
 def block_gemms(C: int, T: int):
@@ -139,6 +149,10 @@ def block_gemms(C: int, T: int):
     # writes cost, the most another algorithm of the GELU-aux GEMM could win back
     out.append(Gemm("fc1 noaux", T, H, C, epilogue=EPI_GELU_BIAS, d_type=R_8F_E4M3, reference=True))
     out.append(Gemm("fc1 bf16", T, H, C, epilogue=EPI_BIAS, reference=True))
+    # lever 61: the residual add after proj and fc2 in their epilogue, read from its own buffer
+    for lin in ("proj", "fc2"):
+        o, i = shapes[lin]
+        out.append(Gemm(f"{lin} +res", T, o, i, epilogue=EPI_BIAS, reference=True, residual=True))
     return out
 
 
@@ -159,7 +173,9 @@ class LtGemm:
         ptr = self.scales.data_ptr()
         self.a_scale, self.b_scale, self.d_scale, self.d_amax = (ctypes.c_void_p(ptr + 4 * i) for i in range(4))
         self.alpha = ctypes.c_float(1.0)
-        self.beta = ctypes.c_float(0.0)   # TE's beta: 0 but where a GEMM accumulates (none here)
+        # TE's beta: 0 where a GEMM does not accumulate (none of the step's does); 1 with a residual
+        self.beta = ctypes.c_float(1.0 if g.residual else 0.0)
+        self.c = torch.randn(g.n, g.m, device="cuda", dtype=torch.bfloat16) if g.residual else None
 
         desc = ctypes.c_void_p()
         check(LT.cublasLtMatmulDescCreate(ctypes.byref(desc), COMPUTE_32F, R_32F), "MatmulDescCreate")
@@ -184,7 +200,7 @@ class LtGemm:
         self._set(DESC_EPILOGUE, ctypes.c_int32(g.epilogue))
         self.layouts = [self._layout(t, r, c) for t, r, c in
                         ((R_8F_E4M3, g.k, g.m), (g.x_type, g.k, g.n), (c_type, g.m, g.n), (g.d_type, g.m, g.n))]
-        self.c_ptr = None if g.d_type == R_8F_E4M3 else ctypes.c_void_p(self.d.data_ptr())
+        self.c_ptr = None if g.d_type == R_8F_E4M3 else ctypes.c_void_p((self.d if self.c is None else self.c).data_ptr())
 
     def _set(self, attr, value):
         check(LT.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
@@ -228,6 +244,21 @@ class LtGemm:
         return (self.aux if self.aux is not None else self.d).float().clone()
 
 
+def reference_error(lt: "LtGemm", got: torch.Tensor) -> float:
+    """The largest difference of ``got`` (what ``LtGemm.output`` returns) from the same GEMM in
+    fp32 by torch, relative to the largest value: shows the rebuilt descriptors compute the GEMM
+    (scales, bias, residual) and not only take its time."""
+    g = lt.g
+    want = (lt.x.float() * lt.scales[1]) @ (lt.w.float() * lt.scales[0]).T
+    if g.epilogue != EPI_DEFAULT:
+        want += lt.bias.float()
+    if lt.c is not None:
+        want += lt.c.float()
+    if g.epilogue == EPI_GELU_BIAS:   # D is the GELU itself (TE's tanh form; FP8-rounded)
+        want = torch.nn.functional.gelu(want, approximate="tanh")
+    return float((got - want).abs().max() / want.abs().max())
+
+
 def algo_name(res):
     """Tile, stages and cluster ids of an algorithm: enough to tell two apart in the log."""
     vals = []
@@ -243,9 +274,9 @@ def algo_name(res):
 def te_time(g: Gemm):
     """TE's own call of the same GEMM (``general_gemm``, layout "TN" as Hopper runs every FP8
     GEMM), its per-call ms: should equal the heuristic's first algorithm's. None for the wgrad
-    form (TE writes it into ``main_grad``, a path this does not rebuild) and for a GELU without
-    aux (TE has none)."""
-    if g.main_grad or g.epilogue == EPI_GELU_BIAS:
+    form (TE writes it into ``main_grad``, a path this does not rebuild), a GELU without aux and a
+    residual read from its own buffer (TE has neither)."""
+    if g.main_grad or g.residual or g.epilogue == EPI_GELU_BIAS:
         return None
     from fp8vit._te import te_module
     tex = te_module("transformer_engine_torch")
@@ -268,6 +299,23 @@ def te_time(g: Gemm):
     return per_call_ms(lambda: gemm(w, x, **kwargs), calls=10, reps=20)
 
 
+def residual_add(model, C, depth, firsts):
+    """Lever 61's answer: proj's and fc2's forward GEMM then torch's residual add (today) against
+    the GEMM reading the residual in its epilogue (``+res``), per call and per step (two a block)."""
+    if not all(k in firsts for k in ("proj fprop", "fc2 fprop", "proj +res", "fc2 +res")):
+        return
+    a, b = (torch.randn(ROWS, C, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty_like(a)
+    add = per_call_ms(lambda: torch.add(a, b, out=out), calls=10, reps=20)
+    per_step = 0.0
+    for lin in ("proj", "fc2"):
+        today, fused = firsts[f"{lin} fprop"] + add, firsts[f"{lin} +res"]
+        per_step += (today - fused) * depth
+        print(f"{model} {lin}: GEMM + add {today * 1e3:6.1f} us (add {add * 1e3:.1f}), residual in the epilogue "
+              f"{fused * 1e3:6.1f} us")
+    print(f"{model}: the residual in proj's and fc2's epilogue would save {per_step:.2f} ms a step (first algorithms)")
+
+
 def main():
     global LT
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -284,6 +332,7 @@ def main():
     for model in args.models:
         C, depth = VIT_WIDTHS[model]
         saved = first_total = 0.0
+        firsts = {}
         for g in block_gemms(C, ROWS):
             try:
                 lt = LtGemm(g, handle, workspace)
@@ -294,6 +343,7 @@ def main():
                 print(f"{model} {g.name:11s}: refused ({err})")
                 continue
             ref = lt.output(algos[0])
+            error = reference_error(lt, ref)
             # an algorithm that computes something else is no choice; where D is FP8 with no aux to
             # compare, one E4M3 step (up to 1/8 of the largest value) is a rounding, not an error
             tol = 0.13 if g.d_type == R_8F_E4M3 and lt.aux is None else 1e-2
@@ -310,12 +360,14 @@ def main():
             te_txt = f"TE {te * 1e3:6.1f}" if te is not None else "TE    n/a"
             print(f"{model} {g.name:11s} n={g.n:5d} m={g.m:4d} k={g.k:5d}: first {first[0] * 1e3:6.1f} us "
                   f"({algo_name(first[3])}), {te_txt}, best {best[0] * 1e3:6.1f} us (rank {best[1]:2d}, "
-                  f"{algo_name(best[3])}, diff {best[2]:.1e}), {len(times)} timed")
+                  f"{algo_name(best[3])}, diff {best[2]:.1e}), {len(times)} timed; first vs fp32 torch {error:.1e}")
             if not g.reference:
                 saved += (first[0] - best[0]) * depth
                 first_total += first[0] * depth
+            firsts[g.name] = first[0]
         print(f"{model}: the step's FP8 GEMMs {first_total:.2f} ms with the first algorithms; the best would save "
               f"{saved:.2f} ms ({100 * saved / first_total:.1f}%)")
+        residual_add(model, C, depth, firsts)
 
 
 if __name__ == "__main__":
