@@ -14,7 +14,7 @@ another tile would overlap them. The dgrad GEMMs run at ~1240 TFLOP/s, the wgrad
 This script builds each of a block's twelve FP8 GEMMs as TE does (the same cuBLASLt descriptors:
 types, transposes, fast accumulation, scales, bias and aux epilogues, FP8 output with its amax,
 fp32 wgrad written into ``main_grad``), asks the heuristic for up to ``--algos`` algorithms
-and times each (one call in a CUDA graph, median of 20 replays). It checks the first against TE's
+and times each (ten calls captured in a CUDA graph, median of 20 replays, per call). It checks the first against TE's
 own call of the same GEMM (the times should match), checks every algorithm's output against the
 first's, and prints the step time the best correct algorithm of each GEMM would save.
 
