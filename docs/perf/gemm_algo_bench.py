@@ -169,9 +169,9 @@ class LtGemm:
         self.d = torch.zeros(g.n, g.m, device="cuda", dtype=TORCH_DTYPE[g.d_type])
         self.bias = torch.randn(g.m, device="cuda", dtype=torch.bfloat16) * 0.1
         self.aux = torch.zeros(g.n, g.m, device="cuda", dtype=torch.bfloat16) if g.epilogue == EPI_GELU_AUX_BIAS else None
-        self.scales = torch.tensor([1 / 64, 1 / amp, 1.0, 0.0], device="cuda")   # A, B scale_inv; D scale; D amax
-        ptr = self.scales.data_ptr()
-        self.a_scale, self.b_scale, self.d_scale, self.d_amax = (ctypes.c_void_p(ptr + 4 * i) for i in range(4))
+        # A's and B's scale_inv, D's scale and amax, each its own allocation as TE's are
+        self.scales = [torch.tensor([v], device="cuda") for v in (1 / 64, 1 / amp, 1.0, 0.0)]
+        self.a_scale, self.b_scale, self.d_scale, self.d_amax = (ctypes.c_void_p(t.data_ptr()) for t in self.scales)
         self.alpha = ctypes.c_float(1.0)
         # TE's beta: 0 where a GEMM does not accumulate (none of the step's does); 1 with a residual
         self.beta = ctypes.c_float(1.0 if g.residual else 0.0)

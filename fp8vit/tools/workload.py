@@ -57,6 +57,9 @@ A variant's name says what runs the blocks, in which precision, and how:
                                    final norm with them (``make_graphed_blocks(stem=False)``:
                                    lever 55 off; ``-graphed-compile`` graphs the blocks alone,
                                    ``-stemgraph-graphed-compile`` the stem too)
+``fp8vit-fp8-delayed-torchadd-graphed``  the residual adds after TE's GEMMs, by torch, not in the
+                                   GEMMs' epilogue (``make_graphed_blocks(residual_gemm=False)``:
+                                   lever 61 off)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -114,6 +117,7 @@ VARIANTS = (
     "fp8vit-fp8-delayed-tedbias-graphed", "fp8vit-fp8-delayed-fastacc-graphed", "fp8vit-fp8-delayed-fastdgrad-graphed",
     "fp8vit-fp8-delayed-splitacc", "fp8vit-fp8-delayed-splitacc-graphed",
     "fp8vit-fp8-delayed-blocksgraph-graphed", "fp8vit-fp8-delayed-stemgraph-graphed-compile",
+    "fp8vit-fp8-delayed-torchadd-graphed",
 )
 
 # lever 53's variant parts: the backward GEMMs they give fast accumulation (Variant.fast_accum)
@@ -149,6 +153,8 @@ class Variant:
         layout_opt: ``torch.compile`` with Inductor's ``layout_optimization`` (its default: the
             convolutions of a compiled graph run channels-last); False: off (``-nchw``).
         triton_dbias: the graphs' FP8 bias gradients by fp8vit's kernel; False: TE's (``-tedbias``).
+        residual_gemm: the graphs' residual adds in the FP8 GEMMs before them; False: torch's add
+            after TE's GEMM (``-torchadd``).
         fast_accum: the backward GEMMs whose accumulation is fast, the others' split:
             ``("dgrad", "wgrad")`` (``-fastacc``), ``("dgrad",)`` (``-fastdgrad``), ``()``
             (``-splitacc``), or None for :func:`make_recipe`'s choice.
@@ -172,6 +178,7 @@ class Variant:
     model_norms: bool = True
     layout_opt: bool = True
     triton_dbias: bool = True
+    residual_gemm: bool = True
     fast_accum: Optional[Tuple[str, ...]] = None
     stem: Optional[bool] = None
 
@@ -194,6 +201,7 @@ class Variant:
                    bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts,
                    rope_kernel="te" if "terope" in parts else None, model_norms="torchnorm" not in parts,
                    layout_opt="nchw" not in parts, triton_dbias="tedbias" not in parts,
+                   residual_gemm="torchadd" not in parts,
                    fast_accum=next((acc for p, acc in _FAST_ACCUM.items() if p in parts), None),
                    stem=True if "stemgraph" in parts else False if "blocksgraph" in parts or compile_ else None)
 
@@ -345,7 +353,8 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         # (CrossViT's MultiScaleBlocks, called with a list): each, by install_graphs
         if isinstance(getattr(net, "blocks", None), (nn.Sequential, nn.ModuleList)) and not branch_blocks(net):
             graphs = (make_graphed_blocks(net.train(), batch_size, recipe=recipe, fp8=v.te_fp8,
-                                          cudnn_layernorm=cudnn_norm, triton_dbias=v.triton_dbias, stem=v.stem),)
+                                          cudnn_layernorm=cudnn_norm, triton_dbias=v.triton_dbias, stem=v.stem,
+                                          residual_gemm=v.residual_gemm),)
         else:  # blocks in stages (Swin) or branches (CrossViT): convert_to_te(cuda_graphs=True)'s shape cache
             why = install_graphs(net, cudnn_norm, v.triton_dbias, v.stem)
             if why is not None:

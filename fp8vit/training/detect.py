@@ -180,7 +180,7 @@ def clear_cache() -> None:
     """Forget every cached detection result (e.g. after changing ``CUDA_VISIBLE_DEVICES``).
 
     Clears the device description, TE's import status and capability answers, the recipe objects
-    built for recipe names, and whether fp8vit's Triton kernels run, so a TE or Triton installed or
+    built for recipe names, whether fp8vit's Triton kernels and its own cuBLASLt call run, so a TE or Triton installed or
     repaired since then is seen.
     """
     gpu_info.cache_clear()
@@ -188,3 +188,4 @@ def clear_cache() -> None:
     _te.clear_cache()
     triton_support.cache_clear()
     rope_support.cache_clear()
+    _te.residual_gemm_support.cache_clear()

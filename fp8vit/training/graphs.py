@@ -276,6 +276,7 @@ def make_graphed_blocks(
     max_shapes: int = MAX_SHAPES,
     triton_dbias: bool = True,
     stem: Optional[bool] = None,
+    residual_gemm: bool = True,
 ) -> GraphedBlocks:
     """CUDA graphs for ``model.blocks`` (forward and backward, all blocks in one graph pair each, or
     one per block), one set per call signature, captured as the shapes come (module docstring).
@@ -338,6 +339,12 @@ def make_graphed_blocks(
             class), the blocks alone are graphed from then on, with one warning (with True those
             calls run eagerly). ViT-S/16 and ViT-B/16 b128 on an H100: -0.3 to -0.6 ms a
             synchronized step, pipelined steps unchanged; ViT-L/16, ViT-H/16: unchanged.
+        residual_gemm: the forward graphs add the residual stream in the FP8 GEMM before each add
+            of the classic ViT block (``TE_Block``: ``x + proj(o)``, ``x + fc2(h)``), read as
+            cuBLASLt's C matrix by fp8vit's own cuBLASLt call, instead of a GEMM then an add
+            (docs/performance.md, lever 61). Only blocks without LayerScale, drop path or dropout
+            at work and with a bf16 stream; the others, and any GEMM cuBLASLt refuses, add as
+            before. The sum is rounded to bf16 once instead of twice. False: TE's GEMM, then the add.
 
     Returns:
         a :class:`GraphedBlocks` handle (shapes, memory, replay counts, ``release()``).
@@ -369,6 +376,7 @@ def make_graphed_blocks(
         check_bool(fn, "cudnn_layernorm", cudnn_layernorm)
     check_bool(fn, "fused_wgrad", fused_wgrad)
     check_bool(fn, "triton_dbias", triton_dbias)
+    check_bool(fn, "residual_gemm", residual_gemm)
     check_process_group(fn, "amax_reduction_group", amax_reduction_group)
     check_int(fn, "max_shapes", max_shapes, min=1)
     if stem is not None:
@@ -429,7 +437,8 @@ def make_graphed_blocks(
             dtypes, call_kwargs = (in_dtype,), {}
     handle = GraphedBlocks(blocks, per_block, max_shapes=max_shapes, num_warmup_iters=num_warmup_iters,
                            cudnn_layernorm=cudnn_layernorm, fused_wgrad=fused_wgrad, fp8=fp8,
-                           amax_reduction_group=amax_reduction_group, triton_dbias=triton_dbias, vit=vit,
+                           amax_reduction_group=amax_reduction_group, triton_dbias=triton_dbias,
+                           residual_gemm=residual_gemm, vit=vit,
                            stem_optional=stem is None)
     if now:
         spec = handle._spec(call_kwargs)

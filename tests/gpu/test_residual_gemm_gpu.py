@@ -1,0 +1,113 @@
+"""The residual add in the FP8 GEMM (:mod:`fp8vit._te.residual_gemm`, lever 61) against TE's GEMM
+then torch's add.
+
+The GEMM's output is ``round(x W^T + b + r)`` where TE then torch give ``round(round(x W^T + b) + r)``:
+within two bf16 roundings of each other. Gradients flow to both the branch and the residual, so
+with a loss linear in the output they equal TE's bit for bit (the same output gradient reaches the
+same backward GEMMs).
+"""
+
+import copy
+
+import pytest
+import torch
+
+import fp8vit
+from fp8vit._te import residual_gemm as rg
+from helpers import need_recipe
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _need_fp8(monkeypatch):
+    need_recipe("delayed")
+    ok, why = rg.residual_gemm_support()
+    if not ok:
+        pytest.skip(f"the residual cannot go into the GEMM here: {why}")
+    monkeypatch.setattr(rg, "_PLANS", {})  # each test sees the forms it made
+    yield
+    assert not rg.residual_gemm_enabled()
+
+
+def _module(kind: str):
+    te = fp8vit._te.load_te()
+    torch.manual_seed(0)
+    if kind == "Linear":
+        return te.Linear(256, 256, bias=True, params_dtype=torch.float32).cuda(), 256
+    return te.LayerNormMLP(256, 1024, bias=True, activation="gelu").cuda(), 1024
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_gemm_adds_the_residual_as_te_then_torch(kind):
+    mod, inner = _module(kind)
+    x = torch.randn(16, 197, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(16, 197, 256, device="cuda")  # the loss is linear in the output: same output gradient
+    results = []
+    for on in (False, True):
+        mod.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        with fp8vit.fp8_context("delayed"), rg.residual_gemm(on) as installed:
+            assert installed == on
+            with rg.into_residual(xi.detach(), inner) as offer:
+                y = mod(xi)
+            y = rg.residual_added(xi, y) if offer.taken else xi + y
+        assert offer.taken == on
+        (y.float() * w).sum().backward()
+        results.append((y.detach().float(), xi.grad.clone(), {n: p.grad.clone() for n, p in mod.named_parameters()}))
+    (y_ref, gx_ref, g_ref), (y, gx, g) = results
+    # two bf16 roundings apart at most: 2 units of the last place of the largest value
+    ulp = y_ref.abs().max() * 2 ** -7
+    assert (y - y_ref).abs().max() <= 2 * ulp, float((y - y_ref).abs().max())
+    assert torch.equal(gx, gx_ref)
+    for name in g_ref:
+        assert torch.equal(g[name], g_ref[name]), name
+    plans = [p for p in rg._PLANS.values() if p is not None]
+    assert len(plans) == 1 and [k[3] for k in rg._PLANS] == [inner]  # the one form: fc2's or the Linear's
+
+
+def test_calls_that_do_not_match_go_to_te():
+    # an offer with another inner width, or taken once already: TE's GEMM, the caller adds
+    mod, inner = _module("LayerNormMLP")
+    x = torch.randn(8, 197, 256, device="cuda", dtype=torch.bfloat16)
+    with fp8vit.fp8_context("delayed"), rg.residual_gemm(True):
+        with rg.into_residual(x, inner + 16) as offer:
+            mod(x)
+        assert not offer.taken
+        with rg.into_residual(x, inner) as offer:
+            y1 = mod(x)
+            assert offer.taken
+            y2 = mod(x)  # a second GEMM in the same offer: TE's, no residual in it
+    diff = (y1.float() - y2.float() - x.float()).abs().max()
+    assert diff <= 2 ** -6 * y1.float().abs().max(), float(diff)
+
+
+@pytest.mark.parametrize("model_kwargs", [{}, {"init_values": 1e-5}])
+def test_graphs_take_it_in_plain_blocks_and_train_alike(model_kwargs):
+    # make_graphed_blocks' forward graphs put both adds of a classic ViT block in the GEMMs;
+    # one step of a graphed ViT from the same state equals residual_gemm=False's within bf16
+    # rounding (logits, loss, gradients); blocks with LayerScale add as before
+    import timm
+    torch.manual_seed(0)
+    base = fp8vit.convert_to_te(timm.create_model("vit_base_patch16_224", depth=2, num_classes=10,
+                                                  **model_kwargs).cuda())
+    x = torch.randn(16, 3, 224, 224, device="cuda")
+    out = {}
+    for on in (True, False):
+        rg._PLANS.clear()
+        model = copy.deepcopy(base)
+        handle = fp8vit.make_graphed_blocks(model.train(), 16, residual_gemm=on)
+        forms = sorted(k[3] for k, p in rg._PLANS.items() if p is not None)
+        assert forms == ([768, 3072] if on and not model_kwargs else []), forms
+        with fp8vit.fp8_context("delayed"):
+            logits = model(x).float()
+        logits.square().mean().backward()
+        assert handle.replays == 1
+        out[on] = (logits.detach(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+        handle.release()
+    (l_on, g_on), (l_off, g_off) = out[True], out[False]
+    assert (l_on - l_off).norm() <= 2e-2 * l_off.norm(), float((l_on - l_off).norm() / l_off.norm())
+    assert g_on.keys() == g_off.keys()
+    for name in g_off:
+        err = (g_on[name] - g_off[name]).norm() / g_off[name].norm().clamp_min(1e-30)
+        assert err <= 5e-2, (name, float(err))
