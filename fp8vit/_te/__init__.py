@@ -21,7 +21,7 @@ see ``pyproject.toml``). One concern per module:
 ``graph_forward``   TE's graphed forward without its per-call walk over the module tree
 ``kernels``         fp8vit's own Triton kernels
 ``bias_grad``       TE's FP8 bias gradients (cast, transpose, column sums) on one of those kernels
-``residual_gemm``   a block's residual add in the FP8 GEMM before it (fp8vit's own cuBLASLt call)
+``gemm_residual``   a block's residual add in the FP8 GEMM before it (fp8vit's own cuBLASLt call)
 ==================  ==================================================================================
 
 ``import fp8vit`` imports TE here (:func:`preload`) when it is installed and a GPU is visible: TE
@@ -38,7 +38,7 @@ from .loader import (INSTALL_HINT, MIN_TE_VERSION, clear_cache, installed, load_
                      te_check, te_module, te_status, te_version)
 from .module_types import MODULE_NAMES, SwappedLinear, fp8_linear_class, modules, transformer_layer_class
 from .param_cast import cast_small_params
-from .residual_gemm import into_residual, residual_added, residual_gemm, residual_gemm_enabled, residual_gemm_support
+from .gemm_residual import into_residual, residual_added, residual_gemm, residual_gemm_enabled, residual_gemm_support
 from .ops import attention_backend, cudnn_norm, cudnn_norm_available, cudnn_norm_enabled, fused_rope, gated_activation, packed_attention, set_cudnn_norm
 
 __all__ = [

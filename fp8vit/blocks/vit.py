@@ -26,7 +26,7 @@ from timm.models._manipulate import named_apply
 from timm.models.vision_transformer import Block, get_init_weights_vit
 from torch import nn
 
-from .._te.residual_gemm import into_residual, residual_added, residual_gemm_enabled
+from .._te.gemm_residual import into_residual, residual_added, residual_gemm_enabled
 from .._validate import check_bool, check_type
 from .._warn import warn_once
 from .config import BlockConfig, config_from_timm_block

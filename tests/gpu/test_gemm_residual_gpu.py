@@ -1,4 +1,4 @@
-"""The residual add in the FP8 GEMM (:mod:`fp8vit._te.residual_gemm`, lever 61) against TE's GEMM
+"""The residual add in the FP8 GEMM (:mod:`fp8vit._te.gemm_residual`, lever 61) against TE's GEMM
 then torch's add.
 
 The GEMM's output is ``round(x W^T + b + r)`` where TE then torch give ``round(round(x W^T + b) + r)``:
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fp8vit
-from fp8vit._te import residual_gemm as rg
+from fp8vit._te import gemm_residual as rg
 from helpers import need_recipe
 
 pytestmark = pytest.mark.gpu

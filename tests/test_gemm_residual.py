@@ -1,0 +1,176 @@
+"""fp8vit._te.gemm_residual on the CPU: which of TE's GEMM calls take a block's residual (a stand-in
+for TE's modules and FP8 tensors; the cuBLASLt call itself and its numbers against TE's GEMM then
+torch's add are tests/gpu/test_residual_gemm_gpu.py)."""
+
+import types
+
+import pytest
+import torch
+
+from fp8vit._te import gemm_residual as rg
+from fp8vit.errors import Check
+from fp8vit.tools.workload import VARIANTS, Variant
+
+
+class _Storage:
+    """TE's per-tensor FP8 tensor: rowwise bytes, ``1 / scale``, its format."""
+
+    def __init__(self, rows, cols, fp8_dtype="e4m3"):
+        self._data = torch.zeros(rows, cols, dtype=torch.uint8)
+        self._scale_inv = torch.ones(1)
+        self._fp8_dtype = fp8_dtype
+
+
+class _Plan:
+    def __init__(self):
+        self.calls = []
+
+    def run(self, w, w_scale_inv, x, x_scale_inv, bias, residual, out, workspace):
+        self.calls.append((w, x, bias, residual))
+        out.copy_((residual + 1).view_as(out))
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    calls = []
+
+    def te_gemm(A, B, *args, **kwargs):
+        calls.append((A, B, args, kwargs))
+        return "te-out", None, None, None
+
+    mods = {name: types.SimpleNamespace(__name__=name, general_gemm=te_gemm) for name in rg._MODULES}
+    mods["transformer_engine.pytorch.tensor.storage.float8_tensor_storage"] = types.SimpleNamespace(
+        Float8TensorStorage=_Storage)
+    mods["transformer_engine_torch"] = types.SimpleNamespace(DType=types.SimpleNamespace(kFloat8E4M3="e4m3",
+                                                                                         kFloat8E5M2="e5m2"))
+    mods["transformer_engine.pytorch.cpp_extensions.gemm"] = types.SimpleNamespace(
+        get_cublas_workspace=lambda *a: torch.empty(64, dtype=torch.uint8))
+    monkeypatch.setattr(rg, "te_module", mods.__getitem__)
+    monkeypatch.setattr(rg, "_FP8_TYPES", {})
+    monkeypatch.setattr(rg, "residual_gemm_support", lambda: Check(True))
+    plan = _Plan()
+    keys = []
+    monkeypatch.setattr(rg, "_plan", lambda key, device, *a: keys.append(key) or plan)
+    monkeypatch.setattr(rg, "_alignment", lambda ptr: 256)
+    yield mods, te_gemm, calls, plan, keys
+    assert all(mods[name].general_gemm is te_gemm for name in rg._MODULES)  # restored
+
+
+def _call(mods, *args, **kwargs):
+    return mods[rg._MODULES[0]].general_gemm(*args, **kwargs)
+
+
+def test_install_and_restore(fake_te):
+    mods, te_gemm, *_ = fake_te
+    assert not rg.residual_gemm_enabled()
+    with rg.residual_gemm(True) as on:
+        assert on and rg.residual_gemm_enabled()
+        assert all(mods[name].general_gemm is not te_gemm for name in rg._MODULES)
+        with rg.residual_gemm(True) as again:  # nested: installed once, restored by the outer
+            assert again
+        assert rg.residual_gemm_enabled()
+    assert not rg.residual_gemm_enabled()
+    with rg.residual_gemm(False) as on:
+        assert not on and all(mods[name].general_gemm is te_gemm for name in rg._MODULES)
+
+
+def test_not_installed_where_unsupported(fake_te, monkeypatch):
+    mods, te_gemm, *_ = fake_te
+    monkeypatch.setattr(rg, "residual_gemm_support", lambda: Check(False, "no CUDA device"))
+    with rg.residual_gemm(True) as on:
+        assert not on and all(mods[name].general_gemm is te_gemm for name in rg._MODULES)
+
+
+def test_the_matching_gemm_takes_it_once(fake_te):
+    # proj's forward GEMM: W [C, C'] (inner C'), X [T, C'], output [T, C] like the residual
+    mods, _, calls, plan, keys = fake_te
+    r = torch.randn(2, 8, 16, dtype=torch.bfloat16)
+    w, x, bias = _Storage(16, 32), _Storage(16, 32), torch.zeros(16, dtype=torch.bfloat16)
+    with rg.residual_gemm(True), rg.into_residual(r, 32) as offer:
+        out, *rest = _call(mods, w, x, out_dtype=torch.bfloat16, bias=bias, use_split_accumulator=False,
+                           quantization_params=None, ub=None, ub_type=None, extra_output=None)
+        assert offer.taken and rest == [None, None, None]
+        assert out.shape == (16, 16) and torch.equal(out, (r + 1).view(16, 16))
+        assert plan.calls[0][2] is bias and plan.calls[0][3] is r
+        assert keys[0][1:4] == (16, 16, 32) and keys[0][6:8] == (True, True)  # m, n, k; fast accumulation, bias
+        assert _call(mods, w, x, out_dtype=torch.bfloat16)[0] == "te-out"  # taken once: the next is TE's
+    assert len(calls) == 1 and len(plan.calls) == 1
+
+
+@pytest.mark.parametrize("change", [
+    dict(kwargs=dict(gelu=True)), dict(kwargs=dict(quantization_params=object())),
+    dict(kwargs=dict(accumulate=True)), dict(kwargs=dict(layout="NN")), dict(kwargs=dict(grad=True)),
+    dict(kwargs=dict(out=torch.empty(16, 16, dtype=torch.bfloat16))), dict(kwargs=dict(out_dtype=torch.float32)),
+    dict(kwargs=dict(ub=object())), dict(kwargs=dict(bias=torch.zeros(16))),  # an fp32 bias
+    dict(kwargs=dict(unknown=1)), dict(args=(torch.bfloat16,)),  # positional: not how TE's modules call it
+    dict(inner=16), dict(w=(8, 32)), dict(x=(8, 32)), dict(fmt="mxfp8"),
+    dict(residual_dtype=torch.float32), dict(no_offer=True),
+])
+def test_other_calls_go_to_te(fake_te, change):
+    # anything but TE's forward GEMM of the offered shape, in bf16, without extras, runs TE's own
+    mods, _, calls, plan, _ = fake_te
+    r = torch.randn(16, 16, dtype=change.get("residual_dtype", torch.bfloat16))
+    w, x = _Storage(*change.get("w", (16, 32))), _Storage(*change.get("x", (16, 32)))
+    if "fmt" in change:
+        x = types.SimpleNamespace(_data=x._data, _scale_inv=x._scale_inv)  # not a Float8TensorStorage
+    kwargs = dict(out_dtype=torch.bfloat16) | change.get("kwargs", {})
+    with rg.residual_gemm(True):
+        if change.get("no_offer"):
+            assert _call(mods, w, x, *change.get("args", ()), **kwargs)[0] == "te-out"
+        else:
+            with rg.into_residual(r, change.get("inner", 32)) as offer:
+                assert _call(mods, w, x, *change.get("args", ()), **kwargs)[0] == "te-out"
+            assert not offer.taken
+    assert len(calls) == 1 and not plan.calls
+
+
+def test_a_refused_run_falls_back_to_te(fake_te, monkeypatch):
+    mods, _, calls, plan, keys = fake_te
+
+    def refuse(*a):
+        raise RuntimeError("cuBLASLt Matmul returned status 15")
+
+    monkeypatch.setattr(plan, "run", refuse)
+    monkeypatch.setattr(rg, "_PLANS", {})
+    r = torch.randn(16, 16, dtype=torch.bfloat16)
+    with rg.residual_gemm(True), rg.into_residual(r, 32) as offer:
+        with pytest.warns(RuntimeWarning, match="m=16, n=16, k=32.*status 15"):
+            assert _call(mods, _Storage(16, 32), _Storage(16, 32), out_dtype=torch.bfloat16)[0] == "te-out"
+    assert not offer.taken and rg._PLANS == {keys[0]: None}
+
+
+def test_residual_added_passes_the_gradient_to_both():
+    x = torch.randn(4, 8, requires_grad=True)
+    b = torch.randn(4, 8, requires_grad=True)
+    y = rg.residual_added(x, b * 3)  # b * 3 stands for the GEMM's output that holds x already
+    (y * torch.arange(8.0)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(8.0).expand(4, 8))
+    assert torch.equal(b.grad, 3 * torch.arange(8.0).expand(4, 8))
+
+
+def test_offer_is_scoped():
+    r = torch.zeros(2, 2)
+    assert rg._OFFER.get() is None
+    with rg.into_residual(r, 2) as offer:
+        assert rg._OFFER.get() is offer and offer.residual is r and not offer.taken
+    assert rg._OFFER.get() is None
+
+
+def test_alignment():
+    assert [rg._alignment(p) for p in (0, 512, 256 + 64, 1024 + 2, 7)] == [256, 256, 64, 2, 1]
+
+
+def test_unsupported_without_te_or_gpu():
+    # CI: no TE (or no CUDA device): the reason says which
+    rg.residual_gemm_support.cache_clear()
+    ok, why = rg.residual_gemm_support()
+    assert ok == (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9) and
+                  rg.te_status().ok)
+    assert ok or why
+
+
+def test_torchadd_variant():
+    assert "fp8vit-fp8-delayed-torchadd-graphed" in VARIANTS
+    v = Variant.parse("fp8vit-fp8-delayed-torchadd-graphed")
+    assert not v.residual_gemm and v.fp8 == "delayed" and v.graphed
+    assert Variant.parse("fp8vit-fp8-delayed-graphed").residual_gemm
