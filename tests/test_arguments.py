@@ -280,6 +280,7 @@ ROWS = [
         "'delayed'", "'current'", "'mxfp8'", shown="make_recipe('block', fp8_attention=True)"),
     row("set_cudnn_layernorm", "enabled", 1, lambda v: fp8vit.set_cudnn_layernorm(v), TypeError, BOOL),
     row("set_bias_grad_kernel", "enabled", 1, lambda v: fp8vit.set_bias_grad_kernel(v), TypeError, BOOL),
+    row("set_residual_gemm", "enabled", 1, lambda v: fp8vit.set_residual_gemm(v), TypeError, BOOL),
     row("make_graphed_blocks", "model", None, lambda v: fp8vit.make_graphed_blocks(v, 8), TypeError, MODULE),
     row("make_graphed_blocks", "batch_size", 0, lambda v: fp8vit.make_graphed_blocks(_vit(), v), ValueError, INT1),
     row("make_graphed_blocks", "batch_size", 8.0, lambda v: fp8vit.make_graphed_blocks(_vit(), v), TypeError, INT1),

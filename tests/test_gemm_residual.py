@@ -72,6 +72,27 @@ def test_install_and_restore(fake_te):
     assert not rg.residual_gemm_enabled()
     with rg.residual_gemm(False) as on:
         assert not on and all(mods[name].general_gemm is te_gemm for name in rg._MODULES)
+    with rg.residual_gemm(True):  # off inside on (graphs with residual_gemm=False): TE's, then back
+        with rg.residual_gemm(False) as on:
+            assert not on and all(mods[name].general_gemm is te_gemm for name in rg._MODULES)
+        assert rg.residual_gemm_enabled()
+    with pytest.raises(RuntimeError), rg.residual_gemm(True):
+        raise RuntimeError("a failed capture")
+    assert not rg.residual_gemm_enabled()
+
+
+def test_public_switch_returns_the_previous_setting_and_refuses_with_the_reason(fake_te, monkeypatch):
+    import fp8vit
+    mods, te_gemm, *_ = fake_te
+    assert fp8vit.set_residual_gemm(True) is False and rg.residual_gemm_enabled()
+    assert fp8vit.set_residual_gemm(True) is True
+    assert fp8vit.set_residual_gemm(False) is True and mods[rg._MODULES[1]].general_gemm is te_gemm
+    no = Check(False, "no CUDA device")
+    monkeypatch.setattr(rg, "residual_gemm_support", lambda: no)
+    monkeypatch.setattr(fp8vit._te, "residual_gemm_support", lambda: no)
+    with pytest.raises(RuntimeError, match=r"set_residual_gemm\(True\): no CUDA device; the residual is added after"):
+        fp8vit.set_residual_gemm(True)
+    assert not rg.residual_gemm_enabled()
 
 
 def test_not_installed_where_unsupported(fake_te, monkeypatch):

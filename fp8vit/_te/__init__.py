@@ -38,7 +38,8 @@ from .loader import (INSTALL_HINT, MIN_TE_VERSION, clear_cache, installed, load_
                      te_check, te_module, te_status, te_version)
 from .module_types import MODULE_NAMES, SwappedLinear, fp8_linear_class, modules, transformer_layer_class
 from .param_cast import cast_small_params
-from .gemm_residual import into_residual, residual_added, residual_gemm, residual_gemm_enabled, residual_gemm_support
+from .gemm_residual import (into_residual, residual_added, residual_gemm, residual_gemm_enabled, residual_gemm_support,
+                            set_residual_gemm)
 from .ops import attention_backend, cudnn_norm, cudnn_norm_available, cudnn_norm_enabled, fused_rope, gated_activation, packed_attention, set_cudnn_norm
 
 __all__ = [
@@ -52,7 +53,8 @@ __all__ = [
     "modules", "MODULE_NAMES", "SwappedLinear", "fp8_linear_class", "transformer_layer_class",
     "packed_attention", "attention_backend", "fused_rope", "gated_activation", "cudnn_norm", "cudnn_norm_available", "cudnn_norm_enabled", "set_cudnn_norm",
     "cast_small_params", "set_bias_grad_kernel", "bias_grad_kernel_enabled", "bias_grad_kernel",
-    "residual_gemm", "residual_gemm_enabled", "residual_gemm_support", "into_residual", "residual_added",
+    "set_residual_gemm", "residual_gemm", "residual_gemm_enabled", "residual_gemm_support", "into_residual",
+    "residual_added",
     # CUDA graphs
     "make_graphed_callables", "lean_graphed_forward", "wgrad_into_main_grad", "release_main_grad", "save_scaling",
     "restore_scaling",

@@ -8,8 +8,9 @@ takes 72.5 us against 59.2 + 53.1 apart (``docs/results/levers/gemm_algo_lever60
 only accumulate in place (C = D), which would overwrite the block input that norm1's backward
 keeps; this module makes the call itself, with C the residual and D a new tensor.
 
-How it fits: while :func:`residual_gemm` is on (fp8vit's graph capture), TE's ``general_gemm`` in
-its ``Linear`` and ``LayerNormMLP`` modules is :func:`_general_gemm`. A block offers its stream
+How it fits: while :func:`set_residual_gemm` has it on (fp8vit's graph capture by default; eager
+steps where asked), TE's ``general_gemm`` in its ``Linear`` and ``LayerNormMLP`` modules is
+:func:`_general_gemm`. A block offers its stream
 around a branch (:func:`into_residual`); the branch's forward GEMM that matches it (per-tensor FP8
 inputs, a bf16 output of the residual's shape from the expected inner width, a bf16 bias or none,
 no output quantizer, no Userbuffers) takes it, and the block joins the gradients with
@@ -33,7 +34,8 @@ import torch
 from ..errors import Check
 from .loader import te_module, te_status
 
-__all__ = ["residual_gemm_support", "residual_gemm", "residual_gemm_enabled", "into_residual", "residual_added"]
+__all__ = ["residual_gemm_support", "set_residual_gemm", "residual_gemm", "residual_gemm_enabled", "into_residual",
+           "residual_added"]
 
 # cuBLASLt's enums (cublasLt.h, cublas_api.h, library_types.h)
 _R_16BF, _R_32F, _R_8F_E4M3, _R_8F_E5M2 = 14, 0, 28, 29
@@ -225,27 +227,44 @@ _DEFAULTS = {"quantization_params": None, "ub": None, "ub_type": None, "extra_ou
 
 
 def residual_gemm_enabled() -> bool:
-    """Whether TE's forward GEMMs take an offered residual now (:func:`residual_gemm`)."""
+    """Whether TE's forward GEMMs take an offered residual now (:func:`set_residual_gemm`)."""
     return bool(_TE_GEMMS)
+
+
+def set_residual_gemm(enable: bool = True) -> bool:
+    """Let TE's ``Linear`` and ``LayerNormMLP`` forward GEMMs take a residual a block offers
+    (:func:`into_residual`), or give TE its own ``general_gemm`` back.
+
+    Args:
+        enable: install the routing (True) or remove it (False).
+
+    Returns:
+        whether it is installed after the call: False where :func:`residual_gemm_support` says
+        it cannot run.
+    """
+    if enable == residual_gemm_enabled():
+        return enable
+    if not enable:
+        for name, te_gemm in list(_TE_GEMMS.items()):
+            te_module(name).general_gemm = te_gemm
+            del _TE_GEMMS[name]
+    elif residual_gemm_support().ok:
+        for name in _MODULES:
+            mod = te_module(name)
+            _TE_GEMMS[name] = mod.general_gemm
+            mod.general_gemm = functools.partial(_general_gemm, _TE_GEMMS[name])
+    return residual_gemm_enabled()
 
 
 @contextlib.contextmanager
 def residual_gemm(enabled: bool) -> Iterator[bool]:
-    """TE's ``Linear`` and ``LayerNormMLP`` forward GEMMs take a residual a block offers
-    (:func:`into_residual`) for the duration of the block, where ``enabled`` and
-    :func:`residual_gemm_support` allow; yields whether they do."""
-    if not enabled or residual_gemm_enabled() or not residual_gemm_support().ok:
-        yield residual_gemm_enabled()
-        return
-    mods = [te_module(name) for name in _MODULES]
-    for mod in mods:
-        _TE_GEMMS[mod.__name__] = mod.general_gemm
-        mod.general_gemm = functools.partial(_general_gemm, _TE_GEMMS[mod.__name__])
+    """:func:`set_residual_gemm` for the duration of the block (yields whether the routing is
+    installed), then the previous setting again."""
+    old = residual_gemm_enabled()
     try:
-        yield True
+        yield set_residual_gemm(enabled)
     finally:
-        for mod in mods:
-            mod.general_gemm = _TE_GEMMS.pop(mod.__name__)
+        set_residual_gemm(old)
 
 
 @contextlib.contextmanager

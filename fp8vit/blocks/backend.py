@@ -29,7 +29,7 @@ from .._warn import warn_once
 from ..errors import TEUnavailableError
 
 __all__ = ["BACKENDS", "Backend", "check_backend", "get_backend", "resolve_backend", "set_cudnn_layernorm",
-           "set_bias_grad_kernel"]
+           "set_bias_grad_kernel", "set_residual_gemm"]
 
 BACKENDS = ("te", "reference")
 
@@ -196,4 +196,36 @@ def set_bias_grad_kernel(enabled: bool = True) -> bool:
     if _te.set_bias_grad_kernel(enabled) != enabled:  # only turning it on can fail
         raise RuntimeError(f"set_bias_grad_kernel(True): fp8vit's Triton kernels cannot run here "
                            f"({_te.kernels.triton_support().reason}); TE's kernel stays")
+    return old
+
+
+def set_residual_gemm(enabled: bool = True) -> bool:
+    """Add the classic ViT block's residual stream in the FP8 GEMM before each add (``x + proj(o)``,
+    ``x + fc2(h)``: cuBLASLt reads ``x`` as its C matrix, by fp8vit's own call), in eager steps too.
+
+    ``make_graphed_blocks`` captures it in its forward graphs by default (``residual_gemm=True``;
+    ViT-L/16 b128 on an H100: -2.1 ms a step, ViT-B/16 -0.6, ViT-H/16 -2.4; docs/performance.md,
+    lever 61) and restores the setting after capture, so eager steps add apart. The sum is rounded
+    to bf16 once instead of twice. Set it to make eager training run the graphs' kernels (graphed
+    and eager then train bit for bit alike). Process-wide, for ``TE_Block``s without LayerScale,
+    drop path or dropout at work, with a bf16 stream, under per-tensor FP8 recipes (``delayed``,
+    ``current``); the other blocks and GEMMs add as before.
+
+    Args:
+        enabled: True to add the residual in the GEMM, False to add it after TE's GEMM (the default
+            outside the graphs).
+
+    Returns:
+        The previous setting.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+        RuntimeError: turning it on where it cannot run (no TE, no CUDA device, a GPU without FP8
+            GEMMs, cuBLASLt not found; the reason given).
+    """
+    check_bool("set_residual_gemm", "enabled", enabled)
+    old = _te.residual_gemm_enabled()
+    if _te.set_residual_gemm(enabled) != enabled:  # only turning it on can fail
+        raise RuntimeError(f"set_residual_gemm(True): {_te.residual_gemm_support().reason}; the residual is "
+                           "added after TE's GEMM")
     return old

@@ -294,7 +294,7 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
     def _branch(self, x: torch.Tensor, branch, ls: nn.Module, drop_path: nn.Module, drop: Optional[nn.Module],
                 inner: int, mult: int) -> torch.Tensor:
         """``x + drop_path(ls(branch()))``, the add in the branch's last FP8 GEMM where it can be
-        (lever 61: while the graphs capture, :func:`fp8vit._te.residual_gemm`): a branch without
+        (lever 61: where :func:`fp8vit.set_residual_gemm` has it on, the graphs' capture by default): a branch without
         LayerScale, drop path or dropout (``drop``, the one after its last GEMM) at work, a bf16
         stream of aligned rows, ``inner`` the GEMM's input width (0: none takes it). Else, and
         where the GEMM does not take it, :meth:`_ls_add`."""

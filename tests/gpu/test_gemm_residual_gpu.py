@@ -4,7 +4,8 @@ then torch's add.
 The GEMM's output is ``round(x W^T + b + r)`` where TE then torch give ``round(round(x W^T + b) + r)``:
 within two bf16 roundings of each other. Gradients flow to both the branch and the residual, so
 with a loss linear in the output they equal TE's bit for bit (the same output gradient reaches the
-same backward GEMMs).
+same backward GEMMs). The module-level tests run current scaling: each pass quantizes its tensors
+alike, where delayed scaling would quantize the second pass with the first's amaxes.
 """
 
 import copy
@@ -22,12 +23,14 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True)
 def _need_fp8(monkeypatch):
     need_recipe("delayed")
+    need_recipe("current")
     ok, why = rg.residual_gemm_support()
     if not ok:
         pytest.skip(f"the residual cannot go into the GEMM here: {why}")
     monkeypatch.setattr(rg, "_PLANS", {})  # each test sees the forms it made
+    before = rg.residual_gemm_enabled()  # on: tests/gpu/conftest.py
     yield
-    assert not rg.residual_gemm_enabled()
+    assert rg.residual_gemm_enabled() == before
 
 
 def _module(kind: str):
@@ -47,7 +50,7 @@ def test_gemm_adds_the_residual_as_te_then_torch(kind):
     for on in (False, True):
         mod.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
-        with fp8vit.fp8_context("delayed"), rg.residual_gemm(on) as installed:
+        with fp8vit.fp8_context("current"), rg.residual_gemm(on) as installed:
             assert installed == on
             with rg.into_residual(xi.detach(), inner) as offer:
                 y = mod(xi)
@@ -70,7 +73,7 @@ def test_calls_that_do_not_match_go_to_te():
     # an offer with another inner width, or taken once already: TE's GEMM, the caller adds
     mod, inner = _module("LayerNormMLP")
     x = torch.randn(8, 197, 256, device="cuda", dtype=torch.bfloat16)
-    with fp8vit.fp8_context("delayed"), rg.residual_gemm(True):
+    with fp8vit.fp8_context("current"), rg.residual_gemm(True):
         with rg.into_residual(x, inner + 16) as offer:
             mod(x)
         assert not offer.taken
@@ -84,30 +87,38 @@ def test_calls_that_do_not_match_go_to_te():
 
 @pytest.mark.parametrize("model_kwargs", [{}, {"init_values": 1e-5}])
 def test_graphs_take_it_in_plain_blocks_and_train_alike(model_kwargs):
-    # make_graphed_blocks' forward graphs put both adds of a classic ViT block in the GEMMs;
-    # one step of a graphed ViT from the same state equals residual_gemm=False's within bf16
-    # rounding (logits, loss, gradients); blocks with LayerScale add as before
+    # make_graphed_blocks' forward graphs put both adds of a classic ViT block in the GEMMs (blocks
+    # with LayerScale add as before). One step of a graphed ViT from the same state, against the
+    # same model in bf16: as close with it as without it. (Two FP8 runs are not compared with each
+    # other: a last-bit change of an activation moves its delayed-scaling amax, so the next FP8
+    # casts round everything differently, a few percent apart at 2 blocks.)
     import timm
     torch.manual_seed(0)
     base = fp8vit.convert_to_te(timm.create_model("vit_base_patch16_224", depth=2, num_classes=10,
                                                   **model_kwargs).cuda())
     x = torch.randn(16, 3, 224, 224, device="cuda")
-    out = {}
+
+    def step(model, **ctx):
+        with fp8vit.fp8_context(**ctx):
+            logits = model(x).float()
+        logits.square().mean().backward()
+        return logits.detach(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref, g_ref = step(copy.deepcopy(base).train(), enabled=False)  # bf16, FP8 off, eager
+    snr = {}
     for on in (True, False):
         rg._PLANS.clear()
         model = copy.deepcopy(base)
         handle = fp8vit.make_graphed_blocks(model.train(), 16, residual_gemm=on)
         forms = sorted(k[3] for k, p in rg._PLANS.items() if p is not None)
         assert forms == ([768, 3072] if on and not model_kwargs else []), forms
-        with fp8vit.fp8_context("delayed"):
-            logits = model(x).float()
-        logits.square().mean().backward()
-        assert handle.replays == 1
-        out[on] = (logits.detach(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+        logits, grads = step(model, recipe="delayed")
+        assert handle.replays == 1 and grads.keys() == g_ref.keys()
+        snr[on] = (fp8vit.snr_db(ref, logits), {n: fp8vit.snr_db(g_ref[n], g) for n, g in grads.items()})
         handle.release()
-    (l_on, g_on), (l_off, g_off) = out[True], out[False]
-    assert (l_on - l_off).norm() <= 2e-2 * l_off.norm(), float((l_on - l_off).norm() / l_off.norm())
-    assert g_on.keys() == g_off.keys()
+    (l_on, g_on), (l_off, g_off) = snr[True], snr[False]
+    assert l_on >= 20 and l_on >= l_off - 1.5, (l_on, l_off)
+    worst = min(g_on, key=g_on.get)
+    assert g_on[worst] >= 12, (worst, g_on[worst])
     for name in g_off:
-        err = (g_on[name] - g_off[name]).norm() / g_off[name].norm().clamp_min(1e-30)
-        assert err <= 5e-2, (name, float(err))
+        assert g_on[name] >= g_off[name] - 2, (name, g_on[name], g_off[name])
