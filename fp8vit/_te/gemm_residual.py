@@ -10,12 +10,13 @@ keeps; this module makes the call itself, with C the residual and D a new tensor
 
 How it fits: while :func:`set_residual_gemm` has it on (fp8vit's graph capture by default; eager
 steps where asked), TE's ``general_gemm`` in its ``Linear`` and ``LayerNormMLP`` modules is
-:func:`_general_gemm`. A block offers its stream
-around a branch (:func:`into_residual`); the branch's forward GEMM that matches it (per-tensor FP8
-inputs, a bf16 output of the residual's shape from the expected inner width, a bf16 bias or none,
-no output quantizer, no Userbuffers) takes it, and the block joins the gradients with
-:func:`residual_added`. Every other call, and any that cuBLASLt refuses, runs TE's own, and the
-block adds as before. The GEMM runs the algorithm cuBLASLt's heuristic puts first, as TE does.
+:func:`_general_gemm`. A block offers its stream around a branch (:func:`into_residual`); the
+branch's forward GEMM that matches it (per-tensor FP8 inputs, a bf16 output of the residual's shape
+from the expected inner width, a bf16 bias or none, no output quantizer, no Userbuffers) takes it,
+and the block joins the gradients with :func:`residual_added`. Every other call, and any that
+cuBLASLt refuses, runs TE's own, and the block adds as before. The GEMM runs the algorithm
+cuBLASLt's heuristic puts first, as TE does. One process-wide setting; the descriptors are not
+shared across threads.
 """
 
 from __future__ import annotations
