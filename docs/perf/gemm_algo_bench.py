@@ -35,12 +35,11 @@ refuse an out-of-place FP8 GEMM with a bf16 C.
 
 import argparse
 import ctypes
-import glob
-import os
 from dataclasses import dataclass
 
 import fp8vit  # noqa: F401  imports TE (where installed) before torch runs a cuDNN kernel
 import torch
+from fp8vit._te.gemm_residual import HeuristicResult, load_cublaslt
 
 from microbench import STEP_ROWS as ROWS, VIT_WIDTHS, per_call_ms
 
@@ -57,50 +56,6 @@ CONFIG_TILE_ID, CONFIG_STAGES_ID, CONFIG_CLUSTER_SHAPE_ID = 1, 6, 8
 WORKSPACE = 32 * 1024 * 1024         # TE's on Hopper (its 1 KiB extra is for NVFP4 scales)
 TORCH_DTYPE = {R_32F: torch.float32, R_16BF: torch.bfloat16, R_8F_E4M3: torch.float8_e4m3fn,
                R_8F_E5M2: torch.float8_e5m2}
-
-
-class Algo(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_uint64 * 8)]
-
-
-class HeuristicResult(ctypes.Structure):
-    _fields_ = [("algo", Algo), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
-
-
-def load_cublaslt() -> ctypes.CDLL:
-    """The cuBLASLt torch runs (loaded by a first matmul), else the one in torch's wheels, with
-    the argument types of the calls made here (ctypes would pass 64-bit values as C ints)."""
-    torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
-    lib = None
-    for name in ("libcublasLt.so.13", "libcublasLt.so.12"):
-        try:
-            lib = ctypes.CDLL(name)
-            break
-        except OSError:
-            pass
-    if lib is None:
-        site = os.path.dirname(os.path.dirname(torch.__file__))
-        found = sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib", "libcublasLt.so*")))
-        if not found:
-            raise RuntimeError(f"no libcublasLt.so.* loaded or under {site}/nvidia/*/lib")
-        lib = ctypes.CDLL(found[-1])
-    P, I, U64, I64, SZ = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
-    for fn, args in {
-        "cublasLtCreate": [P],
-        "cublasLtMatmulDescCreate": [P, I, I],
-        "cublasLtMatmulDescSetAttribute": [P, I, P, SZ],
-        "cublasLtMatrixLayoutCreate": [P, I, U64, U64, I64],
-        "cublasLtMatmulPreferenceCreate": [P],
-        "cublasLtMatmulPreferenceSetAttribute": [P, I, P, SZ],
-        "cublasLtMatmulPreferenceDestroy": [P],
-        "cublasLtMatmulAlgoGetHeuristic": [P, P, P, P, P, P, P, I, P, P],
-        "cublasLtMatmulAlgoConfigGetAttribute": [P, I, P, SZ, P],
-        "cublasLtMatmul": [P, P, P, P, P, P, P, P, P, P, P, P, P, P, SZ, P],
-    }.items():
-        getattr(lib, fn).argtypes, getattr(lib, fn).restype = args, I
-    lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], SZ
-    return lib
 
 
 LT = None
@@ -332,7 +287,7 @@ def main():
     parser.add_argument("--models", nargs="+", default=list(VIT_WIDTHS), choices=list(VIT_WIDTHS))
     parser.add_argument("--algos", type=int, default=16, help="how many of the heuristic's algorithms to time")
     args = parser.parse_args()
-    LT = load_cublaslt()
+    LT = load_cublaslt()  # fp8vit's: the cuBLASLt torch loaded, with the calls' argument types
     handle = ctypes.c_void_p()
     check(LT.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
     workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")

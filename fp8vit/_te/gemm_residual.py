@@ -36,7 +36,9 @@ from ..errors import Check
 from .loader import te_module, te_status
 
 __all__ = ["residual_gemm_support", "set_residual_gemm", "residual_gemm", "residual_gemm_enabled", "into_residual",
-           "residual_added"]
+           "residual_added",
+           # cuBLASLt through ctypes, which docs/perf/gemm_algo_bench.py builds its GEMMs on too
+           "load_cublaslt", "HeuristicResult"]
 
 # cuBLASLt's enums (cublasLt.h, cublas_api.h, library_types.h)
 _R_16BF, _R_32F, _R_8F_E4M3, _R_8F_E5M2 = 14, 0, 28, 29
@@ -51,13 +53,15 @@ class _Algo(ctypes.Structure):
     _fields_ = [("data", ctypes.c_uint64 * 8)]
 
 
-class _Heuristic(ctypes.Structure):
+class HeuristicResult(ctypes.Structure):
+    """``cublasLtMatmulHeuristicResult_t``: an algorithm and what it needs."""
+
     _fields_ = [("algo", _Algo), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
                 ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
 @functools.lru_cache(maxsize=None)
-def _cublaslt() -> Any:
+def load_cublaslt() -> Any:
     """The cuBLASLt torch loaded (its first cuBLAS handle loads it), with the argument types of the
     calls made here (ctypes would pass 64-bit values as C ints)."""
     torch.cuda.current_blas_handle()
@@ -85,6 +89,7 @@ def _cublaslt() -> Any:
         "cublasLtMatmulPreferenceDestroy": [P],
         "cublasLtMatmulAlgoGetHeuristic": [P, P, P, P, P, P, P, I, P, P],
         "cublasLtMatmul": [P, P, P, P, P, P, P, P, P, P, P, P, P, P, SZ, P],
+        "cublasLtMatmulAlgoConfigGetAttribute": [P, I, P, SZ, P],
     }.items():
         getattr(lib, fn).argtypes, getattr(lib, fn).restype = args, I
     lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], SZ
@@ -105,7 +110,7 @@ def residual_gemm_support() -> Check:
     if cc < (8, 9):
         return Check(False, f"compute capability {cc[0]}.{cc[1]} has no FP8 GEMMs (8.9 or newer needed)")
     try:
-        lib = _cublaslt()
+        lib = load_cublaslt()
     except (OSError, AttributeError) as e:
         return Check(False, f"cuBLASLt did not load through ctypes ({type(e).__name__}: {e})")
     return Check(True, f"cuBLASLt {lib.cublasLtGetVersion()}")
@@ -158,7 +163,7 @@ class _Plan:
                 a = ctypes.c_uint32(align)
                 _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(a), 4),
                        "MatmulPreferenceSetAttribute")
-            self.result, got = _Heuristic(), ctypes.c_int(0)
+            self.result, got = HeuristicResult(), ctypes.c_int(0)
             _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, *self.layouts, pref, 1,
                                                       ctypes.byref(self.result), ctypes.byref(got)),
                    "MatmulAlgoGetHeuristic")
@@ -194,7 +199,7 @@ _PLANS: Dict[tuple, Optional[_Plan]] = {}  # None: a form cuBLASLt refused (TE r
 
 def _plan(key: tuple, device: int, *args) -> Optional[_Plan]:
     if key not in _PLANS:
-        lib = _cublaslt()
+        lib = load_cublaslt()
         if device not in _HANDLES:
             handle = ctypes.c_void_p()
             _check(lib.cublasLtCreate(ctypes.byref(handle)), "Create")
