@@ -88,10 +88,11 @@ def test_calls_that_do_not_match_go_to_te():
 @pytest.mark.parametrize("model_kwargs", [{}, {"init_values": 1e-5}])
 def test_graphs_take_it_in_plain_blocks_and_train_alike(model_kwargs):
     # make_graphed_blocks' forward graphs put both adds of a classic ViT block in the GEMMs (blocks
-    # with LayerScale add as before). One step of a graphed ViT from the same state, against the
-    # same model in bf16: as close with it as without it. (Two FP8 runs are not compared with each
-    # other: a last-bit change of an activation moves its delayed-scaling amax, so the next FP8
-    # casts round everything differently, a few percent apart at 2 blocks.)
+    # with LayerScale add as before). The third step of a graphed ViT at fixed weights (two FP8
+    # steps first: delayed scaling's initial scale 1 flushes small gradients to zero in E5M2),
+    # against the same model in bf16: as close with it as without it, above the suite's floors
+    # (numerics.md). Two FP8 runs are not compared with each other: a last-bit change of an
+    # activation moves its amax, so the next FP8 casts round everything differently.
     import timm
     torch.manual_seed(0)
     base = fp8vit.convert_to_te(timm.create_model("vit_base_patch16_224", depth=2, num_classes=10,
@@ -112,8 +113,10 @@ def test_graphs_take_it_in_plain_blocks_and_train_alike(model_kwargs):
         handle = fp8vit.make_graphed_blocks(model.train(), 16, residual_gemm=on)
         forms = sorted(k[3] for k, p in rg._PLANS.items() if p is not None)
         assert forms == ([768, 3072] if on and not model_kwargs else []), forms
-        logits, grads = step(model, recipe="delayed")
-        assert handle.replays == 1 and grads.keys() == g_ref.keys()
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            logits, grads = step(model, recipe="delayed")
+        assert handle.replays == 3 and grads.keys() == g_ref.keys()
         snr[on] = (fp8vit.snr_db(ref, logits), {n: fp8vit.snr_db(g_ref[n], g) for n, g in grads.items()})
         handle.release()
     (l_on, g_on), (l_off, g_off) = snr[True], snr[False]
