@@ -294,12 +294,13 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
     def _branch(self, x: torch.Tensor, branch, ls: nn.Module, drop_path: nn.Module, drop: Optional[nn.Module],
                 inner: int, mult: int) -> torch.Tensor:
         """``x + drop_path(ls(branch()))``, the add in the branch's last FP8 GEMM where it can be
-        (lever 61: where :func:`fp8vit.set_residual_gemm` has it on, the graphs' capture by default): a branch without
-        LayerScale, drop path or dropout (``drop``, the one after its last GEMM) at work, a bf16
-        stream of aligned rows, ``inner`` the GEMM's input width (0: none takes it). Else, and
-        where the GEMM does not take it, :meth:`_ls_add`."""
-        def idle(m: Optional[nn.Module]) -> bool:
-            return m is None or isinstance(m, nn.Identity) or not self.training or not getattr(m, "drop_prob", getattr(m, "p", 1))
+        (lever 61; where :func:`fp8vit.set_residual_gemm` has it on, as the graphs' capture does by
+        default): a branch without LayerScale, drop path or dropout (``drop``, the one after its
+        last GEMM) at work, a bf16 stream of aligned rows, ``inner`` the GEMM's input width (0:
+        none takes it). Else, and where the GEMM does not take it, :meth:`_ls_add`."""
+        def idle(m: Optional[nn.Module]) -> bool:  # drops nothing: none, identity, eval, or a rate of 0
+            return (m is None or isinstance(m, nn.Identity) or not self.training
+                    or not getattr(m, "drop_prob", getattr(m, "p", 1)))
 
         B, N, _ = x.shape
         if not (inner and residual_gemm_enabled() and isinstance(ls, nn.Identity) and idle(drop_path)

@@ -180,8 +180,8 @@ def clear_cache() -> None:
     """Forget every cached detection result (e.g. after changing ``CUDA_VISIBLE_DEVICES``).
 
     Clears the device description, TE's import status and capability answers, the recipe objects
-    built for recipe names, whether fp8vit's Triton kernels and its own cuBLASLt call run, so a TE or Triton installed or
-    repaired since then is seen.
+    built for recipe names, whether fp8vit's Triton kernels and its own cuBLASLt call run, so a TE
+    or Triton installed or repaired since then is seen.
     """
     gpu_info.cache_clear()
     _named_recipe.cache_clear()  # built by the TE seen before
