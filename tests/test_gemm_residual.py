@@ -50,7 +50,7 @@ def fake_te(monkeypatch):
     monkeypatch.setattr(rg, "residual_gemm_support", lambda: Check(True))
     plan = _Plan()
     keys = []
-    monkeypatch.setattr(rg, "_plan", lambda key, device, *a: keys.append(key) or plan)
+    monkeypatch.setattr(rg, "_plan", lambda key, workspace: keys.append(key) or plan)
     monkeypatch.setattr(rg, "_alignment", lambda ptr: 256)
     yield mods, te_gemm, calls, plan, keys
     assert all(mods[name].general_gemm is te_gemm for name in rg._MODULES)  # restored

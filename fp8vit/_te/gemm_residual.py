@@ -197,20 +197,28 @@ _HANDLES: Dict[int, ctypes.c_void_p] = {}
 _PLANS: Dict[tuple, Optional[_Plan]] = {}  # None: a form cuBLASLt refused (TE runs it)
 
 
-def _plan(key: tuple, device: int, *args) -> Optional[_Plan]:
+def _plan(key: tuple, workspace: int) -> Optional[_Plan]:
+    """The plan of ``key`` (``(device, m, n, k, w_type, x_type, fast_accum, bias, aligns)``: the
+    device, then :class:`_Plan`'s arguments), made on first use; None where cuBLASLt refused it."""
     if key not in _PLANS:
-        lib = load_cublaslt()
+        lib, device = load_cublaslt(), key[0]
         if device not in _HANDLES:
             handle = ctypes.c_void_p()
             _check(lib.cublasLtCreate(ctypes.byref(handle)), "Create")
             _HANDLES[device] = handle
         try:
-            _PLANS[key] = _Plan(lib, _HANDLES[device], *args)
+            _PLANS[key] = _Plan(lib, _HANDLES[device], *key[1:], workspace)
         except RuntimeError as e:
-            _PLANS[key] = None
-            warnings.warn(f"fp8vit: the residual add stays apart from the FP8 GEMM (m={key[1]}, n={key[2]}, "
-                          f"k={key[3]}): {e}", RuntimeWarning, stacklevel=3)
+            _refuse(key, e, 4)  # _refuse, _plan, _general_gemm, TE's module
     return _PLANS[key]
+
+
+def _refuse(key: tuple, err: RuntimeError, stacklevel: int) -> None:
+    """TE runs ``key``'s form from now on; say once why (the warning points at TE's module,
+    ``stacklevel`` frames up)."""
+    _PLANS[key] = None
+    warnings.warn(f"fp8vit: the residual add stays apart from the FP8 GEMM (m={key[1]}, n={key[2]}, k={key[3]}): "
+                  f"{err}", RuntimeWarning, stacklevel=stacklevel)
 
 
 class _Offer:
@@ -315,51 +323,51 @@ def _fp8_type(t: Any) -> Optional[int]:
     return _FP8_TYPES.get(t._fp8_dtype)
 
 
-def _takes(offer: Optional[_Offer], A: Any, B: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether this ``general_gemm(A, B, ...)`` call is the forward GEMM ``offer`` waits for."""
+def _takes(offer: Optional[_Offer], A: Any, B: Any, args: tuple, kwargs: dict) -> Optional[Tuple[int, int]]:
+    """The cuBLASLt types of A and B where this ``general_gemm(A, B, ...)`` call is the forward GEMM
+    ``offer`` waits for, else None."""
     if offer is None or offer.taken or args or not _TE_KWARGS.issuperset(kwargs):
-        return False
+        return None
     for name, default in _DEFAULTS.items():  # TE's defaults only: no quantized output, accumulation, GELU, ...
         got = kwargs.get(name, default)
         if (got is not None) if default is None else (type(got) is not type(default) or got != default):
-            return False
+            return None
     r, bias = offer.residual, kwargs.get("bias")
     if kwargs.get("out_dtype") != torch.bfloat16 or r.dtype != torch.bfloat16 or not r.is_contiguous():
-        return False
-    if _fp8_type(A) is None or _fp8_type(B) is None:
-        return False
+        return None
+    types = _fp8_type(A), _fp8_type(B)
+    if None in types:
+        return None
     w, x = A._data, B._data
     m, k = w.shape[0], w.shape[-1]
-    return (w.dim() == 2 and k == offer.inner and x.shape[-1] == k and m == r.shape[-1]
-            and x.numel() // k == r.numel() // m and x.is_contiguous() and w.is_contiguous()
-            and x.device == r.device == w.device
-            and (bias is None or (bias.dtype == torch.bfloat16 and bias.shape == (m,) and bias.is_contiguous())))
+    ok = (w.dim() == 2 and k == offer.inner and x.shape[-1] == k and m == r.shape[-1]
+          and x.numel() // k == r.numel() // m and x.is_contiguous() and w.is_contiguous()
+          and x.device == r.device == w.device
+          and (bias is None or (bias.dtype == torch.bfloat16 and bias.shape == (m,) and bias.is_contiguous())))
+    return types if ok else None
 
 
 def _general_gemm(te_gemm: Any, A: Any, B: Any, *args, **kwargs):
     """TE's ``general_gemm``, with the offered residual in the epilogue where the call takes it."""
     offer = _OFFER.get()
-    if not _takes(offer, A, B, args, kwargs):
+    types = _takes(offer, A, B, args, kwargs)
+    if types is None:
         return te_gemm(A, B, *args, **kwargs)
     r, bias, w, x = offer.residual, kwargs.get("bias"), A._data, B._data
     m, k = w.shape
-    n = x.numel() // k
     workspace = te_module("transformer_engine.pytorch.cpp_extensions.gemm").get_cublas_workspace(
         r.device.index, False, False)
     aligns = (_alignment(w.data_ptr()), _alignment(x.data_ptr()), _alignment(r.data_ptr()), 256)
     fast = not kwargs.get("use_split_accumulator", False)
-    key = (r.device.index, m, n, k, _fp8_type(A), _fp8_type(B), fast, bias is not None, aligns)
-    plan = _plan(key, r.device.index, m, n, k, _fp8_type(A), _fp8_type(B), fast, bias is not None, aligns,
-                 workspace.numel())
+    key = (r.device.index, m, x.numel() // k, k, *types, fast, bias is not None, aligns)
+    plan = _plan(key, workspace.numel())
     if plan is None:
         return te_gemm(A, B, *args, **kwargs)
     out = torch.empty(*x.shape[:-1], m, dtype=torch.bfloat16, device=r.device)  # torch's allocations: 256-aligned
     try:
         plan.run(w, A._scale_inv, x, B._scale_inv, bias, r, out, workspace)
-    except RuntimeError as e:  # refused before anything was enqueued: TE runs this form from now on
-        _PLANS[key] = None
-        warnings.warn(f"fp8vit: the residual add stays apart from the FP8 GEMM (m={m}, n={n}, k={k}): {e}",
-                      RuntimeWarning, stacklevel=2)
+    except RuntimeError as e:  # refused before anything was enqueued
+        _refuse(key, e, 3)  # _refuse, _general_gemm, TE's module
         return te_gemm(A, B, *args, **kwargs)
     offer.taken = True
     return out, None, None, None
