@@ -17,6 +17,8 @@ class _Storage:
 
     def __init__(self, rows, cols, fp8_dtype="e4m3"):
         self._data = torch.zeros(rows, cols, dtype=torch.uint8)
+        self._transpose = torch.zeros(cols, rows, dtype=torch.uint8)  # columnwise copy: the weight's in dgrad
+        self._transpose_invalid = False
         self._scale_inv = torch.ones(1)
         self._fp8_dtype = fp8_dtype
 
@@ -27,7 +29,7 @@ class _Plan:
 
     def run(self, w, w_scale_inv, x, x_scale_inv, bias, residual, out, workspace):
         self.calls.append((w, x, bias, residual))
-        out.copy_((residual + 1).view_as(out))
+        out.copy_(2 if residual is None else (residual + 1).view_as(out))
 
 
 @pytest.fixture
@@ -50,7 +52,7 @@ def fake_te(monkeypatch):
     monkeypatch.setattr(rg, "residual_gemm_support", lambda: Check(True))
     plan = _Plan()
     keys = []
-    monkeypatch.setattr(rg, "_plan", lambda key, workspace: keys.append(key) or plan)
+    monkeypatch.setattr(rg, "_plan", lambda key, workspace, operands: keys.append(key) or plan)
     monkeypatch.setattr(rg, "_alignment", lambda ptr: 256)
     yield mods, te_gemm, calls, plan, keys
     assert all(mods[name].general_gemm is te_gemm for name in rg._MODULES)  # restored
@@ -113,7 +115,8 @@ def test_the_matching_gemm_takes_it_once(fake_te):
         assert offer.taken and rest == [None, None, None]
         assert out.shape == (16, 16) and torch.equal(out, (r + 1).view(16, 16))
         assert plan.calls[0][2] is bias and plan.calls[0][3] is r
-        assert keys[0][1:4] == (16, 16, 32) and keys[0][6:8] == (True, True)  # m, n, k; fast accumulation, bias
+        # m, n, k; fast accumulation, bias, residual; the algorithm search (on by default)
+        assert keys[0][1:4] == (16, 16, 32) and keys[0][6:9] == (True, True, True) and keys[0][-1] is True
         assert _call(mods, w, x, out_dtype=torch.bfloat16)[0] == "te-out"  # taken once: the next is TE's
     assert len(calls) == 1 and len(plan.calls) == 1
 
@@ -121,6 +124,7 @@ def test_the_matching_gemm_takes_it_once(fake_te):
 @pytest.mark.parametrize("change", [
     dict(kwargs=dict(gelu=True)), dict(kwargs=dict(quantization_params=object())),
     dict(kwargs=dict(accumulate=True)), dict(kwargs=dict(layout="NN")), dict(kwargs=dict(grad=True)),
+    dict(kwargs=dict(layout="NT")),
     dict(kwargs=dict(out=torch.empty(16, 16, dtype=torch.bfloat16))), dict(kwargs=dict(out_dtype=torch.float32)),
     dict(kwargs=dict(ub=object())), dict(kwargs=dict(bias=torch.zeros(16))),  # an fp32 bias
     dict(kwargs=dict(unknown=1)), dict(args=(torch.bfloat16,)),  # positional: not how TE's modules call it
@@ -143,6 +147,73 @@ def test_other_calls_go_to_te(fake_te, change):
                 assert _call(mods, w, x, *change.get("args", ()), **kwargs)[0] == "te-out"
             assert not offer.taken
     assert len(calls) == 1 and not plan.calls
+
+
+def _dgrad(mods, w, dy, **change):
+    # TE's input-gradient call in linear.py / layernorm_mlp.py's backward
+    kwargs = dict(layout="NN", grad=True, quantization_params=None, out=None, out_dtype=torch.bfloat16,
+                  use_split_accumulator=False, ub=None, ub_type=None, extra_output=None, bulk_overlap=False)
+    return _call(mods, w, dy, **(kwargs | change))
+
+
+def test_input_gradient_gemm_runs_on_the_weights_transpose(fake_te):
+    # dx [T, in] = dy [T, out] @ W [out, in]: cuBLASLt's TN form reads W's FP8 transpose [in, out]
+    mods, _, calls, plan, keys = fake_te
+    w, dy = _Storage(48, 32), _Storage(16, 48, "e5m2")  # W [out=48, in=32], dy [T=16, out=48]
+    with rg.residual_gemm(True):
+        dx, *rest = _dgrad(mods, w, dy)
+    assert not calls and rest == [None, None, None]
+    assert dx.shape == (16, 32) and dx.dtype == torch.bfloat16 and torch.equal(dx, torch.full((16, 32), 2.0))
+    assert plan.calls[0][0] is w._transpose and plan.calls[0][1] is dy._data and plan.calls[0][2:] == (None, None)
+    assert keys[0][1:4] == (32, 16, 48) and keys[0][4:9] == (rg._R_8F_E4M3, rg._R_8F_E5M2, True, False, False)
+
+
+def test_input_gradient_leaves_an_offer_alone(fake_te):
+    mods, _, calls, plan, _ = fake_te
+    r = torch.randn(16, 32, dtype=torch.bfloat16)
+    with rg.residual_gemm(True), rg.into_residual(r, 48) as offer:
+        _dgrad(mods, _Storage(48, 32), _Storage(16, 48, "e5m2"))
+    assert not offer.taken and plan.calls[0][3] is None
+
+
+@pytest.mark.parametrize("change", [
+    dict(bias=torch.zeros(32, dtype=torch.bfloat16)), dict(grad=False), dict(quantization_params=object()),
+    dict(out=torch.empty(16, 32, dtype=torch.bfloat16)), dict(accumulate=True), dict(out_dtype=torch.float32),
+    dict(gelu=True), dict(transpose="invalid"), dict(transpose=None), dict(use_split_accumulator="yes"),
+])
+def test_other_input_gradient_calls_go_to_te(fake_te, change):
+    # a bias gradient, a quantized or given output, accumulation, a GELU, no valid FP8 transpose
+    # (Blackwell's TE keeps none): TE's own
+    mods, _, calls, plan, _ = fake_te
+    w = _Storage(48, 32)
+    t = change.pop("transpose", "ok")
+    if t == "invalid":
+        w._transpose_invalid = True
+    elif t is None:
+        w._transpose = None
+    with rg.residual_gemm(True):
+        if change.get("use_split_accumulator") == "yes":
+            change["use_split_accumulator"] = True
+            _dgrad(mods, w, _Storage(16, 48, "e5m2"), **change)  # split accumulation: a plan of its own
+            assert len(plan.calls) == 1 and not calls
+            return
+        assert _dgrad(mods, w, _Storage(16, 48, "e5m2"), **change)[0] == "te-out"
+    assert len(calls) == 1 and not plan.calls
+
+
+def test_algorithm_search_setting_is_in_the_key(fake_te):
+    mods, _, _, _, keys = fake_te
+    old = rg.set_algorithm_search(False)
+    try:
+        assert old is True
+        with rg.residual_gemm(True):
+            _dgrad(mods, _Storage(48, 32), _Storage(16, 48, "e5m2"))
+        assert rg.set_algorithm_search(True) is False
+        with rg.residual_gemm(True):
+            _dgrad(mods, _Storage(48, 32), _Storage(16, 48, "e5m2"))
+    finally:
+        rg.set_algorithm_search(old)
+    assert [k[-1] for k in keys] == [False, True] and keys[0][:-1] == keys[1][:-1]
 
 
 def test_a_refused_run_falls_back_to_te(fake_te, monkeypatch):
@@ -195,3 +266,9 @@ def test_torchadd_variant():
     v = Variant.parse("fp8vit-fp8-delayed-torchadd-graphed")
     assert not v.residual_gemm and v.fp8 == "delayed" and v.graphed
     assert Variant.parse("fp8vit-fp8-delayed-graphed").residual_gemm
+
+
+def test_heuristic_variant():
+    v = Variant.parse("fp8vit-fp8-delayed-heuristic-graphed")
+    assert not v.gemm_search and v.residual_gemm and v.fp8 == "delayed" and v.graphed
+    assert Variant.parse("fp8vit-fp8-delayed-graphed").gemm_search

@@ -21,7 +21,8 @@ see ``pyproject.toml``). One concern per module:
 ``graph_forward``   TE's graphed forward without its per-call walk over the module tree
 ``kernels``         fp8vit's own Triton kernels
 ``bias_grad``       TE's FP8 bias gradients (cast, transpose, column sums) on one of those kernels
-``gemm_residual``   a block's residual add in the FP8 GEMM before it (fp8vit's own cuBLASLt call)
+``gemm_residual``   fp8vit's own cuBLASLt calls for TE's FP8 GEMMs: a block's residual add in the
+                    GEMM before it, the input gradients, each on its fastest algorithm
 ==================  ==================================================================================
 
 ``import fp8vit`` imports TE here (:func:`preload`) when it is installed and a GPU is visible: TE
@@ -39,7 +40,7 @@ from .loader import (INSTALL_HINT, MIN_TE_VERSION, clear_cache, installed, load_
 from .module_types import MODULE_NAMES, SwappedLinear, fp8_linear_class, modules, transformer_layer_class
 from .param_cast import cast_small_params
 from .gemm_residual import (into_residual, residual_added, residual_gemm, residual_gemm_enabled, residual_gemm_support,
-                            set_residual_gemm)
+                            set_algorithm_search, set_residual_gemm)
 from .ops import attention_backend, cudnn_norm, cudnn_norm_available, cudnn_norm_enabled, fused_rope, gated_activation, packed_attention, set_cudnn_norm
 
 __all__ = [
@@ -54,7 +55,7 @@ __all__ = [
     "packed_attention", "attention_backend", "fused_rope", "gated_activation", "cudnn_norm", "cudnn_norm_available", "cudnn_norm_enabled", "set_cudnn_norm",
     "cast_small_params", "set_bias_grad_kernel", "bias_grad_kernel_enabled", "bias_grad_kernel",
     "set_residual_gemm", "residual_gemm", "residual_gemm_enabled", "residual_gemm_support", "into_residual",
-    "residual_added",
+    "residual_added", "set_algorithm_search",
     # CUDA graphs
     "make_graphed_callables", "lean_graphed_forward", "wgrad_into_main_grad", "release_main_grad", "save_scaling",
     "restore_scaling",

@@ -1,4 +1,6 @@
-"""The residual add in the FP8 GEMM before it (lever 61, docs/performance.md).
+"""fp8vit's own FP8 GEMMs in TE's modules: the residual add in the GEMM before it (lever 61) and
+the input-gradient GEMMs, each on the fastest of cuBLASLt's candidate algorithms (lever 60;
+docs/performance.md).
 
 A ViT block adds each branch to the residual stream: ``x + proj(o)``, ``x + fc2(h)``. TE runs the
 GEMM, then torch reads both ``[T, C]`` bf16 tensors and writes their sum: at ViT-L/16 b128 on an
@@ -13,10 +15,19 @@ steps where asked), TE's ``general_gemm`` in its ``Linear`` and ``LayerNormMLP``
 :func:`_general_gemm`. A block offers its stream around a branch (:func:`into_residual`); the
 branch's forward GEMM that matches it (per-tensor FP8 inputs, a bf16 output of the residual's shape
 from the expected inner width, a bf16 bias or none, no output quantizer, no Userbuffers) takes it,
-and the block joins the gradients with :func:`residual_added`. Every other call, and any that
-cuBLASLt refuses, runs TE's own, and the block adds as before. The GEMM runs the algorithm
-cuBLASLt's heuristic puts first, as TE does. One process-wide setting; the descriptors are not
-shared across threads.
+and the block joins the gradients with :func:`residual_added`. The backward's input-gradient
+GEMMs of TE's ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP`` (``dx = dy W``: per-tensor FP8,
+a bf16 output, no bias, no quantized output) run here too. Every other call, and any that
+cuBLASLt refuses, runs TE's own, and the block adds as before.
+
+Algorithms: TE runs the one cuBLASLt's heuristic puts first. At ViT-L/16 b128 on an H100 another of
+its first eight is 8-36 us faster for proj's forward and input gradient and fc2's input gradient
+(``docs/results/levers/gemm_algo_lever60_h100.log``), so each GEMM form, the first time it runs
+outside a graph capture, times the heuristic's first :data:`CANDIDATES` on its real operands
+(CUDA events, :data:`TIMED_RUNS` runs each) and keeps the fastest, as ``cudnn.benchmark`` does.
+Under ``torch.use_deterministic_algorithms(True)``, during a capture, or after
+``set_algorithm_search(False)`` it keeps the heuristic's first. One process-wide setting; the
+descriptors are not shared across threads.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ from ..errors import Check
 from .loader import te_module, te_status
 
 __all__ = ["residual_gemm_support", "set_residual_gemm", "residual_gemm", "residual_gemm_enabled", "into_residual",
-           "residual_added",
+           "residual_added", "set_algorithm_search", "CANDIDATES", "TIMED_RUNS",
            # cuBLASLt through ctypes, which docs/perf/gemm_algo_bench.py builds its GEMMs on too
            "load_cublaslt", "HeuristicResult"]
 
@@ -46,7 +57,10 @@ _COMPUTE_32F, _OP_N, _OP_T = 68, 0, 1
 _TRANSA, _TRANSB, _EPILOGUE, _BIAS_POINTER, _A_SCALE, _B_SCALE, _FAST_ACCUM, _BIAS_TYPE = 3, 4, 7, 8, 17, 18, 25, 26
 _EPI_DEFAULT, _EPI_BIAS = 1, 4
 _PREF_MAX_WORKSPACE, _PREF_ALIGNMENTS = 1, (5, 6, 7, 8)  # MIN_ALIGNMENT_{A,B,C,D}_BYTES
-_MODULES = ("transformer_engine.pytorch.module.linear", "transformer_engine.pytorch.module.layernorm_mlp")
+_MODULES = ("transformer_engine.pytorch.module.linear", "transformer_engine.pytorch.module.layernorm_mlp",
+            "transformer_engine.pytorch.module.layernorm_linear")  # the last: its input gradient only
+CANDIDATES = 8  # the heuristic's first algorithms a GEMM form times (lever 60: the best were in the first 8)
+TIMED_RUNS = 3  # runs each, after one untimed
 
 
 class _Algo(ctypes.Structure):
@@ -130,13 +144,15 @@ def _alignment(ptr: int) -> int:
 
 
 class _Plan:
-    """One GEMM form's cuBLASLt descriptors and the heuristic's first algorithm:
-    ``D[n, m] = X[n, k] @ W[m, k]^T (+ bias[m]) + R[n, m]`` in row-major terms, W and X per-tensor
-    FP8, R and D bf16 (cuBLASLt column-major: ``D (m x n) = op_T(A) @ B + C``). Pointers (scales,
-    bias) are set at each call; the descriptors are not shared across threads."""
+    """One GEMM form's cuBLASLt descriptors and its algorithm:
+    ``D[n, m] = X[n, k] @ W[m, k]^T (+ bias[m]) (+ R[n, m])`` in row-major terms, W and X
+    per-tensor FP8, R and D bf16 (cuBLASLt column-major: ``D (m x n) = op_T(A) @ B + beta C``, with
+    C = D and beta 0 where there is no R). Pointers (scales, bias) are set at each call; the
+    descriptors are not shared across threads."""
 
     def __init__(self, lib: Any, handle: ctypes.c_void_p, m: int, n: int, k: int, w_type: int, x_type: int,
-                 fast_accum: bool, bias: bool, aligns: Tuple[int, int, int, int], workspace: int):
+                 fast_accum: bool, bias: bool, residual: bool, aligns: Tuple[int, int, int, int], search: bool,
+                 workspace: int):
         self.lib, self.handle = lib, handle
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _R_32F), "MatmulDescCreate")
@@ -163,43 +179,86 @@ class _Plan:
                 a = ctypes.c_uint32(align)
                 _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(a), 4),
                        "MatmulPreferenceSetAttribute")
-            self.result, got = HeuristicResult(), ctypes.c_int(0)
-            _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, *self.layouts, pref, 1,
-                                                      ctypes.byref(self.result), ctypes.byref(got)),
-                   "MatmulAlgoGetHeuristic")
+            want = CANDIDATES if search else 1
+            results, got = (HeuristicResult * want)(), ctypes.c_int(0)
+            _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, *self.layouts, pref, want, results,
+                                                      ctypes.byref(got)), "MatmulAlgoGetHeuristic")
         finally:
             lib.cublasLtMatmulPreferenceDestroy(pref)
-        if got.value < 1 or self.result.state != 0:
+        # the heuristic's order; the first is TE's (and the one kept where none is timed)
+        self.algos = [r.algo for r in results[:got.value] if r.state == 0]
+        if not self.algos:
             raise RuntimeError("cuBLASLt's heuristic has no algorithm for it")
-        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(1.0)
+        self.algo, self.rank = self.algos[0], 0
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(1.0 if residual else 0.0)
 
     def _set(self, attr: int, value: Any) -> None:
         _check(self.lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
                f"MatmulDescSetAttribute({attr})")
 
     def run(self, w: torch.Tensor, w_scale_inv: torch.Tensor, x: torch.Tensor, x_scale_inv: torch.Tensor,
-            bias: Optional[torch.Tensor], residual: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor) -> None:
-        """Enqueue ``out = x @ w^T * scales (+ bias) + residual`` on torch's current stream."""
+            bias: Optional[torch.Tensor], residual: Optional[torch.Tensor], out: torch.Tensor,
+            workspace: torch.Tensor, algo: Optional[_Algo] = None) -> None:
+        """Enqueue ``out = x @ w^T * scales (+ bias) (+ residual)`` on torch's current stream, by
+        the plan's algorithm (or ``algo``, one of :attr:`algos`)."""
         self._set(_A_SCALE, ctypes.c_void_p(w_scale_inv.data_ptr()))
         self._set(_B_SCALE, ctypes.c_void_p(x_scale_inv.data_ptr()))
         if bias is not None:
             self._set(_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
-        lay = self.layouts
+        lay, c = self.layouts, (out if residual is None else residual).data_ptr()  # beta 0: C is not read
         _check(self.lib.cublasLtMatmul(
             self.handle, self.desc, ctypes.byref(self.alpha), ctypes.c_void_p(w.data_ptr()), lay[0],
-            ctypes.c_void_p(x.data_ptr()), lay[1], ctypes.byref(self.beta), ctypes.c_void_p(residual.data_ptr()),
-            lay[2], ctypes.c_void_p(out.data_ptr()), lay[3], ctypes.byref(self.result.algo),
+            ctypes.c_void_p(x.data_ptr()), lay[1], ctypes.byref(self.beta), ctypes.c_void_p(c), lay[2],
+            ctypes.c_void_p(out.data_ptr()), lay[3], ctypes.byref(self.algo if algo is None else algo),
             ctypes.c_void_p(workspace.data_ptr()), ctypes.c_size_t(workspace.numel()),
             ctypes.c_void_p(torch.cuda.current_stream(out.device).cuda_stream)), "Matmul")
+
+    def pick(self, *operands: Any) -> None:
+        """Keep the fastest of :attr:`algos` on ``operands`` (:meth:`run`'s arguments; every run
+        writes the same ``out``), timed by CUDA events; the heuristic's first where one alone is
+        offered, inside a graph capture, or in torch's deterministic mode (the fastest is a
+        timing, which may differ between runs and processes)."""
+        if (len(self.algos) == 1 or torch.cuda.is_current_stream_capturing()
+                or torch.are_deterministic_algorithms_enabled()):
+            return
+        times = []
+        for algo in self.algos:
+            try:
+                self.run(*operands, algo=algo)  # untimed: the first run of an algorithm loads its kernel
+            except RuntimeError:  # refused before anything was enqueued: not a candidate
+                times.append(float("inf"))
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(TIMED_RUNS):
+                self.run(*operands, algo=algo)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        self.rank = min(range(len(times)), key=times.__getitem__)
+        if times[self.rank] == float("inf"):
+            raise RuntimeError(f"cuBLASLt ran none of the heuristic's {len(self.algos)} algorithms")
+        self.algo = self.algos[self.rank]
 
 
 _HANDLES: Dict[int, ctypes.c_void_p] = {}
 _PLANS: Dict[tuple, Optional[_Plan]] = {}  # None: a form cuBLASLt refused (TE runs it)
+_SEARCH = [True]  # set_algorithm_search's setting
 
 
-def _plan(key: tuple, workspace: int) -> Optional[_Plan]:
-    """The plan of ``key`` (``(device, m, n, k, w_type, x_type, fast_accum, bias, aligns)``: the
-    device, then :class:`_Plan`'s arguments), made on first use; None where cuBLASLt refused it."""
+def set_algorithm_search(enabled: bool) -> bool:
+    """Time the heuristic's first :data:`CANDIDATES` algorithms of each GEMM form made from now on
+    and keep the fastest (True, the default), or keep its first as TE does (False: lever 60 off,
+    the bench's ``-heuristic-`` variants). Forms made before keep theirs. Returns the previous
+    setting."""
+    old, _SEARCH[0] = _SEARCH[0], bool(enabled)
+    return old
+
+
+def _plan(key: tuple, workspace: torch.Tensor, operands: tuple) -> Optional[_Plan]:
+    """The plan of ``key`` (``(device, m, n, k, w_type, x_type, fast_accum, bias, residual,
+    aligns, search)``: the device, then :class:`_Plan`'s arguments), made on first use, its
+    algorithm timed on ``operands`` (:meth:`_Plan.run`'s); None where cuBLASLt refused it."""
     if key not in _PLANS:
         lib, device = load_cublaslt(), key[0]
         if device not in _HANDLES:
@@ -207,7 +266,9 @@ def _plan(key: tuple, workspace: int) -> Optional[_Plan]:
             _check(lib.cublasLtCreate(ctypes.byref(handle)), "Create")
             _HANDLES[device] = handle
         try:
-            _PLANS[key] = _Plan(lib, _HANDLES[device], *key[1:], workspace)
+            plan = _Plan(lib, _HANDLES[device], *key[1:], workspace.numel())
+            plan.pick(*operands, workspace)
+            _PLANS[key] = plan
         except RuntimeError as e:
             _refuse(key, e, 4)  # _refuse, _plan, _general_gemm, TE's module
     return _PLANS[key]
@@ -217,8 +278,9 @@ def _refuse(key: tuple, err: RuntimeError, stacklevel: int) -> None:
     """TE runs ``key``'s form from now on; say once why (the warning points at TE's module,
     ``stacklevel`` frames up)."""
     _PLANS[key] = None
-    warnings.warn(f"fp8vit: the residual add stays apart from the FP8 GEMM (m={key[1]}, n={key[2]}, k={key[3]}): "
-                  f"{err}", RuntimeWarning, stacklevel=stacklevel)
+    what = "the residual add stays apart from the FP8 GEMM" if key[8] else "TE runs the FP8 input-gradient GEMM"
+    warnings.warn(f"fp8vit: {what} (m={key[1]}, n={key[2]}, k={key[3]}): {err}", RuntimeWarning,
+                  stacklevel=stacklevel)
 
 
 class _Offer:
@@ -236,8 +298,7 @@ _FP8_TYPES = {}  # tex.DType -> cuBLASLt type (filled on first use: tex imports 
 _TE_KWARGS = {"out_dtype", "quantization_params", "bias", "use_split_accumulator", "ub", "ub_type", "extra_output",
               "gelu", "accumulate", "layout", "out", "grad", "alpha", "beta", "gelu_in", "bulk_overlap"}
 _DEFAULTS = {"quantization_params": None, "ub": None, "ub_type": None, "extra_output": None, "gelu": False,
-             "accumulate": False, "layout": "TN", "out": None, "grad": False, "alpha": 1.0, "beta": None,
-             "gelu_in": None, "bulk_overlap": False}
+             "accumulate": False, "out": None, "alpha": 1.0, "beta": None, "gelu_in": None, "bulk_overlap": False}
 
 
 def residual_gemm_enabled() -> bool:
@@ -323,51 +384,72 @@ def _fp8_type(t: Any) -> Optional[int]:
     return _FP8_TYPES.get(t._fp8_dtype)
 
 
-def _takes(offer: Optional[_Offer], A: Any, B: Any, args: tuple, kwargs: dict) -> Optional[Tuple[int, int]]:
-    """The cuBLASLt types of A and B where this ``general_gemm(A, B, ...)`` call is the forward GEMM
-    ``offer`` waits for, else None."""
-    if offer is None or offer.taken or args or not _TE_KWARGS.issuperset(kwargs):
+def _operands(offer: Optional[_Offer], A: Any, B: Any, args: tuple,
+              kwargs: dict) -> Optional[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Tuple[int, int]]]:
+    """``(w, x, residual, cuBLASLt types of w and x)`` where this ``general_gemm(A, B, ...)`` call
+    runs here, else None: the forward GEMM ``offer`` waits for (layout TN: ``w`` is A's rowwise
+    ``[m, k]``, ``residual`` the offer's), or an input-gradient GEMM (layout NN, ``dx = dy W``:
+    ``w`` is the weight's FP8 transpose ``[in, out]``, ``x`` is dy ``[..., out]``, no residual)."""
+    if args or not _TE_KWARGS.issuperset(kwargs):
+        return None
+    layout, grad, bias = kwargs.get("layout", "TN"), kwargs.get("grad", False), kwargs.get("bias")
+    dgrad = layout == "NN" and grad is True and bias is None
+    if not dgrad and (offer is None or offer.taken or layout != "TN" or grad is not False):
         return None
     for name, default in _DEFAULTS.items():  # TE's defaults only: no quantized output, accumulation, GELU, ...
         got = kwargs.get(name, default)
         if (got is not None) if default is None else (type(got) is not type(default) or got != default):
             return None
-    r, bias = offer.residual, kwargs.get("bias")
-    if kwargs.get("out_dtype") != torch.bfloat16 or r.dtype != torch.bfloat16 or not r.is_contiguous():
+    if kwargs.get("out_dtype") != torch.bfloat16:
         return None
     types = _fp8_type(A), _fp8_type(B)
     if None in types:
         return None
-    w, x = A._data, B._data
-    m, k = w.shape[0], w.shape[-1]
-    ok = (w.dim() == 2 and k == offer.inner and x.shape[-1] == k and m == r.shape[-1]
-          and x.numel() // k == r.numel() // m and x.is_contiguous() and w.is_contiguous()
-          and x.device == r.device == w.device
-          and (bias is None or (bias.dtype == torch.bfloat16 and bias.shape == (m,) and bias.is_contiguous())))
-    return types if ok else None
+    # the input gradient's weight: its columnwise copy, as TE's GEMM reads it on sm89/sm90 (on GPUs
+    # with non-TN FP8 GEMMs TE keeps none, and runs it itself)
+    w, x = (getattr(A, "_transpose", None) if dgrad and not getattr(A, "_transpose_invalid", True) else
+            None if dgrad else A._data), B._data
+    if w is None or w.dim() != 2 or not w.is_contiguous() or not x.is_contiguous() or w.device != x.device:
+        return None
+    m, k = w.shape
+    if x.shape[-1] != k or (bias is not None and not (bias.dtype == torch.bfloat16 and bias.shape == (m,)
+                                                      and bias.is_contiguous())):
+        return None
+    if dgrad:
+        return w, x, None, types
+    r = offer.residual
+    ok = (k == offer.inner and m == r.shape[-1] and x.numel() // k == r.numel() // m and x.device == r.device
+          and r.dtype == torch.bfloat16 and r.is_contiguous())
+    return (w, x, r, types) if ok else None
 
 
 def _general_gemm(te_gemm: Any, A: Any, B: Any, *args, **kwargs):
-    """TE's ``general_gemm``, with the offered residual in the epilogue where the call takes it."""
+    """TE's ``general_gemm``, by fp8vit's call where :func:`_operands` takes it: the offered
+    residual in the epilogue, or an input gradient on the timed algorithm."""
     offer = _OFFER.get()
-    types = _takes(offer, A, B, args, kwargs)
-    if types is None:
+    operands = _operands(offer, A, B, args, kwargs)
+    if operands is None:
         return te_gemm(A, B, *args, **kwargs)
-    r, bias, w, x = offer.residual, kwargs.get("bias"), A._data, B._data
+    w, x, r, types = operands
+    bias = kwargs.get("bias")
     m, k = w.shape
     workspace = te_module("transformer_engine.pytorch.cpp_extensions.gemm").get_cublas_workspace(
-        r.device.index, False, False)
-    aligns = (_alignment(w.data_ptr()), _alignment(x.data_ptr()), _alignment(r.data_ptr()), 256)
+        x.device.index, False, False)
+    aligns = (_alignment(w.data_ptr()), _alignment(x.data_ptr()), 256 if r is None else _alignment(r.data_ptr()), 256)
     fast = not kwargs.get("use_split_accumulator", False)
-    key = (r.device.index, m, x.numel() // k, k, *types, fast, bias is not None, aligns)
-    plan = _plan(key, workspace.numel())
+    key = (x.device.index, m, x.numel() // k, k, *types, fast, bias is not None, r is not None, aligns, _SEARCH[0])
+    if _PLANS.get(key, True) is None:  # refused before
+        return te_gemm(A, B, *args, **kwargs)
+    out = torch.empty(*x.shape[:-1], m, dtype=torch.bfloat16, device=x.device)  # torch's allocations: 256-aligned
+    run = (w, A._scale_inv, x, B._scale_inv, bias, r, out)
+    plan = _PLANS.get(key) or _plan(key, workspace, run)
     if plan is None:
         return te_gemm(A, B, *args, **kwargs)
-    out = torch.empty(*x.shape[:-1], m, dtype=torch.bfloat16, device=r.device)  # torch's allocations: 256-aligned
     try:
-        plan.run(w, A._scale_inv, x, B._scale_inv, bias, r, out, workspace)
+        plan.run(*run, workspace)
     except RuntimeError as e:  # refused before anything was enqueued
         _refuse(key, e, 3)  # _refuse, _general_gemm, TE's module
         return te_gemm(A, B, *args, **kwargs)
-    offer.taken = True
+    if r is not None:
+        offer.taken = True
     return out, None, None, None

@@ -59,7 +59,10 @@ A variant's name says what runs the blocks, in which precision, and how:
                                    ``-stemgraph-graphed-compile`` the stem too)
 ``fp8vit-fp8-delayed-torchadd-graphed``  the residual adds after TE's GEMMs, by torch, not in the
                                    GEMMs' epilogue (``make_graphed_blocks(residual_gemm=False)``:
-                                   lever 61 off)
+                                   lever 61 off, and lever 60 with it)
+``fp8vit-fp8-delayed-heuristic-graphed``  fp8vit's GEMMs (the residual ones, the input gradients)
+                                   on the algorithm cuBLASLt's heuristic puts first, as TE's,
+                                   not the fastest of its first eight (lever 60 off)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -117,7 +120,7 @@ VARIANTS = (
     "fp8vit-fp8-delayed-tedbias-graphed", "fp8vit-fp8-delayed-fastacc-graphed", "fp8vit-fp8-delayed-fastdgrad-graphed",
     "fp8vit-fp8-delayed-splitacc", "fp8vit-fp8-delayed-splitacc-graphed",
     "fp8vit-fp8-delayed-blocksgraph-graphed", "fp8vit-fp8-delayed-stemgraph-graphed-compile",
-    "fp8vit-fp8-delayed-torchadd-graphed",
+    "fp8vit-fp8-delayed-torchadd-graphed", "fp8vit-fp8-delayed-heuristic-graphed",
 )
 
 # lever 53's variant parts: the backward GEMMs they give fast accumulation (Variant.fast_accum)
@@ -153,8 +156,11 @@ class Variant:
         layout_opt: ``torch.compile`` with Inductor's ``layout_optimization`` (its default: the
             convolutions of a compiled graph run channels-last); False: off (``-nchw``).
         triton_dbias: the graphs' FP8 bias gradients by fp8vit's kernel; False: TE's (``-tedbias``).
-        residual_gemm: the graphs' residual adds in the FP8 GEMMs before them; False: torch's add
-            after TE's GEMM (``-torchadd``).
+        residual_gemm: the graphs' residual adds in the FP8 GEMMs before them, and their input
+            gradients by fp8vit's call; False: torch's add after TE's GEMM, TE's GEMMs
+            (``-torchadd``).
+        gemm_search: fp8vit's GEMMs on the fastest of cuBLASLt's candidate algorithms; False: on
+            its heuristic's first (``-heuristic``; process-wide, for the GEMM forms made after).
         fast_accum: the backward GEMMs whose accumulation is fast, the others' split:
             ``("dgrad", "wgrad")`` (``-fastacc``), ``("dgrad",)`` (``-fastdgrad``), ``()``
             (``-splitacc``), or None for :func:`make_recipe`'s choice.
@@ -179,6 +185,7 @@ class Variant:
     layout_opt: bool = True
     triton_dbias: bool = True
     residual_gemm: bool = True
+    gemm_search: bool = True
     fast_accum: Optional[Tuple[str, ...]] = None
     stem: Optional[bool] = None
 
@@ -201,7 +208,7 @@ class Variant:
                    bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts,
                    rope_kernel="te" if "terope" in parts else None, model_norms="torchnorm" not in parts,
                    layout_opt="nchw" not in parts, triton_dbias="tedbias" not in parts,
-                   residual_gemm="torchadd" not in parts,
+                   residual_gemm="torchadd" not in parts, gemm_search="heuristic" not in parts,
                    fast_accum=next((acc for p, acc in _FAST_ACCUM.items() if p in parts), None),
                    stem=True if "stemgraph" in parts else False if "blocksgraph" in parts or compile_ else None)
 
@@ -326,6 +333,7 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
     if eager_cudnn_norm or _te.cudnn_norm_enabled():  # a variant without the switch runs TE's kernels
         set_cudnn_layernorm(eager_cudnn_norm)
     if v.blocks == "fp8vit":
+        _te.set_algorithm_search(v.gemm_search)
         convert_to_te(net, backend=backend, fallback="linear" if v.linear else "compile" if v.block_compile else "keep",
                       patch_gemm=v.patch_gemm)
         # block switches (FP8Block's; a block without such attention or RoPE ignores its value)
