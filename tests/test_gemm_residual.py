@@ -272,3 +272,61 @@ def test_heuristic_variant():
     v = Variant.parse("fp8vit-fp8-delayed-heuristic-graphed")
     assert not v.gemm_search and v.residual_gemm and v.fp8 == "delayed" and v.graphed
     assert Variant.parse("fp8vit-fp8-delayed-graphed").gemm_search
+
+
+def _timed_plan(monkeypatch, costs):
+    """A plan whose algorithms take ``costs`` ms a run (None: cuBLASLt refuses it), on a fake clock
+    read by fake CUDA events."""
+    plan = object.__new__(rg._Plan)
+    plan.algos = list(costs)
+    plan.algo, plan.rank = plan.algos[0], 0
+    clock = [0.0]
+
+    def run(*operands, algo=None):
+        assert operands == ("operands",)
+        if costs[algo] is None:
+            raise RuntimeError("cuBLASLt Matmul returned status 15")
+        clock[0] += costs[algo]
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            self.t = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    plan.run = run
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return plan
+
+
+def test_search_keeps_the_fastest_and_skips_refused_algorithms(monkeypatch):
+    plan = _timed_plan(monkeypatch, {"first": 3.0, "refused": None, "fast": 1.0, "mid": 2.0})
+    plan.pick("operands")
+    assert plan.algo == "fast" and plan.rank == 2
+
+
+@pytest.mark.parametrize("why", ["capturing", "deterministic", "one"])
+def test_search_keeps_the_heuristics_first(monkeypatch, why):
+    # inside a capture nothing can be timed; torch's deterministic mode wants the same algorithm
+    # every run; one candidate (the search off) needs no timing
+    plan = _timed_plan(monkeypatch, {"first": 3.0, "fast": 1.0} if why != "one" else {"first": 3.0})
+    if why == "capturing":
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    if why == "deterministic":
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    plan.pick("operands")
+    assert plan.algo == "first" and plan.rank == 0
+
+
+def test_search_raises_where_cublaslt_runs_none(monkeypatch):
+    plan = _timed_plan(monkeypatch, {"first": None, "second": None})
+    with pytest.raises(RuntimeError, match="none of the heuristic's 2 algorithms"):
+        plan.pick("operands")
