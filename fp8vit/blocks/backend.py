@@ -206,8 +206,11 @@ def set_residual_gemm(enabled: bool = True) -> bool:
     ``make_graphed_blocks`` captures it in its forward graphs by default (``residual_gemm=True``;
     ViT-L/16 b128 on an H100: -2.1 ms a step, ViT-B/16 -0.6, ViT-H/16 -2.4; docs/performance.md,
     lever 61) and restores the setting after capture, so eager steps add apart. The sum is rounded
-    to bf16 once instead of twice. Set it to make eager training run the graphs' kernels (graphed
-    and eager then train bit for bit alike). Process-wide, for ``TE_Block``s without LayerScale,
+    to bf16 once instead of twice. TE's input-gradient GEMMs (``Linear``, ``LayerNormLinear``,
+    ``LayerNormMLP``) run by the same call, each GEMM form on the fastest of cuBLASLt's first 8
+    algorithms, timed the first time it runs (lever 62; the heuristic's first, as TE, under
+    ``torch.use_deterministic_algorithms(True)``). Set it to make eager training run the graphs'
+    kernels (graphed and eager then train bit for bit alike). Process-wide, for ``TE_Block``s without LayerScale,
     drop path or dropout at work, with a bf16 stream, under per-tensor FP8 recipes (``delayed``,
     ``current``); the other blocks and GEMMs add as before.
 
