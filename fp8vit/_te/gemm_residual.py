@@ -1,6 +1,6 @@
 """fp8vit's own FP8 GEMMs in TE's modules: the residual add in the GEMM before it (lever 61) and
-the input-gradient GEMMs, each on the fastest of cuBLASLt's candidate algorithms (lever 60;
-docs/performance.md).
+the input-gradient GEMMs, each on the fastest of cuBLASLt's candidate algorithms (lever 62, on
+lever 60's microbenchmark; docs/performance.md).
 
 A ViT block adds each branch to the residual stream: ``x + proj(o)``, ``x + fc2(h)``. TE runs the
 GEMM, then torch reads both ``[T, C]`` bf16 tensors and writes their sum: at ViT-L/16 b128 on an
@@ -11,11 +11,11 @@ only accumulate in place (C = D), which would overwrite the block input that nor
 keeps; this module makes the call itself, with C the residual and D a new tensor.
 
 How it fits: while :func:`set_residual_gemm` has it on (fp8vit's graph capture by default; eager
-steps where asked), TE's ``general_gemm`` in its ``Linear`` and ``LayerNormMLP`` modules is
-:func:`_general_gemm`. A block offers its stream around a branch (:func:`into_residual`); the
-branch's forward GEMM that matches it (per-tensor FP8 inputs, a bf16 output of the residual's shape
-from the expected inner width, a bf16 bias or none, no output quantizer, no Userbuffers) takes it,
-and the block joins the gradients with :func:`residual_added`. The backward's input-gradient
+steps where asked), TE's ``general_gemm`` in its ``Linear``, ``LayerNormMLP`` and
+``LayerNormLinear`` modules is :func:`_general_gemm`. A block offers its stream around a branch
+(:func:`into_residual`); the branch's forward GEMM that matches it (per-tensor FP8 inputs, a bf16
+output of the residual's shape from the expected inner width, a bf16 bias or none, no output
+quantizer, no Userbuffers) takes it, and the block joins the gradients with :func:`residual_added`. The backward's input-gradient
 GEMMs of TE's ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP`` (``dx = dy W``: per-tensor FP8,
 a bf16 output, no bias, no quantized output) run here too. Every other call, and any that
 cuBLASLt refuses, runs TE's own, and the block adds as before.
@@ -248,7 +248,7 @@ _SEARCH = [True]  # set_algorithm_search's setting
 
 def set_algorithm_search(enabled: bool) -> bool:
     """Time the heuristic's first :data:`CANDIDATES` algorithms of each GEMM form made from now on
-    and keep the fastest (True, the default), or keep its first as TE does (False: lever 60 off,
+    and keep the fastest (True, the default), or keep its first as TE does (False: lever 62 off,
     the bench's ``-heuristic-`` variants). Forms made before keep theirs. Returns the previous
     setting."""
     old, _SEARCH[0] = _SEARCH[0], bool(enabled)

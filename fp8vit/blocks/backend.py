@@ -210,9 +210,9 @@ def set_residual_gemm(enabled: bool = True) -> bool:
     ``LayerNormMLP``) run by the same call, each GEMM form on the fastest of cuBLASLt's first 8
     algorithms, timed the first time it runs (lever 62; the heuristic's first, as TE, under
     ``torch.use_deterministic_algorithms(True)``). Set it to make eager training run the graphs'
-    kernels (graphed and eager then train bit for bit alike). Process-wide, for ``TE_Block``s without LayerScale,
-    drop path or dropout at work, with a bf16 stream, under per-tensor FP8 recipes (``delayed``,
-    ``current``); the other blocks and GEMMs add as before.
+    kernels (graphed and eager then train bit for bit alike). Process-wide, for ``TE_Block``s
+    without LayerScale, drop path or dropout at work, with a bf16 stream, under per-tensor FP8
+    recipes (``delayed``, ``current``); the other blocks and GEMMs add as before.
 
     Args:
         enabled: True to add the residual in the GEMM, False to add it after TE's GEMM (the default

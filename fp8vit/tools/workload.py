@@ -59,10 +59,10 @@ A variant's name says what runs the blocks, in which precision, and how:
                                    ``-stemgraph-graphed-compile`` the stem too)
 ``fp8vit-fp8-delayed-torchadd-graphed``  the residual adds after TE's GEMMs, by torch, not in the
                                    GEMMs' epilogue (``make_graphed_blocks(residual_gemm=False)``:
-                                   lever 61 off, and lever 60 with it)
+                                   lever 61 off, and lever 62 with it)
 ``fp8vit-fp8-delayed-heuristic-graphed``  fp8vit's GEMMs (the residual ones, the input gradients)
                                    on the algorithm cuBLASLt's heuristic puts first, as TE's,
-                                   not the fastest of its first eight (lever 60 off)
+                                   not the fastest of its first eight (lever 62 off)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
