@@ -15,10 +15,10 @@ steps where asked), TE's ``general_gemm`` in its ``Linear``, ``LayerNormMLP`` an
 ``LayerNormLinear`` modules is :func:`_general_gemm`. A block offers its stream around a branch
 (:func:`into_residual`); the branch's forward GEMM that matches it (per-tensor FP8 inputs, a bf16
 output of the residual's shape from the expected inner width, a bf16 bias or none, no output
-quantizer, no Userbuffers) takes it, and the block joins the gradients with :func:`residual_added`. The backward's input-gradient
-GEMMs of TE's ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP`` (``dx = dy W``: per-tensor FP8,
-a bf16 output, no bias, no quantized output) run here too. Every other call, and any that
-cuBLASLt refuses, runs TE's own, and the block adds as before.
+quantizer, no Userbuffers) takes it, and the block joins the gradients with :func:`residual_added`.
+The backward's input-gradient GEMMs of TE's ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP``
+(``dx = dy W``: per-tensor FP8, a bf16 output, no bias, no quantized output) run here too. Every
+other call, and any that cuBLASLt refuses, runs TE's own, and the block adds as before.
 
 Algorithms: TE runs the one cuBLASLt's heuristic puts first. At ViT-L/16 b128 on an H100 another of
 its first eight is 8-36 us faster for proj's forward and input gradient and fc2's input gradient
