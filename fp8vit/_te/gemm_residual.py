@@ -405,10 +405,12 @@ def _operands(offer: Optional[_Offer], A: Any, B: Any, args: tuple,
     types = _fp8_type(A), _fp8_type(B)
     if None in types:
         return None
-    # the input gradient's weight: its columnwise copy, as TE's GEMM reads it on sm89/sm90 (on GPUs
-    # with non-TN FP8 GEMMs TE keeps none, and runs it itself)
-    w, x = (getattr(A, "_transpose", None) if dgrad and not getattr(A, "_transpose_invalid", True) else
-            None if dgrad else A._data), B._data
+    if dgrad:  # the weight's columnwise copy, as TE's GEMM reads it on sm89/sm90 (on GPUs with
+        # non-TN FP8 GEMMs TE keeps none, and runs it itself)
+        w = None if getattr(A, "_transpose_invalid", True) else getattr(A, "_transpose", None)
+    else:
+        w = A._data
+    x = B._data
     if w is None or w.dim() != 2 or not w.is_contiguous() or not x.is_contiguous() or w.device != x.device:
         return None
     m, k = w.shape
