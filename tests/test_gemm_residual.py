@@ -279,22 +279,26 @@ OPERANDS = ("w", "w_scale_inv", torch.zeros(4, 16, dtype=torch.uint8), "x_scale_
 
 
 def _timed_plan(monkeypatch, costs):
-    """A plan whose algorithms take ``costs`` ms a run (None: cuBLASLt refuses it), on a fake clock
-    read by fake CUDA events."""
+    """A plan whose algorithms take ``costs`` ms a run (None: cuBLASLt refuses it; a list: a cost
+    per run), on a fake clock read by fake CUDA events."""
     plan = object.__new__(rg._Plan)
     plan.algos = list(costs)
     plan.algo, plan.rank = plan.algos[0], 0
     plan.x_type = rg._R_8F_E4M3
-    clock = [0.0]
+    clock, runs = [0.0], {}
 
     def run(*operands, algo=None):
         # the activation timed is a stand-in of the real one's shape and type; the rest as given
         assert operands[:2] == OPERANDS[:2] and operands[3:] == OPERANDS[3:]
         assert operands[2] is not OPERANDS[2] and operands[2].shape == OPERANDS[2].shape
         assert operands[2].dtype == torch.uint8
-        if costs[algo] is None:
+        cost = costs[algo]
+        if cost is None:
             raise RuntimeError("cuBLASLt Matmul returned status 15")
-        clock[0] += costs[algo]
+        if isinstance(cost, list):  # a cost per run of this algorithm, the last one from then on
+            runs[algo] = runs.get(algo, -1) + 1
+            cost = cost[min(runs[algo], len(cost) - 1)]
+        clock[0] += cost
 
     class Event:
         def __init__(self, enable_timing=False):
@@ -319,6 +323,14 @@ def test_search_keeps_the_fastest_and_skips_refused_algorithms(monkeypatch):
     plan = _timed_plan(monkeypatch, {"first": 3.0, "refused": None, "fast": 1.0, "mid": 2.0})
     plan.pick(*OPERANDS)
     assert plan.algo == "fast" and plan.rank == 2
+
+
+def test_search_takes_the_median_round_of_runs_in_turn(monkeypatch):
+    # "fast" is slowed (a clock dip, another process) during its first timed runs only: one block
+    # of runs each would keep "first"; the median of rounds in turn keeps "fast"
+    plan = _timed_plan(monkeypatch, {"first": 1.0, "fast": [0.9] + [3.0] * rg.TIMED_RUNS + [0.9]})
+    plan.pick(*OPERANDS)
+    assert plan.algo == "fast" and plan.rank == 1
 
 
 @pytest.mark.parametrize("why", ["capturing", "deterministic", "one"])
