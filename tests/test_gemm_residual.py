@@ -274,31 +274,19 @@ def test_heuristic_variant():
     assert Variant.parse("fp8vit-fp8-delayed-graphed").gemm_search
 
 
-# run()'s arguments: w, its scale, x (FP8 bytes), its scale, bias, residual, out, workspace
-OPERANDS = ("w", "w_scale_inv", torch.zeros(4, 16, dtype=torch.uint8), "x_scale_inv", None, None, "out", "ws")
-
-
 def _timed_plan(monkeypatch, costs):
-    """A plan whose algorithms take ``costs`` ms a run (None: cuBLASLt refuses it; a list: a cost
-    per run), on a fake clock read by fake CUDA events."""
+    """A plan whose algorithms take ``costs`` ms a run (None: cuBLASLt refuses it), on a fake clock
+    read by fake CUDA events."""
     plan = object.__new__(rg._Plan)
     plan.algos = list(costs)
     plan.algo, plan.rank = plan.algos[0], 0
-    plan.x_type = rg._R_8F_E4M3
-    clock, runs = [0.0], {}
+    clock = [0.0]
 
     def run(*operands, algo=None):
-        # the activation timed is a stand-in of the real one's shape and type; the rest as given
-        assert operands[:2] == OPERANDS[:2] and operands[3:] == OPERANDS[3:]
-        assert operands[2] is not OPERANDS[2] and operands[2].shape == OPERANDS[2].shape
-        assert operands[2].dtype == torch.uint8
-        cost = costs[algo]
-        if cost is None:
+        assert operands == ("operands",)
+        if costs[algo] is None:
             raise RuntimeError("cuBLASLt Matmul returned status 15")
-        if isinstance(cost, list):  # a cost per run of this algorithm, the last one from then on
-            runs[algo] = runs.get(algo, -1) + 1
-            cost = cost[min(runs[algo], len(cost) - 1)]
-        clock[0] += cost
+        clock[0] += costs[algo]
 
     class Event:
         def __init__(self, enable_timing=False):
@@ -321,16 +309,8 @@ def _timed_plan(monkeypatch, costs):
 
 def test_search_keeps_the_fastest_and_skips_refused_algorithms(monkeypatch):
     plan = _timed_plan(monkeypatch, {"first": 3.0, "refused": None, "fast": 1.0, "mid": 2.0})
-    plan.pick(*OPERANDS)
+    plan.pick("operands")
     assert plan.algo == "fast" and plan.rank == 2
-
-
-def test_search_takes_the_median_round_of_runs_in_turn(monkeypatch):
-    # "fast" is slowed (a clock dip, another process) during its first timed runs only: one block
-    # of runs each would keep "first"; the median of rounds in turn keeps "fast"
-    plan = _timed_plan(monkeypatch, {"first": 1.0, "fast": [0.9] + [3.0] * rg.TIMED_RUNS + [0.9]})
-    plan.pick(*OPERANDS)
-    assert plan.algo == "fast" and plan.rank == 1
 
 
 @pytest.mark.parametrize("why", ["capturing", "deterministic", "one"])
@@ -342,26 +322,11 @@ def test_search_keeps_the_heuristics_first(monkeypatch, why):
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     if why == "deterministic":
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    plan.pick(*OPERANDS)
+    plan.pick("operands")
     assert plan.algo == "first" and plan.rank == 0
 
 
 def test_search_raises_where_cublaslt_runs_none(monkeypatch):
     plan = _timed_plan(monkeypatch, {"first": None, "second": None})
     with pytest.raises(RuntimeError, match="none of the heuristic's 2 algorithms"):
-        plan.pick(*OPERANDS)
-
-
-@pytest.mark.parametrize("x_type, dtype", [(rg._R_8F_E4M3, torch.float8_e4m3fn), (rg._R_8F_E5M2, torch.float8_e5m2)])
-def test_stand_in_spreads_normal_values_over_the_format(x_type, dtype):
-    # what the algorithms are timed on: not warm-up's uninitialized gradients but finite normal
-    # values whose extremes reach the format's top, as delayed scaling places real ones
-    x = torch.full((64, 1024), 0x7F, dtype=torch.uint8)  # NaN in E4M3, as stale memory may hold
-    rng = torch.get_rng_state()
-    a, b = rg._stand_in(x, x_type), rg._stand_in(x, x_type)
-    assert torch.equal(torch.get_rng_state(), rng)  # the user's random stream untouched
-    assert a.shape == x.shape and a.dtype == torch.uint8 and torch.equal(a, b)  # the same every run
-    values = a.view(dtype).float()
-    top = torch.finfo(dtype).max
-    assert torch.isfinite(values).all() and (values == 0).float().mean() < 0.01
-    assert abs(values.std().item() / (top / 8) - 1) < 0.05 and values.abs().max() > top / 3
+        plan.pick("operands")

@@ -23,10 +23,8 @@ other call, and any that cuBLASLt refuses, runs TE's own, and the block adds as 
 Algorithms: TE runs the one cuBLASLt's heuristic puts first. At ViT-L/16 b128 on an H100 another of
 its first eight is 8-36 us faster for proj's forward and input gradient and fc2's input gradient
 (``docs/results/levers/gemm_algo_lever60_h100.log``), so each GEMM form, the first time it runs
-outside a graph capture, times the heuristic's first :data:`CANDIDATES` on its operands, the
-activation or gradient replaced by random values in its FP8 format (CUDA events, :data:`TIMED_RUNS`
-runs of each candidate in turn, :data:`ROUNDS` times, the median round its time), and keeps the
-fastest, as ``cudnn.benchmark`` does.
+outside a graph capture, times the heuristic's first :data:`CANDIDATES` on its real operands
+(CUDA events, :data:`TIMED_RUNS` runs each) and keeps the fastest, as ``cudnn.benchmark`` does.
 Under ``torch.use_deterministic_algorithms(True)``, during a capture, or after
 ``set_algorithm_search(False)`` it keeps the heuristic's first. One process-wide setting; the
 descriptors are not shared across threads.
@@ -49,7 +47,7 @@ from ..errors import Check
 from .loader import te_module, te_status
 
 __all__ = ["residual_gemm_support", "set_residual_gemm", "residual_gemm", "residual_gemm_enabled", "into_residual",
-           "residual_added", "set_algorithm_search", "CANDIDATES", "TIMED_RUNS", "ROUNDS",
+           "residual_added", "set_algorithm_search", "CANDIDATES", "TIMED_RUNS",
            # cuBLASLt through ctypes, which docs/perf/gemm_algo_bench.py builds its GEMMs on too
            "load_cublaslt", "HeuristicResult"]
 
@@ -62,8 +60,7 @@ _PREF_MAX_WORKSPACE, _PREF_ALIGNMENTS = 1, (5, 6, 7, 8)  # MIN_ALIGNMENT_{A,B,C,
 _MODULES = ("transformer_engine.pytorch.module.linear", "transformer_engine.pytorch.module.layernorm_mlp",
             "transformer_engine.pytorch.module.layernorm_linear")  # the last: its input gradient only
 CANDIDATES = 8  # the heuristic's first algorithms a GEMM form times (lever 60: the best were in the first 8)
-TIMED_RUNS = 3  # runs of a candidate in a row, after one untimed
-ROUNDS = 5  # of TIMED_RUNS each candidate, in turn; the median round is its time
+TIMED_RUNS = 3  # runs each, after one untimed
 
 
 class _Algo(ctypes.Structure):
@@ -193,7 +190,6 @@ class _Plan:
         if not self.algos:
             raise RuntimeError("cuBLASLt's heuristic has no algorithm for it")
         self.algo, self.rank = self.algos[0], 0
-        self.x_type = x_type
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(1.0 if residual else 0.0)
 
     def _set(self, attr: int, value: Any) -> None:
@@ -219,58 +215,30 @@ class _Plan:
 
     def pick(self, *operands: Any) -> None:
         """Keep the fastest of :attr:`algos` on ``operands`` (:meth:`run`'s arguments; every run
-        writes the same ``out``), its ``x`` replaced by :func:`_stand_in` values, timed by CUDA
-        events in interleaved rounds; the heuristic's first where one alone is offered, inside a graph capture, or in
-        torch's deterministic mode (the fastest is a timing, which may differ between runs and
-        processes)."""
+        writes the same ``out``), timed by CUDA events; the heuristic's first where one alone is
+        offered, inside a graph capture, or in torch's deterministic mode (the fastest is a
+        timing, which may differ between runs and processes)."""
         if (len(self.algos) == 1 or torch.cuda.is_current_stream_capturing()
                 or torch.are_deterministic_algorithms_enabled()):
             return
-        operands = (*operands[:2], _stand_in(operands[2], self.x_type), *operands[3:])
-        live = []  # the candidates cuBLASLt runs
-        for i, algo in enumerate(self.algos):
+        times = []
+        for algo in self.algos:
             try:
                 self.run(*operands, algo=algo)  # untimed: the first run of an algorithm loads its kernel
-                live.append(i)
             except RuntimeError:  # refused before anything was enqueued: not a candidate
-                pass
-        if not live:
+                times.append(float("inf"))
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(TIMED_RUNS):
+                self.run(*operands, algo=algo)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        self.rank = min(range(len(times)), key=times.__getitem__)
+        if times[self.rank] == float("inf"):
             raise RuntimeError(f"cuBLASLt ran none of the heuristic's {len(self.algos)} algorithms")
-        # in turn, ROUNDS times, every other round backwards: a clock or power change during the
-        # search falls on every candidate alike, and the median round drops a stray one (lever 64:
-        # one block of runs each, in order, kept a 70 us algorithm over a 65 us one)
-        events = {i: [] for i in live}
-        for r in range(ROUNDS):
-            for i in (live if r % 2 == 0 else reversed(live)):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(TIMED_RUNS):
-                    self.run(*operands, algo=self.algos[i])
-                end.record()
-                events[i].append((start, end))
-        end.synchronize()
-        median = {i: sorted(s.elapsed_time(e) for s, e in ev)[ROUNDS // 2] for i, ev in events.items()}
-        self.rank = min(live, key=median.__getitem__)
         self.algo = self.algos[self.rank]
-
-
-def _stand_in(x: torch.Tensor, x_type: int) -> torch.Tensor:
-    """Normal values ``[..., k]`` in ``x``'s FP8 format (``x_type``; as ``x``, uint8 bytes), spread
-    over the format's range as delayed scaling spreads real ones, to time algorithms on.
-
-    Why not ``x`` itself: a form is timed on its first run outside a capture, which for graphed
-    blocks is TE's warm-up, whose backward feeds ``torch.empty_like`` gradients: an input
-    gradient's dy is then whatever memory held (zeros, stale bytes, NaNs), and a tensor core's
-    speed under the power cap depends on the bits it multiplies. A fixed seed of a private
-    generator: the same stand-in every run, and the user's random stream untouched."""
-    dtype = torch.float8_e4m3fn if x_type == _R_8F_E4M3 else torch.float8_e5m2
-    spread = torch.finfo(dtype).max / 8  # amax at the format's top, ~4 sigma of a normal's extremes
-    gen = torch.Generator(device=x.device).manual_seed(0)
-    out = torch.empty_like(x)
-    for chunk in out.view(-1).split(1 << 24):  # bf16 normals 32 MiB at a time, not all of x's size
-        values = torch.randn(chunk.numel(), generator=gen, device=x.device, dtype=torch.bfloat16)
-        chunk.copy_(values.mul_(spread).to(dtype).view(torch.uint8))
-    return out
 
 
 _HANDLES: Dict[int, ctypes.c_void_p] = {}
