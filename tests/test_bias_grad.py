@@ -102,3 +102,127 @@ def test_public_switch_returns_the_previous_setting_and_refuses_without_triton(f
     with pytest.raises(RuntimeError, match=r"set_bias_grad_kernel\(True\).*\(no CUDA device\); TE's kernel stays"):
         fp8vit.set_bias_grad_kernel(True)
     assert tex.bgrad_quantize is originals[0]
+
+
+# ---- lever 67: a forked tensor's two gradients summed in the kernel of the sum's reader
+
+
+class _Reader(torch.autograd.Function):
+    """Stands for a TE Linear whose output is the forked tensor: its backward hands the gradient it
+    gets to ``bgrad_quantize`` with ``quantizer`` (None: never calls it), as TE's
+    ``grad_output_preprocess`` does, and records the result."""
+
+    @staticmethod
+    def forward(ctx, w, tex, quantizer, seen):
+        ctx.tex, ctx.quantizer, ctx.seen = tex, quantizer, seen
+        return w * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.quantizer is not None:
+            ctx.seen.append(ctx.tex.bgrad_quantize(g.reshape(-1, g.shape[-1]).contiguous(), ctx.quantizer))
+        return g, None, None, None
+
+
+@pytest.fixture
+def forked(fake_te, monkeypatch):
+    """The fake TE with fp8vit's bias-gradient call installed and lever 67 on; the kernel (CUDA
+    only) replaced by a stand-in that sums in fp32 and records each call."""
+    tex, _, calls = fake_te
+    casts = []
+
+    def cast(grad, quantizer, addend=None, total=None):
+        if addend is not None:
+            total.copy_((grad.float() + addend.float()).to(total.dtype))
+        casts.append((quantizer, addend is not None))
+        return f"dbias{len(casts)}", f"fp8-{len(casts)}"
+
+    monkeypatch.setattr(bias_grad, "_cast", cast)
+    monkeypatch.setattr(bias_grad, "_takes", lambda grad, q: isinstance(q, _Float8Quantizer))
+    monkeypatch.setattr(bias_grad, "active_fp8_recipe", lambda: _Recipe(True))
+    bias_grad.set_bias_grad_kernel(True)
+    old = bias_grad.set_gradient_sum_kernel(True)
+    yield tex, calls, casts
+    bias_grad.set_gradient_sum_kernel(old)
+
+
+def _forked_step(tex, owner, quantizer, seen):
+    """w -> reader (quantizer) -> x, forked: loss = sum(3 a) + sum(b * b); returns w's gradient."""
+    w = torch.linspace(-1, 1, 12, dtype=torch.bfloat16).view(3, 4).requires_grad_(True)
+    x = _Reader.apply(w, tex, quantizer, seen)
+    a, b = bias_grad.residual_fork(owner, "mlp", x)
+    assert a is not b
+    ((a.float() * 3).sum() + (b.float() ** 2).sum()).backward()
+    assert not bias_grad._READY and not bias_grad._SUMS  # nothing kept past the backward pass
+    return w.grad, (3 + 2 * w.detach().float()).to(torch.bfloat16)
+
+
+class _Recipe:
+    def __init__(self, delayed):
+        self._delayed = delayed
+
+    def delayed(self):
+        return self._delayed
+
+
+def test_gradient_sum_is_off_by_default_and_needs_the_bias_grad_kernel_and_delayed_fp8(fake_te, monkeypatch):
+    recipe = [_Recipe(True)]
+    monkeypatch.setattr(bias_grad, "active_fp8_recipe", lambda: recipe[0])
+    x = torch.ones(2, 4, requires_grad=True)
+    owner = torch.nn.Linear(1, 1)
+
+    def unforked(t):
+        a, b = bias_grad.residual_fork(owner, "attn", t)
+        return a is t and b is t
+    assert unforked(x)  # off
+    old = bias_grad.set_gradient_sum_kernel(True)
+    try:
+        assert old is False
+        assert unforked(x)  # the bias-gradient kernel is not installed
+        bias_grad.set_bias_grad_kernel(True)
+        assert unforked(x.detach())  # no gradient to sum
+        with torch.no_grad():
+            assert unforked(x)
+        recipe[0] = None  # no FP8 autocast: no FP8 backward casts the sum
+        assert unforked(x)
+        recipe[0] = _Recipe(False)  # not delayed scaling: not the kernel's
+        assert unforked(x)
+        recipe[0] = _Recipe(True)
+        a, b = bias_grad.residual_fork(owner, "attn", x)
+        assert a is not x and b is not x and torch.equal(a, x) and torch.equal(b, x)
+    finally:
+        bias_grad.set_gradient_sum_kernel(False)
+
+
+def test_the_sums_reader_is_learned_then_the_sum_is_made_in_its_cast(forked):
+    tex, calls, casts = forked
+    owner, q, seen = torch.nn.Linear(1, 1), _Float8Quantizer(), []
+    grad, expected = _forked_step(tex, owner, q, seen)  # step 1: torch's add; bgrad_quantize learns q
+    assert torch.equal(grad, expected)
+    assert casts == [(q, False)] and seen == [["dbias1", "fp8-1"]]
+    grad, expected = _forked_step(tex, owner, q, seen)  # step 2: summed in q's cast, once
+    assert torch.equal(grad, expected)
+    assert casts[1:] == [(q, True)] and seen[1] == ["dbias2", "fp8-2"]
+    assert not calls  # TE's own function never ran
+
+
+def test_a_fused_sum_nobody_reads_or_another_reader_unlearns_the_site(forked):
+    tex, calls, casts = forked
+    owner, q, seen = torch.nn.Linear(1, 1), _Float8Quantizer(), []
+    _forked_step(tex, owner, q, seen)
+    grad, expected = _forked_step(tex, owner, None, seen)  # fused for q, then not read: dropped
+    assert torch.equal(grad, expected) and casts[1:] == [(q, True)]
+    site = bias_grad._SITES[owner]["mlp"]
+    assert site.quantizer is None
+    _forked_step(tex, owner, q, seen)  # learned again
+    q2 = _Float8Quantizer()
+    grad, expected = _forked_step(tex, owner, q2, seen)  # fused for q, read with q2: cast anew for q2
+    assert torch.equal(grad, expected)
+    assert casts[-2:] == [(q, True), (q2, False)] and seen[-1] == [f"dbias{len(casts)}", f"fp8-{len(casts)}"]
+    assert site.quantizer is None and not calls
+
+
+def test_forksum_variant():
+    assert "fp8vit-fp8-delayed-forksum-graphed" in VARIANTS
+    assert Variant.parse("fp8vit-fp8-delayed-forksum-graphed").grad_sum
+    assert not Variant.parse("fp8vit-fp8-delayed-graphed").grad_sum

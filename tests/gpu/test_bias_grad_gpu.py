@@ -137,3 +137,69 @@ def test_graphs_capture_the_chosen_kernel_and_restore_the_setting(monkeypatch, t
     loss.backward()
     assert handle.replays == 1 and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     handle.release()
+
+
+# ---- lever 67: the residual stream's two gradients summed in the kernel
+
+
+@pytest.mark.parametrize("e5m2", [True, False])
+def test_kernel_sums_then_casts_as_the_add_then_the_cast(e5m2):
+    # grad + addend, rounded to bf16 as torch's add, written to total; the FP8 bytes, amax and bias
+    # gradient are those of that rounded sum, bit for bit
+    from fp8vit._te.kernels import cast_transpose_dbias
+    torch.manual_seed(0)
+    rows, cols = 16 * 197, 768
+    a, b = (torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(2))
+    outs = []
+    for args in ((a + b, None, None), (a, b, torch.empty_like(a))):
+        q = _quantizer(e5m2, 7.0)
+        data = torch.empty(rows, cols, device="cuda", dtype=torch.uint8)
+        data_t = torch.empty(cols, rows, device="cuda", dtype=torch.uint8)
+        scale_inv = torch.empty(1, device="cuda")
+        dbias = cast_transpose_dbias(args[0], data, data_t, q.scale, q.amax, scale_inv, e5m2, args[1], args[2])
+        outs.append((dbias, data, data_t, scale_inv, q.amax, args[2]))
+    (db_ref, d_ref, t_ref, si_ref, am_ref, _), (db, d, t, si, am, total) = outs
+    assert torch.equal(total, a + b)
+    for got, ref in ((db, db_ref), (d, d_ref), (t, t_ref), (si, si_ref), (am, am_ref)):
+        assert torch.equal(got, ref)
+
+
+def test_forked_graphs_sum_in_the_cast_and_train_alike(monkeypatch):
+    # A graphed 2-block ViT with lever 67 on and off from the same state: the same gradients (the
+    # same bytes go into every GEMM), and three of the four forks fused (the first block's
+    # attention fork feeds the stem, which TE does not cast): block 0's MLP fork in block 0's proj,
+    # block 1's attention fork in block 0's fc2, block 1's MLP fork in block 1's proj
+    import copy
+
+    import timm
+    from fp8vit._te import bias_grad
+    from fp8vit._te import gemm_residual as rg
+    fused = []
+    real = bias_grad.cast_transpose_dbias
+    monkeypatch.setattr(bias_grad, "cast_transpose_dbias", lambda *a: fused.append(a[-2] is not None) or real(*a))
+    torch.manual_seed(0)
+    base = fp8vit.convert_to_te(timm.create_model("vit_base_patch16_224", depth=2, num_classes=10).cuda())
+    x = torch.randn(16, 3, 224, 224, device="cuda")
+    grads, search = {}, rg.set_algorithm_search(False)  # the heuristic's first: the same GEMM kernels both times
+    try:
+        for on in (False, True):
+            rg._PLANS.clear()
+            fused.clear()
+            old = bias_grad.set_gradient_sum_kernel(on)
+            model = copy.deepcopy(base)
+            handle = fp8vit.make_graphed_blocks(model.train(), 16)
+            sites = [s for d in bias_grad._SITES.values() for s in d.values() if s.quantizer is not None]
+            assert len(sites) == (3 if on else 0) and (sum(fused) >= 3 if on else not any(fused)), (len(sites), fused)
+            with fp8vit.fp8_context("delayed"):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            assert handle.replays == 1
+            grads[on] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            handle.release()
+            bias_grad.set_gradient_sum_kernel(old)
+            bias_grad._SITES.clear()
+    finally:
+        rg.set_algorithm_search(search)
+    assert grads[True].keys() == grads[False].keys()
+    differ = [n for n in grads[False] if not torch.equal(grads[True][n], grads[False][n])]
+    assert not differ, differ
