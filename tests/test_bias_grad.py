@@ -131,11 +131,11 @@ def forked(fake_te, monkeypatch):
     tex, _, calls = fake_te
     casts = []
 
-    def cast(grad, quantizer, addend=None, total=None):
+    def cast(grad, quantizer, shape, addend=None, total=None):
         if addend is not None:
             total.copy_((grad.float() + addend.float()).to(total.dtype))
         casts.append((quantizer, addend is not None))
-        return f"dbias{len(casts)}", f"fp8-{len(casts)}"
+        return f"dbias{len(casts)}", torch.full(shape, len(casts))  # stands for the FP8 tensor
 
     monkeypatch.setattr(bias_grad, "_cast", cast)
     monkeypatch.setattr(bias_grad, "_takes", lambda grad, q: isinstance(q, _Float8Quantizer))
@@ -146,9 +146,16 @@ def forked(fake_te, monkeypatch):
     bias_grad.set_gradient_sum_kernel(old)
 
 
+def _names(seen):
+    """(bias gradient, which cast) per bgrad_quantize result; the FP8 tensor has the [B N, C] shape
+    TE hands bgrad_quantize"""
+    assert all(fp8.shape == (6, 4) for _, fp8 in seen)
+    return [(db, int(fp8[0, 0])) for db, fp8 in seen]
+
+
 def _forked_step(tex, owner, quantizer, seen):
     """w -> reader (quantizer) -> x, forked: loss = sum(3 a) + sum(b * b); returns w's gradient."""
-    w = torch.linspace(-1, 1, 12, dtype=torch.bfloat16).view(3, 4).requires_grad_(True)
+    w = torch.linspace(-1, 1, 24, dtype=torch.bfloat16).view(2, 3, 4).requires_grad_(True)  # [B, N, C]
     x = _Reader.apply(w, tex, quantizer, seen)
     a, b = bias_grad.residual_fork(owner, "mlp", x)
     assert a is not b
@@ -199,10 +206,10 @@ def test_the_sums_reader_is_learned_then_the_sum_is_made_in_its_cast(forked):
     owner, q, seen = torch.nn.Linear(1, 1), _Float8Quantizer(), []
     grad, expected = _forked_step(tex, owner, q, seen)  # step 1: torch's add; bgrad_quantize learns q
     assert torch.equal(grad, expected)
-    assert casts == [(q, False)] and seen == [["dbias1", "fp8-1"]]
+    assert casts == [(q, False)] and _names(seen) == [("dbias1", 1)]
     grad, expected = _forked_step(tex, owner, q, seen)  # step 2: summed in q's cast, once
     assert torch.equal(grad, expected)
-    assert casts[1:] == [(q, True)] and seen[1] == ["dbias2", "fp8-2"]
+    assert casts[1:] == [(q, True)] and _names(seen)[1] == ("dbias2", 2)
     assert not calls  # TE's own function never ran
 
 
@@ -218,7 +225,7 @@ def test_a_fused_sum_nobody_reads_or_another_reader_unlearns_the_site(forked):
     q2 = _Float8Quantizer()
     grad, expected = _forked_step(tex, owner, q2, seen)  # fused for q, read with q2: cast anew for q2
     assert torch.equal(grad, expected)
-    assert casts[-2:] == [(q, True), (q2, False)] and seen[-1] == [f"dbias{len(casts)}", f"fp8-{len(casts)}"]
+    assert casts[-2:] == [(q, True), (q2, False)] and _names(seen)[-1] == (f"dbias{len(casts)}", len(casts))
     assert site.quantizer is None and not calls
 
 

@@ -107,22 +107,22 @@ def _bgrad_quantize(grad_output: torch.Tensor, quantizer: Any) -> List[Any]:
         ready = _READY.pop(grad_output.data_ptr(), None)
         if ready is not None:
             total, q, result, site = ready
-            if q is quantizer and _same(total, grad_output) and _takes(grad_output, quantizer):
+            if (q is quantizer and _same(total, grad_output) and result[1].shape == grad_output.shape
+                    and _takes(grad_output, quantizer)):
                 return result
             site.quantizer = None  # made for another reader: the sum holds, the cast is made anew
     if _SUMS:
         _learn(grad_output, quantizer)
     if quantizer is None or not _takes(grad_output, quantizer):
         return _TE_FUNCTIONS["bgrad_quantize"](grad_output, quantizer)
-    out = _cast(grad_output, quantizer)
-    return [out[0], out[1]]
+    return list(_cast(grad_output, quantizer, grad_output.shape))
 
 
-def _cast(grad: torch.Tensor, quantizer: Any, addend: Optional[torch.Tensor] = None,
+def _cast(grad: torch.Tensor, quantizer: Any, shape: Tuple[int, ...], addend: Optional[torch.Tensor] = None,
           total: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Any]:
-    """(bias gradient, FP8 tensor ``[R, C]``) of ``grad`` (plus ``addend``, written to ``total``)."""
+    """(bias gradient, FP8 tensor of ``shape``) of ``grad`` (plus ``addend``, written to ``total``)."""
     C = grad.shape[-1]
-    out = quantizer.make_empty((grad.numel() // C, C), dtype=grad.dtype, device=grad.device)
+    out = quantizer.make_empty(shape, dtype=grad.dtype, device=grad.device)
     e5m2 = quantizer.dtype == te_module("transformer_engine_torch").DType.kFloat8E5M2
     dbias = cast_transpose_dbias(grad.view(-1, C), out._data.view(-1, C), out._transpose.view(C, -1),
                                  quantizer.scale, quantizer.amax, out._scale_inv, e5m2,
@@ -193,7 +193,8 @@ def _sum(site: _Site, ga: torch.Tensor, gb: torch.Tensor) -> torch.Tensor:
     if (q is not None and bias_grad_kernel_enabled() and _takes(ga, q) and gb.dtype == ga.dtype
             and gb.shape == ga.shape and gb.is_contiguous() and gb.device == ga.device):
         total = torch.empty_like(ga)
-        dbias, out = _cast(ga, q, gb, total)
+        # [R, C]: the shape TE's grad_output_preprocess hands bgrad_quantize
+        dbias, out = _cast(ga, q, (ga.numel() // ga.shape[-1], ga.shape[-1]), gb, total)
         _READY[total.data_ptr()] = (total, q, [dbias, out], site)
         return total
     total = ga + gb
