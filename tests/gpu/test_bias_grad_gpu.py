@@ -166,7 +166,8 @@ def test_kernel_sums_then_casts_as_the_add_then_the_cast(e5m2):
 
 def test_forked_graphs_sum_in_the_cast_and_train_alike(monkeypatch):
     # A graphed 2-block ViT with lever 67 on and off from the same state: the same gradients (the
-    # same bytes go into every GEMM), and three of the four forks fused (the first block's
+    # same bytes go into every GEMM; bit for bit where two runs without it agree bit for bit, else
+    # as close as those two), and three of the four forks fused (the first block's
     # attention fork feeds the stem, which TE does not cast): block 0's MLP fork in block 0's proj,
     # block 1's attention fork in block 0's fc2, block 1's MLP fork in block 1's proj
     import copy
@@ -180,12 +181,14 @@ def test_forked_graphs_sum_in_the_cast_and_train_alike(monkeypatch):
     torch.manual_seed(0)
     base = fp8vit.convert_to_te(timm.create_model("vit_base_patch16_224", depth=2, num_classes=10).cuda())
     x = torch.randn(16, 3, 224, 224, device="cuda")
-    grads, search = {}, rg.set_algorithm_search(False)  # the heuristic's first: the same GEMM kernels both times
+    grads, search = {}, rg.set_algorithm_search(False)  # the heuristic's first: the same GEMM kernels each run
+    summing = bias_grad.set_gradient_sum_kernel(False)
     try:
-        for on in (False, True):
+        for run, on in enumerate((False, False, True)):
             rg._PLANS.clear()
             fused.clear()
-            old = bias_grad.set_gradient_sum_kernel(on)
+            bias_grad._SITES.clear()
+            bias_grad.set_gradient_sum_kernel(on)
             model = copy.deepcopy(base)
             handle = fp8vit.make_graphed_blocks(model.train(), 16)
             sites = [s for d in bias_grad._SITES.values() for s in d.values() if s.quantizer is not None]
@@ -194,12 +197,18 @@ def test_forked_graphs_sum_in_the_cast_and_train_alike(monkeypatch):
                 loss = model(x).float().square().mean()
             loss.backward()
             assert handle.replays == 1
-            grads[on] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            grads[run] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             handle.release()
-            bias_grad.set_gradient_sum_kernel(old)
-            bias_grad._SITES.clear()
     finally:
         rg.set_algorithm_search(search)
-    assert grads[True].keys() == grads[False].keys()
-    differ = [n for n in grads[False] if not torch.equal(grads[True][n], grads[False][n])]
-    assert not differ, differ
+        bias_grad.set_gradient_sum_kernel(summing)
+        bias_grad._SITES.clear()
+    off, off2, on = grads[0], grads[1], grads[2]
+    assert on.keys() == off.keys() == off2.keys()
+    if all(torch.equal(off[n], off2[n]) for n in off):
+        differ = [n for n in off if not torch.equal(on[n], off[n])]
+        assert not differ, differ
+    else:  # the runs themselves differ (e.g. a nondeterministic attention backward): as close as they are
+        for n in off:
+            floor = fp8vit.snr_db(off[n].float(), off2[n].float())
+            assert fp8vit.snr_db(off[n].float(), on[n].float()) >= min(floor, 60) - 3, n
