@@ -55,8 +55,8 @@ A variant's name says what runs the blocks, in which precision, and how:
                                    default); ``-splitacc[-graphed]``: neither (TE's own default)
 ``fp8vit-fp8-delayed-blocksgraph-graphed``  the blocks alone in the graphs, not the ViT's stem and
                                    final norm with them (``make_graphed_blocks(stem=False)``:
-                                   lever 55 off; ``-graphed-compile`` graphs the blocks alone,
-                                   ``-stemgraph-graphed-compile`` the stem too)
+                                   lever 55 off; ``-blocksgraph-graphed-compile`` compiled, as
+                                   ``convert_to_te(compile=True)`` before lever 65)
 ``fp8vit-fp8-delayed-torchadd-graphed``  the residual adds after TE's GEMMs, by torch, not in the
                                    GEMMs' epilogue (``make_graphed_blocks(residual_gemm=False)``:
                                    lever 61 off, and lever 62 with it)
@@ -123,6 +123,7 @@ VARIANTS = (
     "fp8vit-fp8-delayed-tedbias-graphed", "fp8vit-fp8-delayed-fastacc-graphed", "fp8vit-fp8-delayed-fastdgrad-graphed",
     "fp8vit-fp8-delayed-splitacc", "fp8vit-fp8-delayed-splitacc-graphed",
     "fp8vit-fp8-delayed-blocksgraph-graphed", "fp8vit-fp8-delayed-stemgraph-graphed-compile",
+    "fp8vit-fp8-delayed-blocksgraph-graphed-compile",
     "fp8vit-fp8-delayed-torchadd-graphed", "fp8vit-fp8-delayed-heuristic-graphed",
     "fp8vit-fp8-delayed-forksum-graphed",
 )
@@ -169,7 +170,7 @@ class Variant:
             ``("dgrad", "wgrad")`` (``-fastacc``), ``("dgrad",)`` (``-fastdgrad``), ``()``
             (``-splitacc``), or None for :func:`make_recipe`'s choice.
         stem: ``make_graphed_blocks``' ``stem``: True (``-stemgraph``), False (``-blocksgraph``,
-            and compiled variants, as ``convert_to_te(compile=True)``), or None for its default.
+            compiled too), or None for its default (``convert_to_te(compile=True)``'s too, lever 65).
         grad_sum: the residual stream's gradients summed in the bias-gradient kernel
             (``-forksum``; process-wide, for the graphs captured after).
     """
@@ -217,7 +218,7 @@ class Variant:
                    layout_opt="nchw" not in parts, triton_dbias="tedbias" not in parts,
                    residual_gemm="torchadd" not in parts, gemm_search="heuristic" not in parts,
                    fast_accum=next((acc for p, acc in _FAST_ACCUM.items() if p in parts), None),
-                   stem=True if "stemgraph" in parts else False if "blocksgraph" in parts or compile_ else None,
+                   stem=True if "stemgraph" in parts else False if "blocksgraph" in parts else None,
                    grad_sum="forksum" in parts)
 
     @property
