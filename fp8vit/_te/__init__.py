@@ -20,8 +20,7 @@ see ``pyproject.toml``). One concern per module:
 ``graphs``          CUDA-graph capture and weight gradients written into fp32 ``main_grad`` buffers
 ``graph_forward``   TE's graphed forward without its per-call walk over the module tree
 ``kernels``         fp8vit's own Triton kernels
-``bias_grad``       TE's FP8 bias gradients (cast, transpose, column sums) on one of those kernels, and
-                    the residual stream's two gradients summed in it (lever 67)
+``bias_grad``       TE's FP8 bias gradients (cast, transpose, column sums) on one of those kernels
 ``gemm_residual``   fp8vit's own cuBLASLt calls for TE's FP8 GEMMs: a block's residual add in the
                     GEMM before it, the input gradients, each on its fastest algorithm
 ==================  ==================================================================================
@@ -33,7 +32,7 @@ must be imported before torch runs its first cuDNN kernel.
 from .extra_state import EXTRA_STATE_FORMAT
 from .fp8 import (active_fp8_recipe, autocast, checkpoint, fused_adam, is_quantized, quantized_model_init,
                   repair_amax_histories, scaling_state)
-from .bias_grad import bias_grad_kernel, bias_grad_kernel_enabled, residual_fork, set_bias_grad_kernel, set_gradient_sum_kernel
+from .bias_grad import bias_grad_kernel, bias_grad_kernel_enabled, set_bias_grad_kernel
 from .graph_forward import lean_graphed_forward
 from .graphs import make_graphed_callables, release_main_grad, restore_scaling, save_scaling, wgrad_into_main_grad
 from .loader import (INSTALL_HINT, MIN_TE_VERSION, clear_cache, installed, load_te, preload, release_import_warnings,
@@ -55,7 +54,6 @@ __all__ = [
     "modules", "MODULE_NAMES", "SwappedLinear", "fp8_linear_class", "transformer_layer_class",
     "packed_attention", "attention_backend", "fused_rope", "gated_activation", "cudnn_norm", "cudnn_norm_available", "cudnn_norm_enabled", "set_cudnn_norm",
     "cast_small_params", "set_bias_grad_kernel", "bias_grad_kernel_enabled", "bias_grad_kernel",
-    "set_gradient_sum_kernel", "residual_fork",
     "set_residual_gemm", "residual_gemm", "residual_gemm_enabled", "residual_gemm_support", "into_residual",
     "residual_added", "set_algorithm_search",
     # CUDA graphs

@@ -240,11 +240,10 @@ def _kernels():
             tl.store(OUT + vo, tl.load(X + vo, mask=vm), mask=vm)
 
     @triton.jit
-    def cast_transpose_dbias_kernel(G, G2, SUM, Q, QT, PART, SCALE, AMAX, SCALE_INV, R, C, ROWS_PER_PROG,
-                                    FP8_MAX: tl.constexpr, E5M2: tl.constexpr, HAS_ADD: tl.constexpr,
-                                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # One program: ROWS_PER_PROG rows x BLOCK_C columns of G [R, C], x = G in fp32 (HAS_ADD: x =
-        # G + G2 rounded to SUM's dtype, as torch's add, and stored in SUM [R, C]); Q [R, C] and
+    def cast_transpose_dbias_kernel(G, Q, QT, PART, SCALE, AMAX, SCALE_INV, R, C, ROWS_PER_PROG,
+                                    FP8_MAX: tl.constexpr, E5M2: tl.constexpr, BLOCK_R: tl.constexpr,
+                                    BLOCK_C: tl.constexpr):
+        # One program: ROWS_PER_PROG rows x BLOCK_C columns of G [R, C], x = G in fp32; Q [R, C] and
         # QT [C, R] get x * scale in FP8 (saturated, rounded to nearest, as TE's casts), PART[program
         # row] the strip's column sums of x, AMAX the largest |x| (atomic max into the delayed-scaling
         # history), SCALE_INV 1 / scale. The sums and the amax stay per element in registers until
@@ -260,10 +259,6 @@ def _kernels():
             m = (rows[:, None] < R) & cmask[None, :]
             offs = rows[:, None].to(tl.int64) * C + cols[None, :]
             x = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
-            if HAS_ADD:
-                total = (x + tl.load(G2 + offs, mask=m, other=0.0).to(tl.float32)).to(SUM.dtype.element_ty)
-                tl.store(SUM + offs, total, mask=m)
-                x = total.to(tl.float32)
             acc += x
             amax = tl.maximum(amax, tl.abs(x))
             y = x * scale
@@ -508,12 +503,9 @@ _CT_BLOCK, _SUM_ROWS, _SUM_COLS = 64, 16, 64
 
 
 def cast_transpose_dbias(grad: torch.Tensor, data: torch.Tensor, data_t: torch.Tensor, scale: torch.Tensor,
-                         amax: torch.Tensor, scale_inv: torch.Tensor, e5m2: bool,
-                         addend: Optional[torch.Tensor] = None, total: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         amax: torch.Tensor, scale_inv: torch.Tensor, e5m2: bool) -> torch.Tensor:
     """An output gradient's FP8 cast, the cast's transpose and the bias gradient, in one pass over
-    the gradient (TE's ``bgrad_quantize`` for per-tensor delayed scaling); with ``addend``, of the
-    gradient ``grad + addend``, which it writes to ``total`` in the same pass (lever 67: the two
-    gradients of a tensor read twice, summed where the sum's first reader needs it).
+    the gradient (TE's ``bgrad_quantize`` for per-tensor delayed scaling).
 
     TE 2.20's fused kernel sums the bias gradient in two steps, the second a reduction over a few
     hundred partial rows by one thread per four columns (about 21 us a call on an H100, whatever the
@@ -527,9 +519,6 @@ def cast_transpose_dbias(grad: torch.Tensor, data: torch.Tensor, data_t: torch.T
         amax: the one-element fp32 amax to raise to ``max |grad|`` (atomically; not reset here).
         scale_inv: the one-element fp32 ``1 / scale`` (written).
         e5m2: cast to E5M2 (else E4M3).
-        addend: None, or ``[R, C]`` in ``grad``'s dtype and layout, added to it first.
-        total: with ``addend``, ``[R, C]`` in ``grad``'s dtype (written): ``grad + addend`` in fp32,
-            rounded once, as torch's add; the cast and the sums are of these rounded values.
 
     Returns:
         the bias gradient ``[C]`` in ``grad``'s dtype: column sums in fp32, rounded once.
@@ -544,8 +533,7 @@ def cast_transpose_dbias(grad: torch.Tensor, data: torch.Tensor, data_t: torch.T
     part = torch.empty(progs, C, device=grad.device, dtype=torch.float32)
     with torch.cuda.device(grad.device):  # Triton launches on the current device
         k.cast_transpose_dbias[(progs, col_blocks)](
-            grad, grad if addend is None else addend, grad if total is None else total, data, data_t, part, scale,
-            amax, scale_inv, R, C, per, 57344.0 if e5m2 else 448.0, e5m2, addend is not None,
+            grad, data, data_t, part, scale, amax, scale_inv, R, C, per, 57344.0 if e5m2 else 448.0, e5m2,
             _CT_BLOCK, _CT_BLOCK, num_warps=4)
         k.column_sum[(k.triton.cdiv(C, _SUM_COLS),)](part, dbias, progs, C, _SUM_ROWS, _SUM_COLS)
     return dbias

@@ -26,7 +26,6 @@ from timm.models._manipulate import named_apply
 from timm.models.vision_transformer import Block, get_init_weights_vit
 from torch import nn
 
-from .._te.bias_grad import residual_fork
 from .._te.gemm_residual import into_residual, residual_added, residual_gemm_enabled
 from .._validate import check_bool, check_type
 from .._warn import warn_once
@@ -276,33 +275,29 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
 
     def _forward(self, x, attn_mask, is_causal, mult: int, gelu_gemm: bool):
         x = self._stream(x)
-        x = self._branch(x, lambda t: self._attention(t, attn_mask, is_causal, mult), self.ls1, self.drop_path1,
-                         self.proj_drop, self.cfg.dim, mult, "attn")
-
-        def mlp_in(t: torch.Tensor) -> torch.Tensor:  # GeGluMlp's first norm, outside TE's module (lever 33)
-            return t if self.norm2 is None else norm_in_dtype(self.norm2, t)
+        x = self._branch(x, lambda: self._attention(x, attn_mask, is_causal, mult), self.ls1, self.drop_path1,
+                         self.proj_drop, self.cfg.dim, mult)
+        h = x if self.norm2 is None else norm_in_dtype(self.norm2, x)  # GeGluMlp's first norm (lever 33)
         if mult > 1 and not self.cfg.mlp.fp8_widths_ok(mult):
             # MXFP8 scales blocks of 32: an MLP whose widths are not multiples of it runs without FP8.
             warn_once(f"fp8vit: {self.cfg.mlp.describe()} has widths that are not multiples of {mult}, "
                       "which this FP8 recipe needs: that MLP runs with FP8 off (in the autocast dtype)",
                       RuntimeWarning, stacklevel=2)
             with self._impl.fp8_off():
-                mlp = self._run_mlp(self.mlp, mlp_in(x), 1, False)
+                mlp = self._run_mlp(self.mlp, h, 1, False)
             return self._ls_add(x, mlp, self.ls2, self.drop_path2)
         # fc2's inner width: where it equals fc1's (C), fc1 could take the offer first
         inner = self.cfg.mlp.hidden_padded if self.cfg.fused_mlp and self.cfg.mlp.hidden_padded != self.cfg.dim else 0
-        return self._branch(x, lambda t: self._run_mlp(self.mlp, mlp_in(t), mult, gelu_gemm), self.ls2,
-                            self.drop_path2, None, inner, mult, "mlp")
+        return self._branch(x, lambda: self._run_mlp(self.mlp, h, mult, gelu_gemm), self.ls2, self.drop_path2,
+                            None, inner, mult)
 
     def _branch(self, x: torch.Tensor, branch, ls: nn.Module, drop_path: nn.Module, drop: Optional[nn.Module],
-                inner: int, mult: int, name: str) -> torch.Tensor:
-        """``x + drop_path(ls(branch(x)))``, the add in the branch's last FP8 GEMM where it can be
+                inner: int, mult: int) -> torch.Tensor:
+        """``x + drop_path(ls(branch()))``, the add in the branch's last FP8 GEMM where it can be
         (lever 61; where :func:`fp8vit.set_residual_gemm` has it on, as the graphs' capture does by
         default): a branch without LayerScale, drop path or dropout (``drop``, the one after its
         last GEMM) at work, a bf16 stream of aligned rows, ``inner`` the GEMM's input width (0:
-        none takes it). Else, and where the GEMM does not take it, :meth:`_ls_add`. There the
-        stream is forked (``name``: lever 67, where it is on): the branch's and the residual's
-        gradients are summed in the cast of the Linear that reads their sum."""
+        none takes it). Else, and where the GEMM does not take it, :meth:`_ls_add`."""
         def idle(m: Optional[nn.Module]) -> bool:  # drops nothing: none, identity, eval, or a rate of 0
             return (m is None or isinstance(m, nn.Identity) or not self.training
                     or not getattr(m, "drop_prob", getattr(m, "p", 1)))
@@ -310,10 +305,9 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         B, N, _ = x.shape
         if not (inner and residual_gemm_enabled() and isinstance(ls, nn.Identity) and idle(drop_path)
                 and idle(drop) and x.dtype == torch.bfloat16 and x.is_contiguous() and (B * N) % mult == 0):
-            return self._ls_add(x, branch(x), ls, drop_path)
-        read, x = residual_fork(self, name, x)
+            return self._ls_add(x, branch(), ls, drop_path)
         with into_residual(x, inner) as offer:
-            y = branch(read)
+            y = branch()
         return residual_added(x, y) if offer.taken else self._ls_add(x, y, ls, drop_path)
 
     def _ls_add(self, x: torch.Tensor, y: torch.Tensor, ls: nn.Module, drop_path: nn.Module) -> torch.Tensor:

@@ -63,9 +63,6 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-delayed-heuristic-graphed``  fp8vit's GEMMs (the residual ones, the input gradients)
                                    on the algorithm cuBLASLt's heuristic puts first, as TE's,
                                    not the fastest of its first eight (lever 62 off)
-``fp8vit-fp8-delayed-forksum-graphed``  the residual stream's two gradients summed in the cast of
-                                   the Linear that reads the sum (``_te.set_gradient_sum_kernel``:
-                                   lever 67, off by default until measured)
 =================================  ===========================================================
 
 ``-graphed`` captures the blocks with :func:`fp8vit.make_graphed_blocks` and its default LayerNorm
@@ -125,7 +122,6 @@ VARIANTS = (
     "fp8vit-fp8-delayed-blocksgraph-graphed", "fp8vit-fp8-delayed-stemgraph-graphed-compile",
     "fp8vit-fp8-delayed-blocksgraph-graphed-compile",
     "fp8vit-fp8-delayed-torchadd-graphed", "fp8vit-fp8-delayed-heuristic-graphed",
-    "fp8vit-fp8-delayed-forksum-graphed",
 )
 
 # lever 53's variant parts: the backward GEMMs they give fast accumulation (Variant.fast_accum)
@@ -171,8 +167,6 @@ class Variant:
             (``-splitacc``), or None for :func:`make_recipe`'s choice.
         stem: ``make_graphed_blocks``' ``stem``: True (``-stemgraph``), False (``-blocksgraph``,
             compiled too), or None for its default (``convert_to_te(compile=True)``'s too, lever 65).
-        grad_sum: the residual stream's gradients summed in the bias-gradient kernel
-            (``-forksum``; process-wide, for the graphs captured after).
     """
 
     name: str
@@ -195,7 +189,6 @@ class Variant:
     gemm_search: bool = True
     fast_accum: Optional[Tuple[str, ...]] = None
     stem: Optional[bool] = None
-    grad_sum: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -218,8 +211,7 @@ class Variant:
                    layout_opt="nchw" not in parts, triton_dbias="tedbias" not in parts,
                    residual_gemm="torchadd" not in parts, gemm_search="heuristic" not in parts,
                    fast_accum=next((acc for p, acc in _FAST_ACCUM.items() if p in parts), None),
-                   stem=True if "stemgraph" in parts else False if "blocksgraph" in parts else None,
-                   grad_sum="forksum" in parts)
+                   stem=True if "stemgraph" in parts else False if "blocksgraph" in parts else None)
 
     @property
     def te_fp8(self) -> bool:
@@ -343,7 +335,6 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         set_cudnn_layernorm(eager_cudnn_norm)
     if v.blocks == "fp8vit":
         _te.set_algorithm_search(v.gemm_search)
-        _te.set_gradient_sum_kernel(v.grad_sum)
         convert_to_te(net, backend=backend, fallback="linear" if v.linear else "compile" if v.block_compile else "keep",
                       patch_gemm=v.patch_gemm)
         # block switches (FP8Block's; a block without such attention or RoPE ignores its value)
