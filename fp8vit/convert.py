@@ -121,7 +121,8 @@ def convert_to_te(
             blocks, which run outside dynamo (TE kernels, or CUDA graphs with ``cuda_graphs=True``):
             patch embedding, conv stages, the blocks fp8vit keeps, heads. Compiled at the first
             call; a model that fails to compile warns once, naming the error, and runs eagerly.
-            It graphs the fused blocks too unless ``cuda_graphs=False``; fused blocks that then run
+            It graphs the fused blocks too unless ``cuda_graphs=False``, with a plain ViT's stem
+            (patch embedding, tokens, position embedding; lever 65); fused blocks that then run
             eagerly inside it warn at their first call: that measured slower than not compiling
             (ViT-B/16, H200). Not with ``fallback="compile"`` (that compiles the kept blocks, not the
             model) nor on a block itself. Opt-in: with the graphs, measured fastest on the 8 models of
