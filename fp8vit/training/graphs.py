@@ -332,12 +332,12 @@ def make_graphed_blocks(
             synchronized step (``loss.item()`` every step) then waits for no host work on the stem
             (docs/performance.md, lever 55). Calls whose images require grad or that pass
             ``forward_features`` keyword inputs run eagerly. False: the blocks alone (under
-            ``torch.compile`` too the stem measured faster inside the graphs: ViT-B/16 b128, H100,
-            -0.6 ms synchronized, +0.2 pipelined; lever 65). None (default): True where :func:`stem_why_not` allows
-            it and no ``tokens`` is given, else the blocks alone; where the stem can no longer
-            join later (hooks added to its parts or the final norm, a patch embedding of another
-            class), the blocks alone are graphed from then on, with one warning (with True those
-            calls run eagerly). ViT-S/16 and ViT-B/16 b128 on an H100: -0.3 to -0.6 ms a
+            ``torch.compile`` too the stem measured faster inside the graphs: ViT-B/16 b128,
+            H100, -0.6 ms synchronized, +0.2 pipelined; lever 65). None (default): True where
+            :func:`stem_why_not` allows it and no ``tokens`` is given, else the blocks alone;
+            where the stem can no longer join later (hooks added to its parts or the final norm,
+            a patch embedding of another class), the blocks alone are graphed from then on, with
+            one warning (with True those calls run eagerly). ViT-S/16 and ViT-B/16 b128 on an H100: -0.3 to -0.6 ms a
             synchronized step, pipelined steps unchanged; ViT-L/16, ViT-H/16: unchanged.
         residual_gemm: the forward graphs add the residual stream in the FP8 GEMM before each add
             of the classic ViT block (``TE_Block``: ``x + proj(o)``, ``x + fc2(h)``), read as
