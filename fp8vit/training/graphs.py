@@ -337,8 +337,9 @@ def make_graphed_blocks(
             :func:`stem_why_not` allows it and no ``tokens`` is given, else the blocks alone;
             where the stem can no longer join later (hooks added to its parts or the final norm,
             a patch embedding of another class), the blocks alone are graphed from then on, with
-            one warning (with True those calls run eagerly). ViT-S/16 and ViT-B/16 b128 on an H100: -0.3 to -0.6 ms a
-            synchronized step, pipelined steps unchanged; ViT-L/16, ViT-H/16: unchanged.
+            one warning (with True those calls run eagerly). ViT-S/16 and ViT-B/16 b128 on an
+            H100: -0.3 to -0.6 ms a synchronized step, pipelined steps unchanged; ViT-L/16,
+            ViT-H/16: unchanged.
         residual_gemm: the forward graphs add the residual stream in the FP8 GEMM before each add
             of the classic ViT block (``TE_Block``: ``x + proj(o)``, ``x + fc2(h)``), read as
             cuBLASLt's C matrix by fp8vit's own cuBLASLt call, instead of a GEMM then an add
