@@ -626,6 +626,16 @@ def test_fast_accumulation_variants_copy_the_recipe_with_the_backward_gemms_fast
         recipes.fast_backward_accumulation(Block())
 
 
+def test_stem_variants_parse():
+    # -graphed-compile graphs a ViT's stem as convert_to_te(compile=True) does (None: the default,
+    # lever 65); -blocksgraph- keeps it out (the default before), -stemgraph- insists on it
+    assert Variant.parse("fp8vit-fp8-delayed-graphed-compile").stem is None
+    assert Variant.parse("fp8vit-fp8-delayed-graphed").stem is None
+    assert Variant.parse("fp8vit-fp8-delayed-blocksgraph-graphed-compile").stem is False
+    assert Variant.parse("fp8vit-fp8-delayed-blocksgraph-graphed").stem is False
+    assert Variant.parse("fp8vit-fp8-delayed-stemgraph-graphed-compile").stem is True
+
+
 def test_unknown_variant_lists_the_known_ones():
     with pytest.raises(ValueError, match="'fp8vit-fp9'.*timm-bf16"):
         Variant.parse("fp8vit-fp9")

@@ -21,7 +21,6 @@ from torch import nn
 import fp8vit
 from fp8vit.training import graph_cache as GC
 from fp8vit.training import graphs as G
-from fp8vit.tools.workload import Variant
 
 
 def _vit(depth=2, **kw):
@@ -755,17 +754,6 @@ def test_a_stem_joined_by_default_leaves_the_graphs_for_a_hook_and_the_blocks_st
     twin_model.norm.register_forward_hook(lambda *a: None)
     _step(twin_model, 4)  # (the same warning: said once per process)
     assert not twin.stem and G.graphed_modules(twin_model) == ["blocks"] and twin.eager_reasons["stem left the graphs"] == 1
-
-
-def test_convert_to_te_compile_graphs_the_stem_with_the_blocks():
-    # Compiled too, a plain ViT's stem joins the blocks' graphs (ViT-B/16 b128 on an H100: -0.6 ms
-    # synchronized, +0.2 pipelined against the stem compiled outside them; lever 65), as with
-    # cuda_graphs=True alone; the bench's -blocksgraph-graphed-compile keeps it out.
-    compiled = G.GraphedBlocks.of(_vit(compile=True))
-    assert compiled is not None and compiled.stem and "forward_features" in vars(compiled._vit)
-    assert G.GraphedBlocks.of(_vit(cuda_graphs=True)).stem
-    assert Variant.parse("fp8vit-fp8-delayed-graphed-compile").stem is None
-    assert Variant.parse("fp8vit-fp8-delayed-blocksgraph-graphed-compile").stem is False
 
 
 def test_a_replaced_final_norm_is_captured_anew(fake):
