@@ -30,13 +30,13 @@ import triton
 import triton.language as tl
 
 from fp8vit._te import te_module, te_version
+from fp8vit.training.numerics import E4M3_MAX
 from microbench import STEP_ROWS as ROWS, VIT_WIDTHS, per_call_ms
 
 # (BLOCK_R, warps): a program holds BLOCK_R whole rows in registers. Whole rows, read once: a
 # pass per column chunk would read x again, and 400 resident programs of 64 rows span the whole
 # 50 MB input, as much as the L2 holds, so the second pass would go to HBM.
 CONFIGS = [(16, 4), (16, 8), (32, 8), (32, 16), (8, 4), (8, 8)]
-E4M3_MAX = 448.0
 
 
 @triton.jit
