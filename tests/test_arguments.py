@@ -294,6 +294,8 @@ ROWS = [
     row("make_graphed_blocks", "stem", "on", lambda v: fp8vit.make_graphed_blocks(_vit(), 8, stem=v), TypeError, BOOL),
     row("make_graphed_blocks", "residual_gemm", 1, lambda v: fp8vit.make_graphed_blocks(_vit(), 8, residual_gemm=v),
         TypeError, BOOL),
+    row("make_graphed_blocks", "norm_grad_add", "yes", lambda v: fp8vit.make_graphed_blocks(_vit(), 8, norm_grad_add=v),
+        TypeError, BOOL),
     row("make_graphed_blocks", "dtype", torch.float32, lambda v: fp8vit.make_graphed_blocks(_vit(), 8, dtype=v),
         ValueError, "torch.bfloat16"),
     row("make_graphed_blocks", "num_warmup_iters", -1,

@@ -21,6 +21,7 @@ see ``pyproject.toml``). One concern per module:
 ``graph_forward``   TE's graphed forward without its per-call walk over the module tree
 ``kernels``         fp8vit's own Triton kernels
 ``bias_grad``       TE's FP8 bias gradients (cast, transpose, column sums) on one of those kernels
+``norm_grad``       the residual stream's gradient added in TE's LayerNorm backward, on another
 ``gemm_residual``   fp8vit's own cuBLASLt calls for TE's FP8 GEMMs: a block's residual add in the
                     GEMM before it, the input gradients, each on its fastest algorithm
 ==================  ==================================================================================
@@ -34,6 +35,7 @@ from .fp8 import (active_fp8_recipe, autocast, checkpoint, fused_adam, is_quanti
                   repair_amax_histories, scaling_state)
 from .bias_grad import bias_grad_kernel, bias_grad_kernel_enabled, set_bias_grad_kernel
 from .graph_forward import lean_graphed_forward
+from .norm_grad import Slot, fork, join, norm_grad_add, norm_grad_add_enabled, set_norm_grad_add
 from .graphs import make_graphed_callables, release_main_grad, restore_scaling, save_scaling, wgrad_into_main_grad
 from .loader import (INSTALL_HINT, MIN_TE_VERSION, clear_cache, installed, load_te, preload, release_import_warnings,
                      te_check, te_module, te_status, te_version)
@@ -55,7 +57,8 @@ __all__ = [
     "packed_attention", "attention_backend", "fused_rope", "gated_activation", "cudnn_norm", "cudnn_norm_available", "cudnn_norm_enabled", "set_cudnn_norm",
     "cast_small_params", "set_bias_grad_kernel", "bias_grad_kernel_enabled", "bias_grad_kernel",
     "set_residual_gemm", "residual_gemm", "residual_gemm_enabled", "residual_gemm_support", "into_residual",
-    "residual_added", "set_algorithm_search",
+    "residual_added", "set_algorithm_search", "set_norm_grad_add", "norm_grad_add", "norm_grad_add_enabled",
+    "Slot", "fork", "join",
     # CUDA graphs
     "make_graphed_callables", "lean_graphed_forward", "wgrad_into_main_grad", "release_main_grad", "save_scaling",
     "restore_scaling",

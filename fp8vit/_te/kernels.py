@@ -9,7 +9,9 @@
 - RoPE on q and k of the packed QKV buffer (:func:`rope_packed_qkv`), for
   :class:`fp8vit.blocks.eva.RopeQKV`;
 - an output gradient's FP8 cast, its transpose and its column sums (the bias gradient)
-  (:func:`cast_transpose_dbias`), for :mod:`fp8vit._te.bias_grad`.
+  (:func:`cast_transpose_dbias`), for :mod:`fp8vit._te.bias_grad`;
+- the LayerNorm backward with the residual stream's gradient added (:func:`layernorm_backward_add`),
+  for :mod:`fp8vit._te.norm_grad`.
 
 Each takes contiguous tensors in one half-precision dtype on one GPU (:func:`kernel_takes`).
 Triton comes with torch's CUDA wheels; it is imported on first use on a CUDA tensor only, so that
@@ -31,7 +33,8 @@ import torch
 from ..errors import Check
 
 __all__ = ["triton_support", "kernel_takes", "layerscale_backward", "row_scale_add", "column_scale_add",
-           "padded_norm_forward", "padded_norm_backward", "rope_support", "rope_packed_qkv", "cast_transpose_dbias"]
+           "padded_norm_forward", "padded_norm_backward", "rope_support", "rope_packed_qkv", "cast_transpose_dbias",
+           "layernorm_backward_add"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -275,6 +278,41 @@ def _kernels():
             tl.store(SCALE_INV, libdevice.div_rn(scale * 0.0 + 1.0, scale))  # exact, as TE's
 
     @triton.jit
+    def ln_bwd_add(DZ, X, MU, RS, W, G, DX, PART_W, PART_B, R, C, ROWS_PER_PROG, BLOCK_R: tl.constexpr,
+                   CP: tl.constexpr):
+        # One program: a strip of ROWS_PER_PROG rows of the [R, C] tensors, BLOCK_R whole rows at a
+        # time (CP: C's next power of two; a tile of rows keeps enough loads in flight, where one row
+        # at a time ran at half TE's speed: lever 51). xhat = (x - mu) * rs, dy = dz * w:
+        #   DX = (dy - mean(dy) - xhat * mean(dy * xhat)) * rs + G   (fp32, rounded once)
+        # and the strip's column sums of dz * xhat (dgamma) and dz (dbeta) into PART_W / PART_B.
+        pid = tl.program_id(0)
+        cols = tl.arange(0, CP)
+        cm = cols < C
+        w = tl.load(W + cols, mask=cm, other=0.0).to(tl.float32)
+        acc_w = tl.zeros((BLOCK_R, CP), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK_R, CP), dtype=tl.float32)
+        for r in range(0, ROWS_PER_PROG, BLOCK_R):
+            rows = pid * ROWS_PER_PROG + r + tl.arange(0, BLOCK_R)
+            live = rows < R
+            m = live[:, None] & cm[None, :]
+            offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+            dz = tl.load(DZ + offs, mask=m, other=0.0).to(tl.float32)
+            x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
+            mu = tl.load(MU + rows, mask=live, other=0.0)
+            rs = tl.load(RS + rows, mask=live, other=0.0)
+            xhat = tl.where(m, (x - mu[:, None]) * rs[:, None], 0.0)
+            dy = dz * w[None, :]
+            c1 = tl.sum(dy, axis=1) / C
+            c2 = tl.sum(dy * xhat, axis=1) / C
+            dx = (dy - c1[:, None] - xhat * c2[:, None]) * rs[:, None] + g
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=m)
+            acc_w += dz * xhat
+            acc_b += dz
+        tl.store(PART_W + pid * C + cols, tl.sum(acc_w, axis=0), mask=cm)
+        tl.store(PART_B + pid * C + cols, tl.sum(acc_b, axis=0), mask=cm)
+
+    @triton.jit
     def column_sum(PART, OUT, P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
         # OUT[c] = sum over the P rows of PART [P, C] (fp32), rounded once to OUT's dtype
         cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -287,7 +325,8 @@ def _kernels():
 
     return SimpleNamespace(triton=triton, layerscale_bwd=layerscale_bwd, row_scale_add=row_scale_add_kernel,
                            padded_norm_fwd=padded_norm_fwd, padded_norm_bwd=padded_norm_bwd, rope_qk=rope_qk,
-                           cast_transpose_dbias=cast_transpose_dbias_kernel, column_sum=column_sum)
+                           cast_transpose_dbias=cast_transpose_dbias_kernel, column_sum=column_sum,
+                           ln_bwd_add=ln_bwd_add)
 
 
 _BLOCK_R, _BLOCK_C = 32, 128
@@ -326,14 +365,15 @@ def layerscale_backward(grad: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor
     return dy.view(grad.shape), part.sum(0)
 
 
-def _row_strips(rows: int, device: torch.device, column_programs: int = 1, multiple: int = 1) -> Tuple[int, int]:
+def _row_strips(rows: int, device: torch.device, column_programs: int = 1, multiple: int = 1,
+                per_sm: int = 4) -> Tuple[int, int]:
     """``(programs, rows per program)`` for a kernel whose programs each sum a strip of ``rows > 0``
-    rows (times ``column_programs`` programs across the columns): about four programs per SM,
-    enough to fill the GPU, few enough that the partial sums ``[programs, columns]`` stay small;
-    strips a multiple of ``multiple`` rows (the kernel's row tile)."""
+    rows (times ``column_programs`` programs across the columns): about ``per_sm`` programs per
+    SM, enough to fill the GPU, few enough that the partial sums ``[programs, columns]`` stay
+    small; strips a multiple of ``multiple`` rows (the kernel's row tile)."""
     import triton
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    progs = max(1, min(triton.cdiv(rows, multiple), 4 * sms // column_programs))
+    progs = max(1, min(triton.cdiv(rows, multiple), per_sm * sms // column_programs))
     per = triton.cdiv(triton.cdiv(rows, progs), multiple) * multiple
     return triton.cdiv(rows, per), per
 
@@ -537,3 +577,42 @@ def cast_transpose_dbias(grad: torch.Tensor, data: torch.Tensor, data_t: torch.T
             _CT_BLOCK, _CT_BLOCK, num_warps=4)
         k.column_sum[(k.triton.cdiv(C, _SUM_COLS),)](part, dbias, progs, C, _SUM_ROWS, _SUM_COLS)
     return dbias
+
+
+# layernorm_backward_add: (rows a tile, warps, programs an SM), the fastest of the 8 launches
+# docs/perf/ln_bwd_add_bench.py times at ViT-B/L/H widths (results/levers/ln_bwd_add_lever70_h100.log)
+_LN_BWD_LAUNCH = (4, 8, 2)
+
+
+def layernorm_backward_add(dz: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, rsigma: torch.Tensor,
+                           gamma: torch.Tensor, skip: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A LayerNorm's backward with another gradient of its input added: TE's ``layernorm_bwd``
+    followed by ``dx + skip``, in one pass (4 passes over ``[R, C]`` where the two take 6).
+
+    Args:
+        dz: the norm output's gradient ``[R, C]``; x: its input ``[R, C]``; skip: the gradient to
+            add ``[R, C]``; all CUDA, contiguous, one half-precision dtype.
+        mu, rsigma: the forward's fp32 ``[R]`` row means and ``1 / std`` (TE's ``layernorm_fwd``'s).
+        gamma: the norm weight ``[C]``, contiguous (any float dtype; used in fp32).
+
+    Returns:
+        ``dx + skip`` (``x``'s dtype: fp32 arithmetic, rounded once), and dgamma and dbeta ``[C]`` in
+        ``gamma``'s dtype (fp32 column sums, rounded once), as TE returns them.
+    """
+    k = _kernels()
+    R, C = x.shape
+    dx = torch.empty_like(x)
+    dgamma = torch.zeros(C, device=x.device, dtype=gamma.dtype)
+    dbeta = torch.zeros(C, device=x.device, dtype=gamma.dtype)
+    if not R:
+        return dx, dgamma, dbeta
+    block_r, warps, per_sm = _LN_BWD_LAUNCH
+    progs, per = _row_strips(R, x.device, 1, block_r, per_sm)
+    part_w = torch.empty(progs, C, device=x.device, dtype=torch.float32)
+    part_b = torch.empty(progs, C, device=x.device, dtype=torch.float32)
+    with torch.cuda.device(x.device):  # Triton launches on the current device
+        k.ln_bwd_add[(progs,)](dz, x, mu, rsigma, gamma, skip, dx, part_w, part_b, R, C, per, block_r,
+                               k.triton.next_power_of_2(C), num_warps=warps)
+        for part, out in ((part_w, dgamma), (part_b, dbeta)):
+            k.column_sum[(k.triton.cdiv(C, _SUM_COLS),)](part, out, progs, C, _SUM_ROWS, _SUM_COLS)
+    return dx, dgamma, dbeta

@@ -27,6 +27,7 @@ from timm.models.vision_transformer import Block, get_init_weights_vit
 from torch import nn
 
 from .._te.gemm_residual import into_residual, residual_added, residual_gemm_enabled
+from .._te.norm_grad import Slot, fork, join, norm_grad_add_enabled
 from .._validate import check_bool, check_type
 from .._warn import warn_once
 from .config import BlockConfig, config_from_timm_block
@@ -275,8 +276,9 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
 
     def _forward(self, x, attn_mask, is_causal, mult: int, gelu_gemm: bool):
         x = self._stream(x)
-        x = self._branch(x, lambda: self._attention(x, attn_mask, is_causal, mult), self.ls1, self.drop_path1,
-                         self.proj_drop, self.cfg.dim, mult)
+        layer_norm = self.cfg.norm == "LayerNorm"  # TE's LayerNorm backward can add the skip gradient (lever 70)
+        x = self._branch(x, lambda inp: self._attention(inp, attn_mask, is_causal, mult), self.ls1, self.drop_path1,
+                         self.proj_drop, self.cfg.dim, mult, norm_first=layer_norm)
         h = x if self.norm2 is None else norm_in_dtype(self.norm2, x)  # GeGluMlp's first norm (lever 33)
         if mult > 1 and not self.cfg.mlp.fp8_widths_ok(mult):
             # MXFP8 scales blocks of 32: an MLP whose widths are not multiples of it runs without FP8.
@@ -288,16 +290,19 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
             return self._ls_add(x, mlp, self.ls2, self.drop_path2)
         # fc2's inner width: where it equals fc1's (C), fc1 could take the offer first
         inner = self.cfg.mlp.hidden_padded if self.cfg.fused_mlp and self.cfg.mlp.hidden_padded != self.cfg.dim else 0
-        return self._branch(x, lambda: self._run_mlp(self.mlp, h, mult, gelu_gemm), self.ls2, self.drop_path2,
-                            None, inner, mult)
+        return self._branch(x, lambda inp: self._run_mlp(self.mlp, inp if self.norm2 is None else h, mult, gelu_gemm),
+                            self.ls2, self.drop_path2, None, inner, mult,
+                            norm_first=layer_norm and self.norm2 is None and self.cfg.fused_mlp)
 
     def _branch(self, x: torch.Tensor, branch, ls: nn.Module, drop_path: nn.Module, drop: Optional[nn.Module],
-                inner: int, mult: int) -> torch.Tensor:
-        """``x + drop_path(ls(branch()))``, the add in the branch's last FP8 GEMM where it can be
+                inner: int, mult: int, norm_first: bool = False) -> torch.Tensor:
+        """``x + drop_path(ls(branch(x)))``, the add in the branch's last FP8 GEMM where it can be
         (lever 61; where :func:`fp8vit.set_residual_gemm` has it on, as the graphs' capture does by
         default): a branch without LayerScale, drop path or dropout (``drop``, the one after its
         last GEMM) at work, a bf16 stream of aligned rows, ``inner`` the GEMM's input width (0:
-        none takes it). Else, and where the GEMM does not take it, :meth:`_ls_add`."""
+        none takes it). Else, and where the GEMM does not take it, :meth:`_ls_add`. Where the
+        branch starts with TE's LayerNorm (``norm_first``) and the graphs' capture routes its
+        backward (:mod:`fp8vit._te.norm_grad`, lever 70), ``x``'s two gradients are summed there."""
         def idle(m: Optional[nn.Module]) -> bool:  # drops nothing: none, identity, eval, or a rate of 0
             return (m is None or isinstance(m, nn.Identity) or not self.training
                     or not getattr(m, "drop_prob", getattr(m, "p", 1)))
@@ -305,10 +310,13 @@ class TE_Block(FP8Block):  # noqa: N801 - the name is the public contract
         B, N, _ = x.shape
         if not (inner and residual_gemm_enabled() and isinstance(ls, nn.Identity) and idle(drop_path)
                 and idle(drop) and x.dtype == torch.bfloat16 and x.is_contiguous() and (B * N) % mult == 0):
-            return self._ls_add(x, branch(), ls, drop_path)
+            return self._ls_add(x, branch(x), ls, drop_path)
+        slot = Slot() if norm_first and x.requires_grad and norm_grad_add_enabled() else None
         with into_residual(x, inner) as offer:
-            y = branch()
-        return residual_added(x, y) if offer.taken else self._ls_add(x, y, ls, drop_path)
+            y = branch(x if slot is None else fork(x, slot))
+        if not offer.taken:
+            return self._ls_add(x, y, ls, drop_path)
+        return residual_added(x, y) if slot is None else join(y, slot)
 
     def _ls_add(self, x: torch.Tensor, y: torch.Tensor, ls: nn.Module, drop_path: nn.Module) -> torch.Tensor:
         """``x + drop_path(ls(y))``: timm's ``LayerScale`` through :meth:`FP8Block._add_branch` (in

@@ -60,6 +60,9 @@ A variant's name says what runs the blocks, in which precision, and how:
 ``fp8vit-fp8-delayed-torchadd-graphed``  the residual adds after TE's GEMMs, by torch, not in the
                                    GEMMs' epilogue (``make_graphed_blocks(residual_gemm=False)``:
                                    lever 61 off, and lever 62 with it)
+``fp8vit-fp8-delayed-tegradadd-graphed``  the residual stream's two gradients summed by autograd
+                                   after TE's LayerNorm backward, not in it
+                                   (``make_graphed_blocks(norm_grad_add=False)``: lever 70 off)
 ``fp8vit-fp8-delayed-heuristic-graphed``  fp8vit's GEMMs (the residual ones, the input gradients)
                                    on the algorithm cuBLASLt's heuristic puts first, as TE's,
                                    not the fastest of its first eight (lever 62 off)
@@ -122,6 +125,7 @@ VARIANTS = (
     "fp8vit-fp8-delayed-blocksgraph-graphed", "fp8vit-fp8-delayed-stemgraph-graphed-compile",
     "fp8vit-fp8-delayed-blocksgraph-graphed-compile",
     "fp8vit-fp8-delayed-torchadd-graphed", "fp8vit-fp8-delayed-heuristic-graphed",
+    "fp8vit-fp8-delayed-tegradadd-graphed",
 )
 
 # lever 53's variant parts: the backward GEMMs they give fast accumulation (Variant.fast_accum)
@@ -160,6 +164,8 @@ class Variant:
         residual_gemm: the graphs' residual adds in the FP8 GEMMs before them, and their input
             gradients by fp8vit's call; False: torch's add after TE's GEMM, TE's GEMMs
             (``-torchadd``).
+        norm_grad_add: the graphs' residual-gradient sums in TE's LayerNorm backward; False:
+            autograd's add after it (``-tegradadd``).
         gemm_search: fp8vit's GEMMs on the fastest of cuBLASLt's candidate algorithms; False: on
             its heuristic's first (``-heuristic``; process-wide, for the GEMM forms made after).
         fast_accum: the backward GEMMs whose accumulation is fast, the others' split:
@@ -186,6 +192,7 @@ class Variant:
     layout_opt: bool = True
     triton_dbias: bool = True
     residual_gemm: bool = True
+    norm_grad_add: bool = True
     gemm_search: bool = True
     fast_accum: Optional[Tuple[str, ...]] = None
     stem: Optional[bool] = None
@@ -209,7 +216,7 @@ class Variant:
                    bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts,
                    rope_kernel="te" if "terope" in parts else None, model_norms="torchnorm" not in parts,
                    layout_opt="nchw" not in parts, triton_dbias="tedbias" not in parts,
-                   residual_gemm="torchadd" not in parts, gemm_search="heuristic" not in parts,
+                   residual_gemm="torchadd" not in parts, norm_grad_add="tegradadd" not in parts, gemm_search="heuristic" not in parts,
                    fast_accum=next((acc for p, acc in _FAST_ACCUM.items() if p in parts), None),
                    stem=True if "stemgraph" in parts else False if "blocksgraph" in parts else None)
 
@@ -363,7 +370,7 @@ def build_workload(model: str = "huge", variant: str = "fp8vit-fp8-delayed", *, 
         if isinstance(getattr(net, "blocks", None), (nn.Sequential, nn.ModuleList)) and not branch_blocks(net):
             graphs = (make_graphed_blocks(net.train(), batch_size, recipe=recipe, fp8=v.te_fp8,
                                           cudnn_layernorm=cudnn_norm, triton_dbias=v.triton_dbias, stem=v.stem,
-                                          residual_gemm=v.residual_gemm),)
+                                          residual_gemm=v.residual_gemm, norm_grad_add=v.norm_grad_add),)
         else:  # blocks in stages (Swin) or branches (CrossViT): convert_to_te(cuda_graphs=True)'s shape cache
             why = install_graphs(net, cudnn_norm, v.triton_dbias, v.stem)
             if why is not None:

@@ -338,7 +338,8 @@ class GraphedBlocks:
     def __init__(self, blocks: nn.Module, per_block: bool, *, max_shapes: int = MAX_SHAPES,
                  num_warmup_iters: int = 3, cudnn_layernorm: Optional[bool] = None, fused_wgrad: bool = True,
                  fp8: bool = True, amax_reduction_group: Any = None, triton_dbias: bool = True,
-                 residual_gemm: bool = True, vit: Optional[nn.Module] = None, stem_optional: bool = False):
+                 residual_gemm: bool = True, norm_grad_add: bool = True, vit: Optional[nn.Module] = None,
+                 stem_optional: bool = False):
         self._blocks = blocks  # may be half-built here (unpickling, deepcopy): read on first use
         self._vit = vit  # the ViT whose forward_features is graphed whole (None: the blocks alone); as _blocks
         # the stem joined by default (stem=None), not asked for: where it can no longer join, the
@@ -352,6 +353,7 @@ class GraphedBlocks:
         self._fused_wgrad = fused_wgrad
         self._triton_dbias = triton_dbias
         self._residual_gemm = residual_gemm
+        self._norm_grad_add = norm_grad_add
         self._fp8 = fp8
         self._group = amax_reduction_group
         self.replays = 0
@@ -508,7 +510,7 @@ class GraphedBlocks:
         return (_fresh_handle, (self._blocks, self.per_block, dict(
             max_shapes=self.max_shapes, num_warmup_iters=self.num_warmup_iters, cudnn_layernorm=self.cudnn_layernorm,
             fused_wgrad=self._fused_wgrad, fp8=self._fp8, triton_dbias=self._triton_dbias,
-            residual_gemm=self._residual_gemm, vit=self._vit,
+            residual_gemm=self._residual_gemm, norm_grad_add=self._norm_grad_add, vit=self._vit,
             stem_optional=self._stem_optional)))
 
     def _install(self) -> None:
@@ -1007,6 +1009,8 @@ class GraphedBlocks:
                 stack.enter_context(_te.bias_grad_kernel(self._triton_dbias and recipe is not None))
                 # the classic ViT block's residual adds in the FP8 GEMMs before them (lever 61)
                 stack.enter_context(_te.residual_gemm(self._residual_gemm and recipe is not None))
+                # and their gradients' sums in the LayerNorm backward after them (lever 70)
+                stack.enter_context(_te.norm_grad_add(self._norm_grad_add and self._residual_gemm and recipe is not None))
                 if self._fused_wgrad:
                     # fp8vit's blocks only: their TE modules' weights are known to reach the GEMMs as is.
                     weights = tuple(stack.enter_context(_te.wgrad_into_main_grad(self._fp8_blocks, reuse=True)))

@@ -277,6 +277,7 @@ def make_graphed_blocks(
     triton_dbias: bool = True,
     stem: Optional[bool] = None,
     residual_gemm: bool = True,
+    norm_grad_add: bool = True,
 ) -> GraphedBlocks:
     """CUDA graphs for ``model.blocks`` (forward and backward, all blocks in one graph pair each, or
     one per block), one set per call signature, captured as the shapes come (module docstring).
@@ -350,6 +351,12 @@ def make_graphed_blocks(
             run by the same call, and each of these GEMM forms on the fastest of cuBLASLt's first
             8 algorithms, timed once outside the capture (lever 62: ViT-L -1.5 ms, ViT-B -0.2).
             False: TE's GEMMs, then the add.
+        norm_grad_add: where ``residual_gemm`` takes a block's add, the backward graphs sum the
+            stream's two gradients (the skip path's and the LayerNorm's input gradient) inside
+            the LayerNorm backward of TE's ``LayerNormLinear`` / ``LayerNormMLP``, in fp8vit's
+            Triton kernel, instead of TE's backward then an add (docs/performance.md, lever 70;
+            the sum rounded once). Where Triton cannot run, TE's backward and the add. False:
+            those always.
 
     Returns:
         a :class:`GraphedBlocks` handle (shapes, memory, replay counts, ``release()``).
@@ -382,6 +389,7 @@ def make_graphed_blocks(
     check_bool(fn, "fused_wgrad", fused_wgrad)
     check_bool(fn, "triton_dbias", triton_dbias)
     check_bool(fn, "residual_gemm", residual_gemm)
+    check_bool(fn, "norm_grad_add", norm_grad_add)
     check_process_group(fn, "amax_reduction_group", amax_reduction_group)
     check_int(fn, "max_shapes", max_shapes, min=1)
     if stem is not None:
@@ -443,7 +451,7 @@ def make_graphed_blocks(
     handle = GraphedBlocks(blocks, per_block, max_shapes=max_shapes, num_warmup_iters=num_warmup_iters,
                            cudnn_layernorm=cudnn_layernorm, fused_wgrad=fused_wgrad, fp8=fp8,
                            amax_reduction_group=amax_reduction_group, triton_dbias=triton_dbias,
-                           residual_gemm=residual_gemm, vit=vit,
+                           residual_gemm=residual_gemm, norm_grad_add=norm_grad_add, vit=vit,
                            stem_optional=stem is None)
     if now:
         spec = handle._spec(call_kwargs)
