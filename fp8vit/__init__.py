@@ -19,7 +19,7 @@ The command-line tools (``fp8vit-bench``, ``fp8vit-profile``, ``fp8vit-diagnose`
 from importlib.metadata import PackageNotFoundError, version
 
 from . import _moved, _te
-from .blocks.backend import set_bias_grad_kernel, set_cudnn_layernorm, set_residual_gemm
+from .blocks.backend import set_bias_grad_kernel, set_cudnn_layernorm, set_norm_grad_add, set_residual_gemm
 from .blocks.vit import TE_Block
 from .blocks.config import BlockConfig
 from .training.context import FP8State, fp8_context
@@ -76,6 +76,7 @@ __all__ = [
     "set_cudnn_layernorm",
     "set_bias_grad_kernel",
     "set_residual_gemm",
+    "set_norm_grad_add",
     # several GPUs: FSDP2, FP8 primary weights, distributed checkpoints
     "shard_model",
     "default_mp_policy",

@@ -281,6 +281,7 @@ ROWS = [
     row("set_cudnn_layernorm", "enabled", 1, lambda v: fp8vit.set_cudnn_layernorm(v), TypeError, BOOL),
     row("set_bias_grad_kernel", "enabled", 1, lambda v: fp8vit.set_bias_grad_kernel(v), TypeError, BOOL),
     row("set_residual_gemm", "enabled", 1, lambda v: fp8vit.set_residual_gemm(v), TypeError, BOOL),
+    row("set_norm_grad_add", "enabled", 1, lambda v: fp8vit.set_norm_grad_add(v), TypeError, BOOL),
     row("make_graphed_blocks", "model", None, lambda v: fp8vit.make_graphed_blocks(v, 8), TypeError, MODULE),
     row("make_graphed_blocks", "batch_size", 0, lambda v: fp8vit.make_graphed_blocks(_vit(), v), ValueError, INT1),
     row("make_graphed_blocks", "batch_size", 8.0, lambda v: fp8vit.make_graphed_blocks(_vit(), v), TypeError, INT1),

@@ -1,0 +1,74 @@
+"""The fork/join that lets a LayerNorm backward add the skip path's gradient (:mod:`fp8vit._te.norm_grad`),
+on the CPU: where no norm takes the parked gradient (here TE's function stands in, and the kernel
+never takes CPU tensors), the fork adds it, so ``x`` gets autograd's gradient for ``branch(x) + x``
+exactly once, and nothing stays parked. The kernel path: tests/gpu/test_norm_grad_gpu.py."""
+
+import pytest
+import torch
+
+from fp8vit._te import norm_grad
+
+
+def _te_layernorm_bwd(dz, x, mu, rsigma, gamma, sm_margin, zero_centered_gamma):
+    """TE's ``layernorm_bwd`` as torch computes it (no bias: dbeta is the column sum)."""
+    x = x.detach().requires_grad_()
+    w = gamma.detach().requires_grad_()
+    with torch.enable_grad():  # called inside a backward
+        torch.nn.functional.layer_norm(x, x.shape[-1:], w).backward(dz)
+    return [x.grad, w.grad, dz.sum(0)]
+
+
+class _TENorm(torch.autograd.Function):
+    """A LayerNorm whose backward goes through ``tex.layernorm_bwd``, as TE's modules' do."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], w)
+
+    @staticmethod
+    def backward(ctx, dz):
+        x, w = ctx.saved_tensors
+        C = x.shape[-1]
+        mu = x.reshape(-1, C).mean(1)
+        rs = x.reshape(-1, C).var(1, unbiased=False).add(1e-5).rsqrt()
+        dx, dw, _ = norm_grad._layernorm_bwd(dz.reshape(-1, C), x.reshape(-1, C), mu, rs, w, 0, False)
+        return dx.view_as(x), dw
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["torch-norm", "routed-norm-declines"])
+def test_fork_adds_the_skip_gradient_where_no_norm_took_it(routed, monkeypatch):
+    # The block's pattern: the branch reads x through fork, its output already holds x (added
+    # with x detached, as lever 61's GEMM adds it) and goes through join. Where the branch's norm
+    # is routed here but declines (CPU tensors: the kernel takes none), TE's function runs and the
+    # fork adds the parked gradient; x's gradient is autograd's for branch(x) + x either way.
+    monkeypatch.setitem(norm_grad._TE_FUNCTIONS, "layernorm_bwd", _te_layernorm_bwd)
+    torch.manual_seed(0)
+    x0, w, m, g = torch.randn(3, 5, 8), torch.randn(8) + 1, torch.randn(8, 8), torch.randn(3, 5, 8)
+
+    def branch(x):
+        h = _TENorm.apply(x, w) if routed else torch.nn.functional.layer_norm(x, x.shape[-1:], w)
+        return h @ m
+
+    x = x0.clone().requires_grad_()
+    (branch(x) + x).backward(g)
+    ref = x.grad
+    x = x0.clone().requires_grad_()
+    slot = norm_grad.Slot()
+    norm_grad.join(branch(norm_grad.fork(x, slot)) + x.detach(), slot).backward(g)
+    torch.testing.assert_close(x.grad, ref, rtol=1e-6, atol=1e-6)
+    assert not norm_grad._PARKED and slot.grad is None and not slot.taken
+
+
+def test_the_route_declines_cpu_tensors_and_leaves_the_slot_to_the_fork(monkeypatch):
+    calls = []
+    monkeypatch.setitem(norm_grad._TE_FUNCTIONS, "layernorm_bwd", lambda *a: calls.append(a) or ["te"])
+    x = torch.randn(4, 8)
+    slot = norm_grad.Slot()
+    norm_grad.fork(x.requires_grad_(), slot)
+    slot.grad = torch.ones(4, 8)
+    norm_grad._PARKED[slot.key] = slot
+    out = norm_grad._layernorm_bwd(torch.ones(4, 8), x.detach(), torch.zeros(4), torch.ones(4), torch.ones(8), 0, False)
+    assert out == ["te"] and len(calls) == 1
+    assert not slot.taken and slot.grad is not None  # the fork will add it
+    assert not norm_grad._PARKED  # looked up once, not left for an unrelated norm
