@@ -602,10 +602,10 @@ def layernorm_backward_add(dz: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, 
     k = _kernels()
     R, C = x.shape
     dx = torch.empty_like(x)
-    dgamma = torch.zeros(C, device=x.device, dtype=gamma.dtype)
-    dbeta = torch.zeros(C, device=x.device, dtype=gamma.dtype)
+    dgamma = torch.empty(C, device=x.device, dtype=gamma.dtype)  # column_sum writes every column
+    dbeta = torch.empty_like(dgamma)
     if not R:
-        return dx, dgamma, dbeta
+        return dx, dgamma.zero_(), dbeta.zero_()
     block_r, warps, per_sm = _LN_BWD_LAUNCH
     progs, per = _row_strips(R, x.device, 1, block_r, per_sm)
     part_w = torch.empty(progs, C, device=x.device, dtype=torch.float32)
