@@ -31,7 +31,7 @@ import triton.language as tl
 
 from fp8vit._te import te_module, te_version
 from fp8vit.training.numerics import E4M3_MAX
-from microbench import STEP_ROWS as ROWS, VIT_WIDTHS, per_call_ms
+from microbench import STEP_ROWS as ROWS, VIT_WIDTHS, per_call_ms, residual_stream
 
 # (BLOCK_R, warps): a program holds BLOCK_R whole rows in registers. Whole rows, read once: a
 # pass per column chunk would read x again, and 400 resident programs of 64 rows span the whole
@@ -83,12 +83,7 @@ def kernel_bench(tex, f8):
     best = {}  # width -> the fastest launch shape
     for name, (C, depth) in VIT_WIDTHS.items():
         torch.manual_seed(0)
-        # a residual stream: per-row offsets and a few large channels, as ViT blocks carry
-        x = torch.randn(ROWS, C, device="cuda") + torch.randn(ROWS, 1, device="cuda") * 2
-        x[:, :4] *= 20
-        x = x.to(torch.bfloat16)
-        w = (1 + 0.1 * torch.randn(C, device="cuda")).to(torch.bfloat16)
-        b = (0.1 * torch.randn(C, device="cuda")).to(torch.bfloat16)
+        x, w, b = residual_stream(C)
         ref_y = torch.nn.functional.layer_norm(x.float(), (C,), w.float(), b.float(), eps)
         scale = torch.tensor([E4M3_MAX / float(ref_y.abs().max()) / 2], device="cuda")
         quant = f8(scale=scale.clone(), amax=torch.zeros(1, device="cuda"), fp8_dtype=tex.DType.kFloat8E4M3,

@@ -14,6 +14,16 @@ VIT_WIDTHS = {"ViT-B/16": (768, 12), "ViT-L/16": (1024, 24), "ViT-H/16": (1280, 
 STEP_ROWS = 128 * 197
 
 
+def residual_stream(C: int, rows: int = STEP_ROWS):
+    """``(x, w, b)``: a ViT residual stream ``[rows, C]`` (per-row offsets and a few large channels,
+    as ViT blocks carry) and a LayerNorm's weight and bias near 1 and 0, all bf16 on the GPU."""
+    x = torch.randn(rows, C, device="cuda") + torch.randn(rows, 1, device="cuda") * 2
+    x[:, :4] *= 20
+    w = 1 + 0.1 * torch.randn(C, device="cuda")
+    b = 0.1 * torch.randn(C, device="cuda")
+    return x.to(torch.bfloat16), w.to(torch.bfloat16), b.to(torch.bfloat16)
+
+
 def timed_or_refused(step: Callable[[], None], label: str) -> Optional[float]:
     """``step``'s median ms (30 calls after 10 warm-up, the host waiting for each), or None after
     printing ``label`` and the error, where the path refuses these inputs."""

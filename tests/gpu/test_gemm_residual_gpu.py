@@ -18,7 +18,7 @@ import torch
 
 import fp8vit
 from fp8vit._te import gemm_residual as rg
-from helpers import need_recipe
+from helpers import fp8_step, need_recipe
 
 pytestmark = pytest.mark.gpu
 
@@ -157,13 +157,7 @@ def test_graphs_take_it_in_plain_blocks_and_train_alike(model_kwargs):
                                                   **model_kwargs).cuda())
     x = torch.randn(16, 3, 224, 224, device="cuda")
 
-    def step(model, **ctx):
-        with fp8vit.fp8_context(**ctx):
-            logits = model(x).float()
-        logits.square().mean().backward()
-        return logits.detach(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-
-    ref, g_ref = step(copy.deepcopy(base).train(), enabled=False)  # bf16, FP8 off, eager
+    ref, g_ref = fp8_step(copy.deepcopy(base).train(), x, "delayed", enabled=False)  # bf16, FP8 off, eager
     snr = {}
     for on in (True, False):
         rg._PLANS.clear()
@@ -175,8 +169,7 @@ def test_graphs_take_it_in_plain_blocks_and_train_alike(model_kwargs):
         dgrads = sorted(k[1:4:2] for k, p in rg._PLANS.items() if p is not None and not k[8])
         assert dgrads == ([(768, 768), (768, 2304), (768, 3072), (3072, 768)] if on else []), dgrads
         for _ in range(3):
-            model.zero_grad(set_to_none=True)
-            logits, grads = step(model, recipe="delayed")
+            logits, grads = fp8_step(model, x, "delayed")
         assert handle.replays == 3 and grads.keys() == g_ref.keys()
         snr[on] = (fp8vit.snr_db(ref, logits), {n: fp8vit.snr_db(g_ref[n], g) for n, g in grads.items()})
         handle.release()

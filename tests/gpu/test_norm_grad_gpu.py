@@ -15,7 +15,7 @@ import torch
 import fp8vit
 from fp8vit._te import norm_grad
 from fp8vit._te.kernels import layernorm_backward_add, triton_support
-from helpers import need_recipe
+from helpers import fp8_step, need_recipe
 
 pytestmark = pytest.mark.gpu
 
@@ -104,14 +104,8 @@ def test_graphs_take_it_and_train_alike(monkeypatch):
     base = fp8vit.convert_to_te(timm.create_model("vit_base_patch16_224", depth=2, num_classes=10).cuda())
     x = torch.randn(16, 3, 224, 224, device="cuda")
 
-    def step(model, **ctx):
-        with fp8vit.fp8_context(**ctx):
-            logits = model(x).float()
-        logits.square().mean().backward()
-        return logits.detach(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-
     with norm_grad.norm_grad_add(False):
-        ref, g_ref = step(copy.deepcopy(base).train(), enabled=False)  # bf16, FP8 off, eager
+        ref, g_ref = fp8_step(copy.deepcopy(base).train(), x, "delayed", enabled=False)  # bf16, eager
     snr = {}
     for on in (True, False):
         model = copy.deepcopy(base)
@@ -120,8 +114,7 @@ def test_graphs_take_it_and_train_alike(monkeypatch):
             handle = fp8vit.make_graphed_blocks(model.train(), 16, norm_grad_add=on)
             captured = len(calls)
             for _ in range(3):
-                model.zero_grad(set_to_none=True)
-                logits, grads = step(model, recipe="delayed")
+                logits, grads = fp8_step(model, x, "delayed")
         assert (captured >= 4) if on else (captured == 0), captured
         assert handle.replays == 3 and grads.keys() == g_ref.keys()
         snr[on] = (fp8vit.snr_db(ref, logits), {n: fp8vit.snr_db(g_ref[n], g) for n, g in grads.items()})
