@@ -175,6 +175,20 @@ def need_recipe(recipe: str) -> None:
         pytest.skip(f"recipe {recipe!r} not supported here: {why}")
 
 
+def need_triton() -> None:
+    """Skip the calling test, with the reason, where fp8vit's Triton kernels cannot run here."""
+    from fp8vit._te.kernels import triton_support
+
+    ok, why = triton_support()
+    if not ok:
+        pytest.skip(f"fp8vit's Triton kernels cannot run here: {why}")
+
+
+def bf16_ulps(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference in units of the last bf16 place of ``ref``'s largest value."""
+    return float((a.float() - ref.float()).abs().max() / (ref.float().abs().max() * 2 ** -7))
+
+
 def fp8_step(model, x, recipe, enabled=True):
     """One forward/backward inside ``fp8_context`` (FP8 on or off), loss ``mean(logits^2)``.
 

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import fp8vit
-from fp8vit._te.kernels import triton_support
-from helpers import need_recipe
+from helpers import need_recipe, need_triton
 
 pytestmark = pytest.mark.gpu
 
@@ -21,9 +20,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True)
 def _need_fp8_and_triton():
     need_recipe("delayed")
-    ok, why = triton_support()
-    if not ok:
-        pytest.skip(f"fp8vit's Triton kernels cannot run here: {why}")
+    need_triton()
     yield
     fp8vit._te.set_bias_grad_kernel(False)
 

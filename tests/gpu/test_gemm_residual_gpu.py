@@ -18,7 +18,7 @@ import torch
 
 import fp8vit
 from fp8vit._te import gemm_residual as rg
-from helpers import fp8_step, need_recipe
+from helpers import bf16_ulps, fp8_step, need_recipe
 
 pytestmark = pytest.mark.gpu
 
@@ -46,11 +46,6 @@ def _module(kind: str):
     return te.LayerNormMLP(256, 1024, bias=True, activation="gelu").cuda(), 1024
 
 
-def _bf16_ulps(a: torch.Tensor, ref: torch.Tensor) -> float:
-    """The largest difference in units of the last bf16 place of ``ref``'s largest value."""
-    return float((a.float() - ref.float()).abs().max() / (ref.float().abs().max() * 2 ** -7))
-
-
 @pytest.mark.parametrize("search", [False, True], ids=["heuristic", "search"])
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
 def test_gemm_adds_the_residual_as_te_then_torch(kind, search):
@@ -73,11 +68,11 @@ def test_gemm_adds_the_residual_as_te_then_torch(kind, search):
     rg.set_algorithm_search(True)
     (y_ref, gx_ref, g_ref), (y, gx, g) = results
     # two bf16 roundings apart at most: 2 units of the last place of the largest value
-    assert _bf16_ulps(y, y_ref) <= 2
+    assert bf16_ulps(y, y_ref) <= 2
     # the input gradient: by fp8vit's GEMM (and LayerNormMLP's fc2 input gradient inside it, on to
     # fc1's weight gradient); bit for bit on TE's algorithm, else within a rounding
     if search:
-        assert _bf16_ulps(gx, gx_ref) <= 1
+        assert bf16_ulps(gx, gx_ref) <= 1
         for name in g_ref:
             assert fp8vit.snr_db(g_ref[name], g[name]) >= 40, name
     else:

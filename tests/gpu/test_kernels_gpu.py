@@ -20,18 +20,17 @@ LayerNorm under autocast (:mod:`fp8vit.blocks.model_norm`): bf16 in, fp32 out, a
 import pytest
 import torch
 
-from fp8vit._te.kernels import column_scale_add, layerscale_backward, row_scale_add, triton_support
+from fp8vit._te.kernels import column_scale_add, layerscale_backward, row_scale_add
 from fp8vit.blocks.base import DropPathAdd, LayerScaleAdd
 from fp8vit.blocks.mlp import PaddedNorm, norm_in_dtype
+from helpers import need_triton
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
 def _need_triton():
-    ok, why = triton_support()
-    if not ok:
-        pytest.skip(f"fp8vit's Triton kernels cannot run here: {why}")
+    need_triton()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -14,8 +14,8 @@ import torch
 
 import fp8vit
 from fp8vit._te import norm_grad
-from fp8vit._te.kernels import layernorm_backward_add, triton_support
-from helpers import fp8_step, need_recipe
+from fp8vit._te.kernels import layernorm_backward_add
+from helpers import bf16_ulps, fp8_step, need_recipe, need_triton
 
 pytestmark = pytest.mark.gpu
 
@@ -23,14 +23,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True)
 def _need_te_and_triton():
     need_recipe("delayed")
-    ok, why = triton_support()
-    if not ok:
-        pytest.skip(f"fp8vit's Triton kernels cannot run here: {why}")
-
-
-def _bf16_ulps(a: torch.Tensor, ref: torch.Tensor) -> float:
-    """The largest difference in units of the last bf16 place of ``ref``'s largest value."""
-    return float((a.float() - ref.float()).abs().max() / (ref.float().abs().max() * 2 ** -7))
+    need_triton()
 
 
 @pytest.mark.parametrize("rows, width", [(25216, 1024), (1000, 768), (37, 1280), (64, 1000)])
@@ -48,8 +41,8 @@ def test_kernel_matches_te_then_add(rows, width, weight_dtype):
     ref_dx, ref_dw, ref_db = te_bwd(dz, x, mu, rs, w.bfloat16(), 0, False)
     dx, dw, db = layernorm_backward_add(dz, x, mu, rs, w, skip)
     assert dx.dtype == torch.bfloat16 and dw.dtype == db.dtype == weight_dtype
-    assert _bf16_ulps(dx, ref_dx.float() + skip.float()) <= 1.0
-    assert _bf16_ulps(dw, ref_dw) <= 1.0 and _bf16_ulps(db, ref_db) <= 1.0
+    assert bf16_ulps(dx, ref_dx.float() + skip.float()) <= 1.0
+    assert bf16_ulps(dw, ref_dw) <= 1.0 and bf16_ulps(db, ref_db) <= 1.0
 
 
 @pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP"])
@@ -87,9 +80,9 @@ def test_the_block_gradient_reaches_x_once(kind, route, monkeypatch):
         got_x, got_p = grads(True)
     assert len(calls) == (1 if route else 0)
     assert not norm_grad._PARKED  # nothing left waiting
-    assert _bf16_ulps(got_x, ref_x) <= 1.0, _bf16_ulps(got_x, ref_x)
+    assert bf16_ulps(got_x, ref_x) <= 1.0, bf16_ulps(got_x, ref_x)
     for n in ref_p:
-        assert _bf16_ulps(got_p[n], ref_p[n]) <= 1.0, (n, _bf16_ulps(got_p[n], ref_p[n]))
+        assert bf16_ulps(got_p[n], ref_p[n]) <= 1.0, (n, bf16_ulps(got_p[n], ref_p[n]))
 
 
 def test_graphs_take_it_and_train_alike(monkeypatch):
