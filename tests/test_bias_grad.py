@@ -7,13 +7,18 @@ import types
 import pytest
 import torch
 
-from fp8vit._te import bias_grad
+from fp8vit._te import bias_grad, route
 from fp8vit.errors import Check
 from fp8vit.tools.workload import VARIANTS, Variant
 
 
 class _Float8Quantizer:
     rowwise_usage = columnwise_usage = True
+
+
+def _routed(tex):
+    """Whether TE's function is fp8vit's now (bound to TE's own)."""
+    return getattr(tex.bgrad_quantize, "func", None) is bias_grad._bgrad_quantize
 
 
 @pytest.fixture
@@ -24,6 +29,7 @@ def fake_te(monkeypatch):
     mods = {"transformer_engine_torch": tex,
             "transformer_engine.pytorch.tensor.float8_tensor": types.SimpleNamespace(Float8Quantizer=_Float8Quantizer)}
     monkeypatch.setattr(bias_grad, "te_module", mods.__getitem__)
+    monkeypatch.setattr(route, "te_module", mods.__getitem__)
     monkeypatch.setattr(bias_grad, "triton_support", lambda: Check(True))
     originals = (tex.bgrad_quantize, tex.dbias_dgelu)
     yield tex, originals, calls
@@ -35,7 +41,7 @@ def test_install_and_restore(fake_te):
     tex, originals, _ = fake_te
     assert not bias_grad.bias_grad_kernel_enabled()
     assert bias_grad.set_bias_grad_kernel(True) and bias_grad.bias_grad_kernel_enabled()
-    assert tex.bgrad_quantize is bias_grad._bgrad_quantize
+    assert _routed(tex)
     assert tex.dbias_dgelu is originals[1]  # fc1's GELU backward stays TE's (faster there)
     assert bias_grad.set_bias_grad_kernel(True)  # twice: TE's functions are still the ones kept
     assert bias_grad.set_bias_grad_kernel(False) is False
@@ -79,10 +85,10 @@ def test_tedbias_variant():
 def test_context_restores_the_previous_setting(fake_te):
     tex, originals, _ = fake_te
     with bias_grad.bias_grad_kernel(True) as on:
-        assert on and tex.bgrad_quantize is bias_grad._bgrad_quantize
+        assert on and _routed(tex)
         with bias_grad.bias_grad_kernel(False) as on2:
             assert on2 is False and tex.bgrad_quantize is originals[0]
-        assert tex.bgrad_quantize is bias_grad._bgrad_quantize
+        assert _routed(tex)
     assert tex.bgrad_quantize is originals[0] and not bias_grad.bias_grad_kernel_enabled()
     with pytest.raises(RuntimeError), bias_grad.bias_grad_kernel(True):
         raise RuntimeError("a failed capture")
@@ -92,7 +98,7 @@ def test_context_restores_the_previous_setting(fake_te):
 def test_public_switch_returns_the_previous_setting_and_refuses_without_triton(fake_te, monkeypatch):
     import fp8vit
     tex, originals, _ = fake_te
-    assert fp8vit.set_bias_grad_kernel(True) is False and tex.bgrad_quantize is bias_grad._bgrad_quantize
+    assert fp8vit.set_bias_grad_kernel(True) is False and _routed(tex)
     assert fp8vit.set_bias_grad_kernel(True) is True
     assert fp8vit.set_bias_grad_kernel(False) is True and tex.bgrad_quantize is originals[0]
     assert fp8vit.set_bias_grad_kernel(False) is False

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fp8vit._te import gemm_residual as rg
+from fp8vit._te import route
 from fp8vit.errors import Check
 from fp8vit.tools.workload import VARIANTS, Variant
 
@@ -48,6 +49,7 @@ def fake_te(monkeypatch):
     mods["transformer_engine.pytorch.cpp_extensions.gemm"] = types.SimpleNamespace(
         get_cublas_workspace=lambda *a: torch.empty(64, dtype=torch.uint8))
     monkeypatch.setattr(rg, "te_module", mods.__getitem__)
+    monkeypatch.setattr(route, "te_module", mods.__getitem__)
     monkeypatch.setattr(rg, "_FP8_TYPES", {})
     monkeypatch.setattr(rg, "residual_gemm_support", lambda: Check(True))
     plan = _Plan()

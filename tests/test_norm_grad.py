@@ -32,17 +32,16 @@ class _TENorm(torch.autograd.Function):
         C = x.shape[-1]
         mu = x.reshape(-1, C).mean(1)
         rs = x.reshape(-1, C).var(1, unbiased=False).add(1e-5).rsqrt()
-        dx, dw, _ = norm_grad._layernorm_bwd(dz.reshape(-1, C), x.reshape(-1, C), mu, rs, w, 0, False)
+        dx, dw, _ = norm_grad._layernorm_bwd(_te_layernorm_bwd, dz.reshape(-1, C), x.reshape(-1, C), mu, rs, w, 0, False)
         return dx.view_as(x), dw
 
 
 @pytest.mark.parametrize("routed", [False, True], ids=["torch-norm", "routed-norm-declines"])
-def test_fork_adds_the_skip_gradient_where_no_norm_took_it(routed, monkeypatch):
+def test_fork_adds_the_skip_gradient_where_no_norm_took_it(routed):
     # The block's pattern: the branch reads x through fork, its output already holds x (added
     # with x detached, as lever 61's GEMM adds it) and goes through join. Where the branch's norm
     # is routed here but declines (CPU tensors: the kernel takes none), TE's function runs and the
     # fork adds the parked gradient; x's gradient is autograd's for branch(x) + x either way.
-    monkeypatch.setitem(norm_grad._TE_FUNCTIONS, "layernorm_bwd", _te_layernorm_bwd)
     torch.manual_seed(0)
     x0, w, m, g = torch.randn(3, 5, 8), torch.randn(8) + 1, torch.randn(8, 8), torch.randn(3, 5, 8)
 
@@ -60,15 +59,14 @@ def test_fork_adds_the_skip_gradient_where_no_norm_took_it(routed, monkeypatch):
     assert not norm_grad._PARKED and slot.grad is None and not slot.taken
 
 
-def test_the_route_declines_cpu_tensors_and_leaves_the_slot_to_the_fork(monkeypatch):
+def test_the_route_declines_cpu_tensors_and_leaves_the_slot_to_the_fork():
     calls = []
-    monkeypatch.setitem(norm_grad._TE_FUNCTIONS, "layernorm_bwd", lambda *a: calls.append(a) or ["te"])
     x = torch.randn(4, 8)
     slot = norm_grad.Slot()
     norm_grad.fork(x.requires_grad_(), slot)
     slot.grad = torch.ones(4, 8)
     norm_grad._PARKED[slot.key] = slot
-    out = norm_grad._layernorm_bwd(torch.ones(4, 8), x.detach(), torch.zeros(4), torch.ones(4), torch.ones(8), 0, False)
+    out = norm_grad._layernorm_bwd(lambda *a: calls.append(a) or ["te"], torch.ones(4, 8), x.detach(), torch.zeros(4), torch.ones(4), torch.ones(8), 0, False)
     assert out == ["te"] and len(calls) == 1
     assert not slot.taken and slot.grad is not None  # the fork will add it
     assert not norm_grad._PARKED  # looked up once, not left for an unrelated norm

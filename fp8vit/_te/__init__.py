@@ -24,6 +24,8 @@ see ``pyproject.toml``). One concern per module:
 ``norm_grad``       the residual stream's gradient added in TE's LayerNorm backward, on another
 ``gemm_residual``   fp8vit's own cuBLASLt calls for TE's FP8 GEMMs: a block's residual add in the
                     GEMM before it, the input gradients, each on its fastest algorithm
+``route``           TE functions replaced process-wide (the three above) and given back, and the
+                    scoped on/off switch they and cuDNN LayerNorm share
 ==================  ==================================================================================
 
 ``import fp8vit`` imports TE here (:func:`preload`) when it is installed and a GPU is visible: TE

@@ -18,22 +18,25 @@ there at each call (``module/base.py``).
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Dict, Iterator, List
+import functools
+from typing import Any, Callable, ContextManager, List
 
 import torch
 
 from .kernels import cast_transpose_dbias, kernel_takes, triton_support
 from .loader import te_module
+from .route import Route
 
 __all__ = ["set_bias_grad_kernel", "bias_grad_kernel_enabled", "bias_grad_kernel"]
 
-_TE_FUNCTIONS: Dict[str, Any] = {}  # TE's own function while fp8vit's is installed
+# TE's modules call the extension's bgrad_quantize; while installed it is _bgrad_quantize bound to TE's
+_ROUTE = Route([("transformer_engine_torch", "bgrad_quantize")], lambda te_fn: functools.partial(_bgrad_quantize, te_fn),
+               lambda: triton_support().ok)
 
 
 def bias_grad_kernel_enabled() -> bool:
     """Whether TE's bias gradients currently run on fp8vit's kernel (:func:`set_bias_grad_kernel`)."""
-    return bool(_TE_FUNCTIONS)
+    return _ROUTE.enabled()
 
 
 def set_bias_grad_kernel(enable: bool = True) -> bool:
@@ -49,26 +52,13 @@ def set_bias_grad_kernel(enable: bool = True) -> bool:
     Raises:
         TEUnavailableError: installing it where TE does not import (with the reason).
     """
-    if enable == bias_grad_kernel_enabled():  # nothing to do (nor TE to import)
-        return enable
-    tex = te_module("transformer_engine_torch")
-    if not enable:
-        tex.bgrad_quantize = _TE_FUNCTIONS.pop("bgrad_quantize")
-    elif triton_support().ok:
-        _TE_FUNCTIONS["bgrad_quantize"] = tex.bgrad_quantize
-        tex.bgrad_quantize = _bgrad_quantize
-    return bias_grad_kernel_enabled()
+    return _ROUTE.set(enable)
 
 
-@contextlib.contextmanager
-def bias_grad_kernel(enabled: bool) -> Iterator[bool]:
-    """:func:`set_bias_grad_kernel` for the duration of the block (yields whether fp8vit's kernel is
-    installed), then the previous setting again."""
-    old = bias_grad_kernel_enabled()
-    try:
-        yield set_bias_grad_kernel(enabled)
-    finally:
-        set_bias_grad_kernel(old)
+def bias_grad_kernel(enabled: bool) -> ContextManager[bool]:
+    """:func:`set_bias_grad_kernel` for the duration of a ``with`` block (it yields whether fp8vit's
+    kernel is installed), then the previous setting again."""
+    return _ROUTE.scope(enabled)
 
 
 def _takes(grad: torch.Tensor, quantizer: Any) -> bool:
@@ -79,11 +69,11 @@ def _takes(grad: torch.Tensor, quantizer: Any) -> bool:
             and grad.dim() >= 2 and grad.numel() > 0 and kernel_takes(grad))
 
 
-def _bgrad_quantize(grad_output: torch.Tensor, quantizer: Any) -> List[Any]:
+def _bgrad_quantize(te_bgrad_quantize: Callable, grad_output: torch.Tensor, quantizer: Any) -> List[Any]:
     """TE's ``bgrad_quantize(input, quantizer)``: ``[bias gradient, the FP8 tensor]``, on fp8vit's
-    kernel where it applies."""
+    kernel where it applies and on TE's function (the first argument) elsewhere."""
     if quantizer is None or not _takes(grad_output, quantizer):
-        return _TE_FUNCTIONS["bgrad_quantize"](grad_output, quantizer)
+        return te_bgrad_quantize(grad_output, quantizer)
     out = quantizer.make_empty(grad_output.shape, dtype=grad_output.dtype, device=grad_output.device)
     C = grad_output.shape[-1]
     e5m2 = quantizer.dtype == te_module("transformer_engine_torch").DType.kFloat8E5M2
@@ -91,3 +81,4 @@ def _bgrad_quantize(grad_output: torch.Tensor, quantizer: Any) -> List[Any]:
                                  quantizer.scale, quantizer.amax, out._scale_inv, e5m2)
     out._transpose_invalid = False
     return [dbias, out]
+

@@ -39,12 +39,13 @@ import functools
 import glob
 import os
 import warnings
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, ContextManager, Dict, Iterator, Optional, Tuple
 
 import torch
 
 from ..errors import Check
 from .loader import te_module, te_status
+from .route import Route
 
 __all__ = ["residual_gemm_support", "set_residual_gemm", "residual_gemm", "residual_gemm_enabled", "into_residual",
            "residual_added", "set_algorithm_search", "CANDIDATES", "TIMED_RUNS",
@@ -293,7 +294,9 @@ class _Offer:
 
 
 _OFFER: contextvars.ContextVar[Optional[_Offer]] = contextvars.ContextVar("fp8vit_residual_offer", default=None)
-_TE_GEMMS: Dict[str, Any] = {}  # TE's general_gemm of each patched module while this one is installed
+# each module's general_gemm; while installed it is _general_gemm bound to TE's
+_ROUTE = Route([(name, "general_gemm") for name in _MODULES], lambda te_gemm: functools.partial(_general_gemm, te_gemm),
+               lambda: residual_gemm_support().ok)
 _FP8_TYPES = {}  # tex.DType -> cuBLASLt type (filled on first use: tex imports with TE)
 _TE_KWARGS = {"out_dtype", "quantization_params", "bias", "use_split_accumulator", "ub", "ub_type", "extra_output",
               "gelu", "accumulate", "layout", "out", "grad", "alpha", "beta", "gelu_in", "bulk_overlap"}
@@ -303,7 +306,7 @@ _DEFAULTS = {"quantization_params": None, "ub": None, "ub_type": None, "extra_ou
 
 def residual_gemm_enabled() -> bool:
     """Whether TE's forward GEMMs take an offered residual now (:func:`set_residual_gemm`)."""
-    return bool(_TE_GEMMS)
+    return _ROUTE.enabled()
 
 
 def set_residual_gemm(enable: bool = True) -> bool:
@@ -317,29 +320,13 @@ def set_residual_gemm(enable: bool = True) -> bool:
         whether it is installed after the call: False where :func:`residual_gemm_support` says
         it cannot run.
     """
-    if enable == residual_gemm_enabled():
-        return enable
-    if not enable:
-        for name, te_gemm in list(_TE_GEMMS.items()):
-            te_module(name).general_gemm = te_gemm
-            del _TE_GEMMS[name]
-    elif residual_gemm_support().ok:
-        for name in _MODULES:
-            mod = te_module(name)
-            _TE_GEMMS[name] = mod.general_gemm
-            mod.general_gemm = functools.partial(_general_gemm, _TE_GEMMS[name])
-    return residual_gemm_enabled()
+    return _ROUTE.set(enable)
 
 
-@contextlib.contextmanager
-def residual_gemm(enabled: bool) -> Iterator[bool]:
-    """:func:`set_residual_gemm` for the duration of the block (yields whether the routing is
-    installed), then the previous setting again."""
-    old = residual_gemm_enabled()
-    try:
-        yield set_residual_gemm(enabled)
-    finally:
-        set_residual_gemm(old)
+def residual_gemm(enabled: bool) -> ContextManager[bool]:
+    """:func:`set_residual_gemm` for the duration of a ``with`` block (it yields whether the routing
+    is installed), then the previous setting again."""
+    return _ROUTE.scope(enabled)
 
 
 @contextlib.contextmanager

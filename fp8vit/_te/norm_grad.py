@@ -20,17 +20,16 @@ gamma, rows the kernel does not take). Every path gives ``x`` the same sum, once
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+import functools
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
 from .kernels import kernel_takes, layernorm_backward_add, triton_support
-from .loader import te_module
+from .route import Route
 
 __all__ = ["set_norm_grad_add", "norm_grad_add_enabled", "norm_grad_add", "Slot", "fork", "join"]
 
-_TE_FUNCTIONS: Dict[str, Any] = {}  # TE's own function while fp8vit's is installed
 
 
 class Slot:
@@ -45,6 +44,9 @@ class Slot:
 
 
 _PARKED: Dict[Tuple[int, int, int], Slot] = {}  # gradients waiting for their norm's backward
+# TE's modules call the extension's layernorm_bwd; while installed it is _layernorm_bwd bound to TE's
+_ROUTE = Route([("transformer_engine_torch", "layernorm_bwd")], lambda te_fn: functools.partial(_layernorm_bwd, te_fn),
+               lambda: triton_support().ok, on_remove=_PARKED.clear)
 
 
 def _key(x: torch.Tensor) -> Tuple[int, int, int]:
@@ -53,7 +55,7 @@ def _key(x: torch.Tensor) -> Tuple[int, int, int]:
 
 def norm_grad_add_enabled() -> bool:
     """Whether TE's LayerNorm backward is routed here (:func:`set_norm_grad_add`)."""
-    return bool(_TE_FUNCTIONS)
+    return _ROUTE.enabled()
 
 
 def set_norm_grad_add(enable: bool = True) -> bool:
@@ -67,27 +69,13 @@ def set_norm_grad_add(enable: bool = True) -> bool:
         whether the route is installed after the call: False where Triton cannot run
         (``fp8vit._te.kernels.triton_support()`` says why).
     """
-    if enable == norm_grad_add_enabled():
-        return enable
-    tex = te_module("transformer_engine_torch")
-    if not enable:
-        tex.layernorm_bwd = _TE_FUNCTIONS.pop("layernorm_bwd")
-        _PARKED.clear()
-    elif triton_support().ok:
-        _TE_FUNCTIONS["layernorm_bwd"] = tex.layernorm_bwd
-        tex.layernorm_bwd = _layernorm_bwd
-    return norm_grad_add_enabled()
+    return _ROUTE.set(enable)
 
 
-@contextlib.contextmanager
-def norm_grad_add(enabled: bool) -> Iterator[bool]:
-    """:func:`set_norm_grad_add` for the duration of the block (yields whether the route is
-    installed), then the previous setting again."""
-    old = norm_grad_add_enabled()
-    try:
-        yield set_norm_grad_add(enabled)
-    finally:
-        set_norm_grad_add(old)
+def norm_grad_add(enabled: bool) -> ContextManager[bool]:
+    """:func:`set_norm_grad_add` for the duration of a ``with`` block (it yields whether the route
+    is installed), then the previous setting again."""
+    return _ROUTE.scope(enabled)
 
 
 class _Fork(torch.autograd.Function):
@@ -140,10 +128,11 @@ def join(y: torch.Tensor, slot: Slot) -> torch.Tensor:
     return _Join.apply(y, slot)
 
 
-def _layernorm_bwd(dz: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, rsigma: torch.Tensor,
+def _layernorm_bwd(te_layernorm_bwd: Callable, dz: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, rsigma: torch.Tensor,
                    gamma: torch.Tensor, sm_margin: int, zero_centered_gamma: bool) -> List[Any]:
     """TE's ``layernorm_bwd`` (``[dx, dgamma, dbeta]``), with the parked gradient of ``x`` added in
-    fp8vit's kernel where there is one and the kernel takes the tensors."""
+    fp8vit's kernel where there is one and the kernel takes the tensors; TE's function (the first
+    argument) otherwise."""
     slot = _PARKED.pop(_key(x), None) if _PARKED else None
     if slot is not None:
         skip = slot.grad
@@ -154,4 +143,4 @@ def _layernorm_bwd(dz: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, rsigma: 
             dx, dgamma, dbeta = layernorm_backward_add(dz, x, mu, rsigma, gamma, skip.view(x.shape))
             slot.grad, slot.taken = None, True
             return [dx, dgamma, dbeta]
-    return _TE_FUNCTIONS["layernorm_bwd"](dz, x, mu, rsigma, gamma, sm_margin, zero_centered_gamma)
+    return te_layernorm_bwd(dz, x, mu, rsigma, gamma, sm_margin, zero_centered_gamma)

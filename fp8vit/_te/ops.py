@@ -3,11 +3,10 @@ activations, and the switch between TE's and cuDNN's LayerNorm kernels."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import warnings
-from typing import Optional
+from typing import ContextManager, Optional
 
 import torch
 from torch import nn
@@ -16,6 +15,7 @@ from ..errors import TEUnavailableError
 from .._warn import warn_once
 from .fp8 import active_fp8_recipe
 from .loader import te_module, te_status, te_version
+from .route import switched
 
 __all__ = ["packed_attention", "attention_backend", "fused_rope", "gated_activation", "cudnn_norm_available",
            "cudnn_norm_enabled", "set_cudnn_norm", "cudnn_norm"]
@@ -179,11 +179,6 @@ def set_cudnn_norm(enabled: bool) -> bool:
     return old
 
 
-@contextlib.contextmanager
-def cudnn_norm(enabled: bool):
-    """:func:`set_cudnn_norm` for the duration of the block, then the previous setting again."""
-    old = set_cudnn_norm(enabled)
-    try:
-        yield
-    finally:
-        set_cudnn_norm(old)
+def cudnn_norm(enabled: bool) -> ContextManager[bool]:
+    """:func:`set_cudnn_norm` for the duration of a ``with`` block, then the previous setting again."""
+    return switched(cudnn_norm_enabled, set_cudnn_norm, enabled)

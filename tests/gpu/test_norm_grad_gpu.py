@@ -30,7 +30,7 @@ def _need_te_and_triton():
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_kernel_matches_te_then_add(rows, width, weight_dtype):
     tex = fp8vit._te.te_module("transformer_engine_torch")
-    te_bwd = norm_grad._TE_FUNCTIONS.get("layernorm_bwd", tex.layernorm_bwd)
+    te_bwd = norm_grad._ROUTE.te_function("transformer_engine_torch", "layernorm_bwd")
     torch.manual_seed(0)
     x = (torch.randn(rows, width, device="cuda") * 3 + torch.randn(rows, 1, device="cuda")).bfloat16()
     w = (1 + 0.1 * torch.randn(width, device="cuda")).to(weight_dtype)
