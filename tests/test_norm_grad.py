@@ -1,7 +1,10 @@
 """The fork/join that lets a LayerNorm backward add the skip path's gradient (:mod:`fp8vit._te.norm_grad`),
 on the CPU: where no norm takes the parked gradient (here TE's function stands in, and the kernel
 never takes CPU tensors), the fork adds it, so ``x`` gets autograd's gradient for ``branch(x) + x``
-exactly once, and nothing stays parked. The kernel path: tests/gpu/test_norm_grad_gpu.py."""
+exactly once, and nothing stays parked; the route in and out of TE's extension (a stand-in). The kernel
+path: tests/gpu/test_norm_grad_gpu.py."""
+
+import types
 
 import pytest
 import torch
@@ -70,3 +73,26 @@ def test_the_route_declines_cpu_tensors_and_leaves_the_slot_to_the_fork():
     assert out == ["te"] and len(calls) == 1
     assert not slot.taken and slot.grad is not None  # the fork will add it
     assert not norm_grad._PARKED  # looked up once, not left for an unrelated norm
+
+
+def test_route_installs_restores_and_drops_parked_gradients(monkeypatch):
+    # TE's extension stands in; turning the route off gives TE its function back and forgets
+    # gradients parked by a backward that never reached its norm (else a later tensor at the same
+    # address could take a stale one)
+    from fp8vit._te import route
+    from fp8vit.errors import Check
+    tex = types.SimpleNamespace(layernorm_bwd=_te_layernorm_bwd)
+    monkeypatch.setattr(route, "te_module", {"transformer_engine_torch": tex}.__getitem__)
+    monkeypatch.setattr(norm_grad, "triton_support", lambda: Check(False, "no CUDA device"))
+    assert norm_grad.set_norm_grad_add(True) is False and tex.layernorm_bwd is _te_layernorm_bwd
+    monkeypatch.setattr(norm_grad, "triton_support", lambda: Check(True))
+    try:
+        with norm_grad.norm_grad_add(True) as on:
+            assert on and norm_grad.norm_grad_add_enabled()
+            assert tex.layernorm_bwd.func is norm_grad._layernorm_bwd and tex.layernorm_bwd.args == (_te_layernorm_bwd,)
+            norm_grad._PARKED[(-1, 0, 1)] = norm_grad.Slot()
+        assert tex.layernorm_bwd is _te_layernorm_bwd and not norm_grad._PARKED
+        assert not norm_grad.norm_grad_add_enabled()
+    finally:
+        norm_grad.set_norm_grad_add(False)
+        norm_grad._PARKED.clear()
