@@ -108,3 +108,16 @@ def test_public_switch_returns_the_previous_setting_and_refuses_without_triton(f
     with pytest.raises(RuntimeError, match=r"set_bias_grad_kernel\(True\).*\(no CUDA device\); TE's kernel stays"):
         fp8vit.set_bias_grad_kernel(True)
     assert tex.bgrad_quantize is originals[0]
+
+
+def test_turning_on_without_te_names_te(monkeypatch):
+    # where TE does not import, that is the reason given (before Triton's)
+    from fp8vit.errors import TEUnavailableError
+
+    def no_te(name):
+        raise TEUnavailableError("transformer_engine is not installed")
+    monkeypatch.setattr(bias_grad, "te_module", no_te)
+    monkeypatch.setattr(bias_grad, "triton_support", lambda: Check(False, "no CUDA device"))
+    with pytest.raises(TEUnavailableError, match="not installed"):
+        bias_grad.set_bias_grad_kernel(True)
+    assert not bias_grad.bias_grad_kernel_enabled()

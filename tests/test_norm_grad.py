@@ -80,10 +80,17 @@ def test_route_installs_restores_and_drops_parked_gradients(monkeypatch):
     # gradients parked by a backward that never reached its norm (else a later tensor at the same
     # address could take a stale one)
     from fp8vit._te import route
-    from fp8vit.errors import Check
+    from fp8vit.errors import Check, TEUnavailableError
     tex = types.SimpleNamespace(layernorm_bwd=_te_layernorm_bwd)
-    monkeypatch.setattr(route, "te_module", {"transformer_engine_torch": tex}.__getitem__)
     monkeypatch.setattr(norm_grad, "triton_support", lambda: Check(False, "no CUDA device"))
+
+    def no_te(name):
+        raise TEUnavailableError("transformer_engine is not installed")
+    monkeypatch.setattr(norm_grad, "te_module", no_te)
+    with pytest.raises(TEUnavailableError, match="not installed"):  # TE's reason first, not Triton's
+        norm_grad.set_norm_grad_add(True)
+    for mod in (route, norm_grad):
+        monkeypatch.setattr(mod, "te_module", {"transformer_engine_torch": tex}.__getitem__)
     assert norm_grad.set_norm_grad_add(True) is False and tex.layernorm_bwd is _te_layernorm_bwd
     monkeypatch.setattr(norm_grad, "triton_support", lambda: Check(True))
     try:

@@ -26,6 +26,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from .kernels import kernel_takes, layernorm_backward_add, triton_support
+from .loader import te_module
 from .route import Route
 
 __all__ = ["set_norm_grad_add", "norm_grad_add_enabled", "norm_grad_add", "Slot", "fork", "join"]
@@ -44,9 +45,10 @@ class Slot:
 
 
 _PARKED: Dict[Tuple[int, int, int], Slot] = {}  # gradients waiting for their norm's backward
-# TE's modules call the extension's layernorm_bwd; while installed it is _layernorm_bwd bound to TE's
+# TE's modules call the extension's layernorm_bwd; while installed it is _layernorm_bwd bound to TE's;
+# installing needs TE (TEUnavailableError says why not) and Triton
 _ROUTE = Route([("transformer_engine_torch", "layernorm_bwd")], lambda te_fn: functools.partial(_layernorm_bwd, te_fn),
-               lambda: triton_support().ok, on_remove=_PARKED.clear)
+               lambda: te_module("transformer_engine_torch") is not None and triton_support().ok, on_remove=_PARKED.clear)
 
 
 def _key(x: torch.Tensor) -> Tuple[int, int, int]:
