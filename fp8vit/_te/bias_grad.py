@@ -82,4 +82,3 @@ def _bgrad_quantize(te_bgrad_quantize: Callable, grad_output: torch.Tensor, quan
                                  quantizer.scale, quantizer.amax, out._scale_inv, e5m2)
     out._transpose_invalid = False
     return [dbias, out]
-

@@ -32,7 +32,6 @@ from .route import Route
 __all__ = ["set_norm_grad_add", "norm_grad_add_enabled", "norm_grad_add", "Slot", "fork", "join"]
 
 
-
 class Slot:
     """Where a block's skip-path gradient waits for the norm that reads the same ``x``."""
 
@@ -70,6 +69,9 @@ def set_norm_grad_add(enable: bool = True) -> bool:
     Returns:
         whether the route is installed after the call: False where Triton cannot run
         (``fp8vit._te.kernels.triton_support()`` says why).
+
+    Raises:
+        TEUnavailableError: installing it where TE does not import (with the reason).
     """
     return _ROUTE.set(enable)
 
