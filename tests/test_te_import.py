@@ -94,6 +94,11 @@ def test_cudnn_layernorm_switch_names_bad_input_and_missing_support(monkeypatch)
     with pytest.raises(fp8vit.TEUnavailableError, match="Transformer Engine 9.9 does not expose nvte_enable_cudnn_norm"):
         fp8vit.set_cudnn_layernorm(True)
     assert not _te.cudnn_norm_enabled()  # a refused switch changes nothing
+    with pytest.raises(fp8vit.TEUnavailableError) as info, _te.cudnn_norm(True):
+        pass
+    # the scoped switch raises that error alone: nothing was set, so nothing is restored (which
+    # would raise again, chained)
+    assert info.value.__context__ is None and not _te.cudnn_norm_enabled()
 
 
 class _NoKernel(torch.nn.Module):

@@ -20,10 +20,12 @@ __all__ = ["Route", "switched"]
 @contextlib.contextmanager
 def switched(current: Callable[[], bool], setter: Callable[[bool], Any], enabled: bool) -> Iterator[Any]:
     """``setter(enabled)`` for the duration of the block (yields what it returned), then the
-    setting ``current()`` read before it, also when the block raises."""
+    setting ``current()`` read before it, also when the block raises (where ``setter`` itself
+    raises, nothing changed and nothing is restored)."""
     old = current()
+    now = setter(enabled)
     try:
-        yield setter(enabled)
+        yield now
     finally:
         setter(old)
 
