@@ -35,7 +35,8 @@ class _TENorm(torch.autograd.Function):
         C = x.shape[-1]
         mu = x.reshape(-1, C).mean(1)
         rs = x.reshape(-1, C).var(1, unbiased=False).add(1e-5).rsqrt()
-        dx, dw, _ = norm_grad._layernorm_bwd(_te_layernorm_bwd, dz.reshape(-1, C), x.reshape(-1, C), mu, rs, w, 0, False)
+        dx, dw, _ = norm_grad._layernorm_bwd(_te_layernorm_bwd, dz.reshape(-1, C), x.reshape(-1, C), mu, rs, w, 0,
+                                             False)
         return dx.view_as(x), dw
 
 
@@ -69,7 +70,8 @@ def test_the_route_declines_cpu_tensors_and_leaves_the_slot_to_the_fork():
     norm_grad.fork(x.requires_grad_(), slot)
     slot.grad = torch.ones(4, 8)
     norm_grad._PARKED[slot.key] = slot
-    out = norm_grad._layernorm_bwd(lambda *a: calls.append(a) or ["te"], torch.ones(4, 8), x.detach(), torch.zeros(4), torch.ones(4), torch.ones(8), 0, False)
+    out = norm_grad._layernorm_bwd(lambda *a: calls.append(a) or ["te"], torch.ones(4, 8), x.detach(), torch.zeros(4),
+                                   torch.ones(4), torch.ones(8), 0, False)
     assert out == ["te"] and len(calls) == 1
     assert not slot.taken and slot.grad is not None  # the fork will add it
     assert not norm_grad._PARKED  # looked up once, not left for an unrelated norm

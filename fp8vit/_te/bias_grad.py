@@ -31,7 +31,8 @@ __all__ = ["set_bias_grad_kernel", "bias_grad_kernel_enabled", "bias_grad_kernel
 
 # TE's modules call the extension's bgrad_quantize; while installed it is _bgrad_quantize bound to TE's;
 # installing needs TE (TEUnavailableError says why not) and Triton
-_ROUTE = Route([("transformer_engine_torch", "bgrad_quantize")], lambda te_fn: functools.partial(_bgrad_quantize, te_fn),
+_ROUTE = Route([("transformer_engine_torch", "bgrad_quantize")],
+               lambda te_fn: functools.partial(_bgrad_quantize, te_fn),
                lambda: te_module("transformer_engine_torch") is not None and triton_support().ok)
 
 

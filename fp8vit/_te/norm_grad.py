@@ -46,8 +46,10 @@ class Slot:
 _PARKED: Dict[Tuple[int, int, int], Slot] = {}  # gradients waiting for their norm's backward
 # TE's modules call the extension's layernorm_bwd; while installed it is _layernorm_bwd bound to TE's;
 # installing needs TE (TEUnavailableError says why not) and Triton
-_ROUTE = Route([("transformer_engine_torch", "layernorm_bwd")], lambda te_fn: functools.partial(_layernorm_bwd, te_fn),
-               lambda: te_module("transformer_engine_torch") is not None and triton_support().ok, on_remove=_PARKED.clear)
+_ROUTE = Route([("transformer_engine_torch", "layernorm_bwd")],
+               lambda te_fn: functools.partial(_layernorm_bwd, te_fn),
+               lambda: te_module("transformer_engine_torch") is not None and triton_support().ok,
+               on_remove=_PARKED.clear)
 
 
 def _key(x: torch.Tensor) -> Tuple[int, int, int]:
@@ -132,7 +134,8 @@ def join(y: torch.Tensor, slot: Slot) -> torch.Tensor:
     return _Join.apply(y, slot)
 
 
-def _layernorm_bwd(te_layernorm_bwd: Callable, dz: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, rsigma: torch.Tensor,
+def _layernorm_bwd(te_layernorm_bwd: Callable, dz: torch.Tensor, x: torch.Tensor, mu: torch.Tensor,
+                   rsigma: torch.Tensor,
                    gamma: torch.Tensor, sm_margin: int, zero_centered_gamma: bool) -> List[Any]:
     """TE's ``layernorm_bwd`` (``[dx, dgamma, dbeta]``), with the parked gradient of ``x`` added in
     fp8vit's kernel where there is one and the kernel takes the tensors; TE's function (the first

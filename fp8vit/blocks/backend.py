@@ -192,8 +192,7 @@ def set_bias_grad_kernel(enabled: bool = True) -> bool:
         RuntimeError: turning it on where fp8vit's Triton kernels cannot run (the reason given).
     """
     return _switch("set_bias_grad_kernel", enabled, _te.bias_grad_kernel_enabled, _te.set_bias_grad_kernel,
-                   lambda: f"fp8vit's Triton kernels cannot run here ({_te.kernels.triton_support().reason}); "
-                           "TE's kernel stays")
+                   _no_triton("TE's kernel stays"))
 
 
 def set_residual_gemm(enabled: bool = True) -> bool:
@@ -251,8 +250,12 @@ def set_norm_grad_add(enabled: bool = True) -> bool:
         RuntimeError: turning it on where fp8vit's Triton kernels cannot run (the reason given).
     """
     return _switch("set_norm_grad_add", enabled, _te.norm_grad_add_enabled, _te.set_norm_grad_add,
-                   lambda: f"fp8vit's Triton kernels cannot run here ({_te.kernels.triton_support().reason}); "
-                           "the gradients are added after TE's backward")
+                   _no_triton("the gradients are added after TE's backward"))
+
+
+def _no_triton(instead: str) -> Callable[[], str]:
+    """A :func:`_switch` ``why_not`` for a Triton kernel: Triton's reason, then what runs ``instead``."""
+    return lambda: f"fp8vit's Triton kernels cannot run here ({_te.kernels.triton_support().reason}); {instead}"
 
 
 def _switch(fn: str, enabled: bool, current: Callable[[], bool], setter: Callable[[bool], bool],

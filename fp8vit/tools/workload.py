@@ -216,7 +216,8 @@ class Variant:
                    bf16_narrow="bf16narrow" in parts, patch_gemm="convpatch" not in parts,
                    rope_kernel="te" if "terope" in parts else None, model_norms="torchnorm" not in parts,
                    layout_opt="nchw" not in parts, triton_dbias="tedbias" not in parts,
-                   residual_gemm="torchadd" not in parts, norm_grad_add="tegradadd" not in parts, gemm_search="heuristic" not in parts,
+                   residual_gemm="torchadd" not in parts, norm_grad_add="tegradadd" not in parts,
+                   gemm_search="heuristic" not in parts,
                    fast_accum=next((acc for p, acc in _FAST_ACCUM.items() if p in parts), None),
                    stem=True if "stemgraph" in parts else False if "blocksgraph" in parts else None)
 

@@ -1010,7 +1010,8 @@ class GraphedBlocks:
                 # the classic ViT block's residual adds in the FP8 GEMMs before them (lever 61)
                 stack.enter_context(_te.residual_gemm(self._residual_gemm and recipe is not None))
                 # and their gradients' sums in the LayerNorm backward after them (lever 70)
-                stack.enter_context(_te.norm_grad_add(self._norm_grad_add and self._residual_gemm and recipe is not None))
+                stack.enter_context(_te.norm_grad_add(self._norm_grad_add and self._residual_gemm
+                                                      and recipe is not None))
                 if self._fused_wgrad:
                     # fp8vit's blocks only: their TE modules' weights are known to reach the GEMMs as is.
                     weights = tuple(stack.enter_context(_te.wgrad_into_main_grad(self._fp8_blocks, reuse=True)))
